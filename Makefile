@@ -1,0 +1,42 @@
+# tokenloom: `make serve` starts the server on the default model, `make test` runs every test.
+# Each target creates .venv when missing and installs what it needs (CPU torch from the
+# wheel on disk, the default model converted once into ~/.cache/tokenloom).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL ?= smollm2
+PORT ?= 8000
+
+.PHONY: setup model test test-fast demo serve bench clean
+
+$(STAMP): requirements-cpu.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m engine.model_files $(MODEL)
+
+test: model
+	$(PY) -m pytest -q -rs
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+demo: model
+	$(PY) scripts/demo.py --model $(MODEL)
+
+serve: model
+	$(PY) -m frontend.cli serve --model $(MODEL) --port $(PORT)
+
+bench: model
+	$(PY) scripts/bench_offline.py --json results/bench_offline.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache

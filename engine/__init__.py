@@ -1,0 +1,29 @@
+"""tokenloom's engine: paged KV cache, continuous batching, our own model code.
+
+`from engine import LLM, SamplingParams` is the offline API. Names load
+lazily so that torch-free parts (`engine.model_files`) stay torch-free.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "EngineCore"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from ipc.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name == "EngineConfig":
+        from engine.config import EngineConfig
+
+        return EngineConfig
+    if name == "EngineCore":
+        from engine.engine_core import EngineCore
+
+        return EngineCore
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,0 +1,136 @@
+"""Paged attention in plain torch: the CPU path and the reference for the Triton kernels.
+
+Sequences with one query token (decodes) are done together, block by block,
+as PagedAttention does: each block's scores come from one batched matmul
+against its owner's query, and the softmax is combined across a sequence's
+blocks with segment max/sum. Work is proportional to the blocks actually held,
+never to the longest sequence in the batch. Sequences with several query
+tokens (prefill chunks) gather their blocks and run causal SDPA, one call each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _DecodePlan:
+    rows: torch.Tensor  # [num_decode_seqs] query row of each decode sequence
+    block_ids: torch.Tensor  # [num_decode_blocks] every block of every decode sequence, in order
+    owners: torch.Tensor  # [num_decode_blocks] index (into rows) of the sequence owning each block
+    valid: torch.Tensor  # [num_decode_blocks, block_size] bool: slot holds a token of the context
+
+
+@dataclass
+class _PrefillSeq:
+    query_start: int
+    query_end: int
+    seq_len: int
+    block_ids: torch.Tensor  # [num_blocks]
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, None when plain causal or a single row
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._metadata: AttentionMetadata | None = None
+        self._decode: _DecodePlan | None = None
+        self._prefills: list[_PrefillSeq] = []
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        # key, value: [num_tokens, num_kv_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        """Work out, once per step, what every layer's forward reuses."""
+        self._metadata = metadata
+        device = metadata.block_tables.device
+        starts = metadata.query_start_loc.tolist()
+        block_tables = metadata.block_tables
+        decode_rows, decode_blocks, decode_owners, decode_lens = [], [], [], []
+        self._prefills = []
+        for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
+            num_blocks = -(-seq_len // block_size)
+            if query_len == 1:
+                decode_owners.extend([len(decode_rows)] * num_blocks)
+                decode_rows.append(starts[i])
+                decode_blocks.append(block_tables[i, :num_blocks])
+                decode_lens.append(seq_len)
+                continue
+            mask = None
+            if query_len != seq_len:  # a chunk after a cached prefix: causal, offset by the prefix
+                positions = torch.arange(seq_len - query_len, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
+            self._prefills.append(_PrefillSeq(starts[i], starts[i + 1], seq_len, block_tables[i, :num_blocks].long(), mask))
+        self._decode = None
+        if decode_rows:
+            owners = torch.tensor(decode_owners, device=device)
+            offsets = torch.arange(block_size, device=device)
+            # Token index of each slot within its sequence, compared with the sequence length.
+            block_index = torch.cat([torch.arange(-(-n // block_size), device=device) for n in decode_lens])
+            seq_lens = torch.tensor(decode_lens, device=device)[owners]
+            valid = block_index[:, None] * block_size + offsets[None, :] < seq_lens[:, None]
+            self._decode = _DecodePlan(
+                rows=torch.tensor(decode_rows, device=device),
+                block_ids=torch.cat(decode_blocks).long(),
+                owners=owners,
+                valid=valid,
+            )
+
+    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        # query: [num_tokens, num_heads, head_dim] -> same shape
+        if metadata is not self._metadata:
+            self.prepare(metadata, k_cache.shape[1])
+        out = torch.empty_like(query)
+        if self._decode is not None:
+            out[self._decode.rows] = self._decode_attention(query[self._decode.rows], k_cache, v_cache, scale)
+        for seq in self._prefills:
+            out[seq.query_start : seq.query_end] = self._prefill_attention(
+                query[seq.query_start : seq.query_end], k_cache, v_cache, seq, scale
+            )
+        return out
+
+    def _prefill_attention(self, query, k_cache, v_cache, seq: _PrefillSeq, scale: float) -> torch.Tensor:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k = k_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[: seq.seq_len]  # [seq_len, num_kv_heads, head_dim]
+        v = v_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[: seq.seq_len]
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0),  # [1, num_heads, query_len, head_dim]
+            k.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, seq_len, head_dim]
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=seq.mask,
+            is_causal=seq.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)  # [query_len, num_heads, head_dim]
+
+    def _decode_attention(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
+        plan = self._decode
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        k = k_cache[plan.block_ids]  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v = v_cache[plan.block_ids]
+        q = query.view(num_seqs, num_kv_heads, group, head_dim)[plan.owners]  # [num_blocks, num_kv_heads, group, head_dim]
+        scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [num_blocks, num_kv_heads, group, block_size]
+        scores.masked_fill_(~plan.valid[:, None, None, :], float("-inf"))
+        # Softmax across each sequence's blocks: a segment max, then a segment sum.
+        block_max = scores.amax(-1)  # [num_blocks, num_kv_heads, group]
+        seq_max = torch.full((num_seqs, num_kv_heads, group), float("-inf"), device=query.device)
+        seq_max.scatter_reduce_(0, plan.owners.view(-1, 1, 1).expand_as(block_max), block_max, "amax")
+        probs = torch.exp(scores - seq_max[plan.owners].unsqueeze(-1))
+        seq_sum = torch.zeros_like(seq_max).index_add_(0, plan.owners, probs.sum(-1))
+        partial = torch.matmul(probs.to(v.dtype), v.permute(0, 2, 1, 3))  # [num_blocks, num_kv_heads, group, head_dim]
+        out = torch.zeros(num_seqs, num_kv_heads, group, head_dim, device=query.device, dtype=partial.dtype)
+        out.index_add_(0, plan.owners, partial)
+        out = out / seq_sum.unsqueeze(-1).to(out.dtype)
+        return out.view(num_seqs, num_heads, head_dim).to(query.dtype)

@@ -1,0 +1,134 @@
+"""The engine core: requests in, one step at a time, per-step token deltas out.
+
+`step()` is schedule -> execute -> update. It knows nothing of sockets: the
+core process (`engine.core_process`) and the offline `LLM` both drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_files import resolve_model
+from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device_and_dtype
+from engine.models.config import ModelConfig
+from engine.request import Request
+from engine.scheduler import Scheduler
+from engine.static_scheduler import StaticScheduler
+from ipc.messages import RequestOutput, SchedulerStats
+from ipc.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What one step did, recorded cheaply for benchmarks and occupancy plots."""
+
+    start_time: float
+    end_time: float
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int  # tokens of sequences not yet at their last token
+    num_decode_tokens: int
+    num_kv_blocks_used: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        # The pool is sized from the memory budget unless its block count is given.
+        _, dtype = resolve_device_and_dtype(config)
+        num_kv_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model_config, config.block_size, dtype)
+        )
+        self.num_kv_blocks = num_kv_blocks
+        # A sequence must fit in the whole pool by itself, or preemption could not save it.
+        limit = min(self.model_config.max_position_embeddings, num_kv_blocks * config.block_size)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.model_runner = ModelRunner(config, self.model_config, num_kv_blocks)
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size)
+        scheduler_class = StaticScheduler if config.batching == "static" else Scheduler
+        self.scheduler = scheduler_class(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        self.step_stats: list[StepStats] = []
+        self.record_step_stats = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; raises ValueError (and changes nothing) on bad input."""
+        sampling_params.validate()
+        num_prompt_tokens = len(prompt_token_ids)
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens; the model's maximum context is {self.max_model_len}"
+            )
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        max_tokens = self.max_model_len - num_prompt_tokens
+        if sampling_params.max_tokens is not None:
+            max_tokens = min(max_tokens, sampling_params.max_tokens)
+        request = Request(request_id, prompt_token_ids, sampling_params, max_tokens, arrival_time)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = self.scheduler.abort_requests(request_ids)
+        for output in outputs:
+            self.model_runner.release(output.request_id)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def step(self) -> list[RequestOutput]:
+        start_time = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        sampled = self.model_runner.execute(scheduler_output)
+        outputs = self.scheduler.update(scheduler_output, sampled)
+        for output in outputs:
+            if output.finish_reason is not None:
+                self.model_runner.release(output.request_id)
+        if self.record_step_stats:
+            self._record(scheduler_output, start_time, sampled)
+        return outputs
+
+    def _record(self, scheduler_output, start_time: float, sampled) -> None:
+        num_decode = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1 and s.request.request_id in sampled)
+        num_tokens = scheduler_output.num_tokens
+        self.step_stats.append(
+            StepStats(
+                start_time=start_time,
+                end_time=time.perf_counter(),
+                num_seqs=len(scheduler_output.scheduled),
+                num_tokens=num_tokens,
+                num_prefill_tokens=num_tokens - num_decode,
+                num_decode_tokens=num_decode,
+                num_kv_blocks_used=self.block_manager.num_used_blocks,
+            )
+        )

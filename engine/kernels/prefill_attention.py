@@ -1,0 +1,151 @@
+"""Paged prefill/extend attention over a flat batch of query chunks.
+
+Sequence i contributes query tokens [query_start_loc[i], query_start_loc[i+1]);
+they are the last query_len of its seq_lens[i] context tokens, so query row j sits
+at position seq_lens[i] - query_len + j and attends causally to 0..that position.
+The cached prefix and the new tokens are both read from the paged cache through
+the block table (store_kv has already written the new ones), so a first prefill,
+a later chunk of a chunked prefill and a decode (query_len 1) are the same case.
+
+One program per (sequence, query head, tile of BLOCK_M query rows), walking the
+context one cache block at a time with an online softmax (FlashAttention, Dao et
+al. 2022). Scores are kept in log2 units so the kernel can use exp2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.decode_attention import dot_precision
+from engine.kernels.store_kv import check_kv_cache
+
+# Tiles of 16..64 query rows: large enough to feed tensor cores, small enough
+# that a batch of short chunks (or decodes mixed in) does not waste most rows.
+_MIN_BLOCK_M = 16
+_MAX_BLOCK_M = 64
+
+
+@triton.jit
+def paged_prefill_kernel(
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_num_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    scale_log2,
+    query_stride_token, query_stride_head,
+    out_stride_token, out_stride_head,
+    block_tables_stride,
+    cache_stride_block, cache_stride_token, cache_stride_head,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq_idx = tl.program_id(0)
+    head = tl.program_id(1)
+    tile_start = tl.program_id(2) * BLOCK_M
+
+    query_start = tl.load(query_start_loc_ptr + seq_idx)
+    query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - query_start
+    # The grid is sized for the longest chunk; shorter ones skip surplus tiles.
+    if tile_start >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    num_cached = seq_len - query_len  # position of this chunk's first token
+
+    rows = tile_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_mask = rows < query_len
+    positions = num_cached + rows  # [BLOCK_M]
+    kv_head = head // QUERIES_PER_KV
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        query_ptr + (query_start + rows)[:, None] * query_stride_token + head * query_stride_head + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    offsets = tl.arange(0, BLOCK_SIZE)
+    # Causality bounds the walk: the tile's last valid row sees up to this position,
+    # which is < seq_len, so the block table is never read past its valid prefix.
+    last_position = num_cached + tl.minimum(tile_start + BLOCK_M, query_len) - 1
+    for block_idx in range(0, last_position // BLOCK_SIZE + 1):
+        block_id = tl.load(block_tables_ptr + seq_idx * block_tables_stride + block_idx).to(tl.int64)
+        kv_positions = block_idx * BLOCK_SIZE + offsets  # [BLOCK_SIZE]
+        kv_offsets = (block_id * cache_stride_block + offsets[:, None] * cache_stride_token
+                      + kv_head * cache_stride_head + dims[None, :])  # [BLOCK_SIZE, HEAD_DIM_PAD]
+        # Slots past seq_len hold stale data (maybe NaN): mask the loads, not
+        # only the scores, so none of it reaches p @ v.
+        kv_mask = (kv_positions < seq_len)[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, HEAD_DIM_PAD]
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, HEAD_DIM_PAD]
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_SIZE]
+        # Valid rows have positions < seq_len, so the causal test also drops
+        # slots past the context. Block 0 always has position 0, so every row's
+        # max is finite after the first step and later all-masked blocks add 0.
+        s = tl.where(kv_positions[None, :] <= positions[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + (query_start + rows)[:, None] * out_stride_token + head * out_stride_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32; seq_lens[i] >= query_len_i
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    check_kv_cache(k_cache, v_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert cache_head_dim == head_dim and query.dtype == k_cache.dtype
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} KV heads"
+    assert query.stride(2) == 1, "head_dim must be contiguous"
+    assert query_start_loc.shape == (num_seqs + 1,)
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
+    # tl.arange needs a power of two and tl.dot (p @ v) a K of at least 16.
+    assert block_size >= 16 and block_size & (block_size - 1) == 0, f"unsupported block_size {block_size}"
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    block_m = min(_MAX_BLOCK_M, max(_MIN_BLOCK_M, triton.next_power_of_2(max_query_len)))
+    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
+    paged_prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * math.log2(math.e),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        QUERIES_PER_KV=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs K >= 16
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        DOT_PRECISION=dot_precision(query.dtype),
+    )
+    return out

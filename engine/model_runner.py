@@ -1,0 +1,157 @@
+"""Runs one scheduled step on the model: every Python-list-to-tensor conversion lives here.
+
+Owns the model, the paged KV pool (one K and one V tensor per layer, carved
+into blocks once at start-up), the attention backend and the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.attention.metadata import AttentionMetadata
+from engine.config import EngineConfig
+from engine.models import load_model
+from engine.models.config import ModelConfig
+from engine.request import Request
+from engine.sampler import Sampler, SamplingBatch
+from engine.scheduler import SampledToken, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """cuda when present, else cpu; bf16 on CUDA and fp32 on the CPU unless told."""
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    default_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return device, DTYPES[config.dtype or default_dtype]
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element_size
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device, self.dtype = resolve_device_and_dtype(config)
+        self.block_size = config.block_size
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.model = load_model(model_config, self.dtype, self.device)
+        self.backend = get_attention_backend(config.attention_backend, self.device.type)
+        shape = (num_kv_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.generators: dict[str, torch.Generator] = {}
+        logger.info("KV pool: %d blocks of %d tokens on %s", num_kv_blocks, config.block_size, self.device)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run the model on the step's flat batch; return a new token for each request that reached its end."""
+        input_ids, positions, metadata, sample_rows, sampled_requests = self._prepare_inputs(scheduler_output)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)  # [num_tokens, hidden_size]
+        if not sampled_requests:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab_size]
+        tokens = self.sampler.sample(logits, self._prepare_sampling(sampled_requests))
+        return {request.request_id: token for request, token in zip(sampled_requests, tokens)}
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled_requests: list[Request] = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            start = request.num_computed_tokens
+            end = start + scheduled.num_new_tokens
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            block_ids = request.block_ids
+            slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+            query_start_loc.append(len(input_ids))
+            query_lens.append(end - start)
+            seq_lens.append(end)
+            if scheduled.is_sampling:
+                sample_rows.append(len(input_ids) - 1)
+                sampled_requests.append(request)
+        max_num_blocks = max(len(s.request.block_ids) for s in scheduler_output.scheduled)
+        block_tables = [s.request.block_ids + [0] * (max_num_blocks - len(s.request.block_ids)) for s in scheduler_output.scheduled]
+
+        def to_device(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        metadata = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping, torch.int64),  # [num_tokens]
+            query_start_loc=to_device(query_start_loc, torch.int32),  # [num_seqs + 1]
+            seq_lens=to_device(seq_lens, torch.int32),  # [num_seqs]
+            block_tables=to_device(block_tables, torch.int32),  # [num_seqs, max_num_blocks]
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return (
+            to_device(input_ids, torch.int64),  # [num_tokens]
+            to_device(positions, torch.int64),  # [num_tokens]
+            metadata,
+            to_device(sample_rows, torch.int64),  # [num_sampled]
+            sampled_requests,
+        )
+
+    def _prepare_sampling(self, requests: list[Request]) -> SamplingBatch:
+        vocab_size = self.model_config.vocab_size
+        eos_ids = self.model_config.eos_token_ids
+        temperatures, top_ks, top_ps, min_ps, generators, banned, num_logprobs = [], [], [], [], [], [], []
+        for request in requests:
+            params = request.sampling_params
+            temperatures.append(float(params.temperature))
+            top_ks.append(params.top_k if params.top_k > 0 else vocab_size)
+            top_ps.append(float(params.top_p))
+            min_ps.append(float(params.min_p))
+            generators.append(self._generator_for(request))
+            needs_more = request.num_output_tokens < params.min_tokens
+            stop_ids = ([] if params.ignore_eos else eos_ids) + list(params.stop_token_ids)
+            banned.append(stop_ids if needs_more else [])
+            num_logprobs.append(params.logprobs)
+        return SamplingBatch(
+            temperatures=torch.tensor(temperatures),  # [num_rows]
+            top_ks=torch.tensor(top_ks),
+            top_ps=torch.tensor(top_ps),
+            min_ps=torch.tensor(min_ps),
+            generators=generators,
+            banned_token_ids=banned,
+            num_logprobs=num_logprobs,
+            is_all_greedy=all(t == 0.0 for t in temperatures),
+            needs_top_k=any(k < vocab_size for k in top_ks),
+            needs_top_p=any(p < 1.0 for p in top_ps),
+            needs_min_p=any(p > 0.0 for p in min_ps),
+        )
+
+    def _generator_for(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None or request.sampling_params.temperature == 0:
+            return None
+        generator = self.generators.get(request.request_id)
+        if generator is None:
+            generator = self.generators[request.request_id] = torch.Generator().manual_seed(seed)
+        return generator

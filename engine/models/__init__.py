@@ -1,0 +1,51 @@
+"""Model registry: config.json's `architectures` picks the class; weights come from safetensors."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import torch
+
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    from safetensors import safe_open
+
+    model_class = MODEL_CLASSES.get(config.architecture)
+    if model_class is None:
+        raise ValueError(f"architecture {config.architecture!r} is not supported; known: {sorted(MODEL_CLASSES)}")
+    files = sorted(glob.glob(os.path.join(config.path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {config.path}")
+    with torch.device("meta"):
+        model = model_class(config)
+    # Materialise on the target device, then fill from the checkpoint; the
+    # rotary cache is recomputed since meta tensors hold no values.
+    model = model.to_empty(device=device)
+    model.rotary.__init__(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+    model.rotary.to(device)
+
+    def weights():
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    model.load_weights(weights())
+    model = model.to(dtype=dtype)
+    # The rotary tables stay fp32: positions up to 100k+ lose precision in bf16.
+    model.rotary.float()
+    logger.info("loaded %s (%s) from %s", config.architecture, dtype, config.path)
+    return model.eval()

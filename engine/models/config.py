@@ -1,0 +1,78 @@
+"""The model facts the engine needs, read from a Hugging Face folder's config.json.
+
+Read from the JSON itself rather than through transformers' config classes, so
+both the older layout (`rope_theta`, `rope_scaling`) and the newer one
+(`rope_parameters`) load the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_folder(cls, path: str) -> "ModelConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        architectures = cfg.get("architectures") or ["LlamaForCausalLM"]
+        num_heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            path=path,
+            architecture=architectures[0],
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama-style configs say so explicitly.
+            attention_bias=bool(cfg.get("attention_bias", architectures[0] == "Qwen2ForCausalLM")),
+            eos_token_ids=_read_eos_token_ids(path, cfg),
+        )
+
+
+def _read_eos_token_ids(path: str, cfg: dict) -> list[int]:
+    """EOS ids from config.json and generation_config.json (the latter often lists more)."""
+    ids: list[int] = []
+    sources = [cfg]
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            sources.append(json.load(f))
+    for source in sources:
+        eos = source.get("eos_token_id")
+        for token_id in eos if isinstance(eos, list) else [eos]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids

@@ -1,0 +1,132 @@
+"""Llama-family decoder over a paged KV cache: Llama, Mistral, Qwen2 (q/k/v biases).
+
+Like nanoGPT's model.py in spirit, but the batch is flat: [num_tokens, ...]
+with no batch dimension and no padding. Attention reads and writes the paged
+cache through an attention backend, so the same module runs the torch path on
+the CPU and Triton kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+from engine.models.config import ModelConfig
+from engine.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        # q, k and v in one matmul; the loader concatenates the three weights.
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, positions, hidden, rotary, kv_cache, metadata, backend) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions, hidden, rotary, kv_cache, metadata, backend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, metadata, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = None  # logits reuse the embedding matrix
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, self.rotary, kv_cache, metadata, backend)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()  # [num_sampled, vocab_size]
+
+    def load_weights(self, weights) -> None:
+        """Copy Hugging Face-named tensors in, merging q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
+        inter = self.config.intermediate_size
+        # HF name fragment -> (our fragment, row offset in the merged weight)
+        merged = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter),
+        }
+        loaded = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            offset = None
+            for src, (dst, row) in merged.items():
+                if src in name:
+                    name, offset = name.replace(src, dst), row
+                    break
+            if name not in params:
+                raise KeyError(f"unexpected weight {hf_name!r}")
+            param = params[name]
+            with torch.no_grad():
+                if offset is None:
+                    param.copy_(tensor)
+                else:
+                    param[offset : offset + tensor.shape[0]].copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same decoder as Llama; Mistral-7B-v0.2 and later use no sliding window."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v biases (ModelConfig.attention_bias is on for Qwen2)."""

@@ -1,0 +1,104 @@
+"""Token sampling for one step's sampled rows: greedy, temperature, top-k, top-p, min-p, seeds, log-probs.
+
+Randomness comes from the exponential race (argmax of p / Exp(1) noise draws a
+token with probability p). Each seeded request owns a generator that draws
+exactly one vocabulary-sized noise vector per sampled token, so the same seed
+gives the same tokens alone or inside any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.scheduler import SampledToken
+from ipc.messages import TokenLogprobs
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs, built by the model runner."""
+
+    temperatures: torch.Tensor  # [num_rows] float; 0 for greedy rows
+    top_ks: torch.Tensor  # [num_rows] int; vocab_size when disabled
+    top_ps: torch.Tensor  # [num_rows] float
+    min_ps: torch.Tensor  # [num_rows] float
+    generators: list[torch.Generator | None]  # per row; None: the engine's shared generator
+    banned_token_ids: list[list[int]]  # per row: EOS/stop ids masked until min_tokens is reached
+    num_logprobs: list[int | None]  # per row
+    is_all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for rows without a seed of their own
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
+        # logits: [num_rows, vocab_size]
+        logits = logits.float()
+        raw_logprobs = None
+        if any(n is not None for n in batch.num_logprobs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # of the model's own distribution, as vLLM reports
+        for row, banned in enumerate(batch.banned_token_ids):
+            if banned:
+                logits[row, banned] = float("-inf")
+        if batch.is_all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample_random(logits, batch)
+        return self._collect(token_ids.tolist(), raw_logprobs, batch)
+
+    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = batch.temperatures == 0
+        temperatures = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)
+        logits = logits / temperatures.unsqueeze(1)
+        if batch.needs_top_k or batch.needs_top_p:
+            logits = self._apply_top_k_top_p(logits, batch)
+        probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab_size]
+        if batch.needs_min_p:
+            threshold = probs.amax(dim=-1, keepdim=True) * batch.min_ps.unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        shared_rows = [row for row, g in enumerate(batch.generators) if g is None]
+        if shared_rows:
+            noise[shared_rows] = torch.empty(len(shared_rows), probs.shape[1]).exponential_(generator=self.generator)
+        for row, generator in enumerate(batch.generators):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [num_rows, vocab_size]
+        vocab_size = logits.shape[1]
+        if batch.needs_top_k:
+            ks = batch.top_ks.clamp(1, vocab_size)
+            kth = sorted_logits.gather(1, (ks - 1).unsqueeze(1))  # [num_rows, 1]
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if batch.needs_top_p:
+            probs = sorted_logits.softmax(dim=-1)
+            # Drop a token once the mass before it already reaches top_p; the first always stays.
+            mass_before = probs.cumsum(dim=-1) - probs
+            sorted_logits = sorted_logits.masked_fill(mass_before >= batch.top_ps.unsqueeze(1), float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+
+    @staticmethod
+    def _collect(token_ids: list[int], raw_logprobs, batch: SamplingBatch) -> list[SampledToken]:
+        results = []
+        for row, token_id in enumerate(token_ids):
+            num = batch.num_logprobs[row]
+            logprobs = None
+            if num is not None:
+                row_logprobs = raw_logprobs[row]
+                top_ids, top_values = [], []
+                if num > 0:
+                    values, ids = row_logprobs.topk(num)
+                    top_ids, top_values = ids.tolist(), values.tolist()
+                logprobs = TokenLogprobs(token_id, float(row_logprobs[token_id]), top_ids, top_values)
+            results.append(SampledToken(token_id, logprobs))
+        return results

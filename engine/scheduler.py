@@ -1,0 +1,226 @@
+"""Continuous batching at token granularity.
+
+Each step the scheduler hands the model one flat batch of
+(request, num_new_tokens) pairs under a token budget. A request's new tokens
+are whatever lags between `num_computed_tokens` and `num_tokens`: a whole or
+partial prompt (chunked prefill), one decode token, or a recomputation after
+preemption; prefills and decodes share a step with no special case.
+
+    step t:   schedule() -> [(A, 1), (B, 1), (C, 200)]   A, B decode; C prefills
+              model runs, samples
+              update()   -> B hit EOS: its blocks go back at once
+    step t+1: schedule() -> [(A, 1), (C, 1), (D, 57)]    D takes B's place
+
+When blocks run out, the most recently admitted running request is preempted:
+its blocks are freed and it goes back to the head of the queue, to be
+recomputed later. The oldest request always makes progress, so no deadlock,
+and no request ever fails for lack of cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from ipc.messages import RequestOutput, SchedulerStats, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """True when this step computes the request's last token, so it yields a new one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the tail is preempted first
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(RequestOutput(request_id, [], request.status.finish_reason, None, request.num_prompt_tokens))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
+            num_kv_blocks_free=self.block_manager.num_free_blocks,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- schedule ----
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if output.num_preempted == 0:
+            self._admit_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new_tokens, output):
+                output.scheduled.append(ScheduledRequest(request, num_new_tokens))
+                budget -= num_new_tokens
+                i += 1
+            # else: `request` itself was preempted and the loop ends, running is now shorter
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, output: SchedulerOutput) -> bool:
+        """Find blocks for `request`, preempting from the tail of running. False if it preempted itself."""
+        num_needed = self.block_manager.num_new_blocks(
+            len(request.block_ids), request.num_computed_tokens + num_new_tokens
+        )
+        while not self.block_manager.can_allocate(num_needed):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.num_preempted += 1
+            if victim is request:
+                return False
+        request.block_ids.extend(self.block_manager.allocate(num_needed))
+        return True
+
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_needed = self.block_manager.num_new_blocks(0, num_new_tokens)
+            if not self.block_manager.can_allocate(num_needed):
+                break
+            self.waiting.popleft()
+            request.block_ids = self.block_manager.allocate(num_needed)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, num_new_tokens))
+            budget -= num_new_tokens
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("preempting %s", request.request_id)
+        self.block_manager.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- update ----
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
+        """Advance computed counts, append sampled tokens, retire finished requests at once."""
+        outputs = []
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            request.num_computed_tokens += scheduled.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the sequence
+            request.append_token(token.token_id)
+            if token.logprobs is not None:
+                request.logprobs.append(token.logprobs)
+            status = self._check_stop(request, token.token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token.token_id],
+                    finish_reason=request.status.finish_reason,
+                    new_logprobs=[token.logprobs] if token.logprobs is not None else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    stop_token_id=request.stop_token_id,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                request.stop_token_id = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_token_id = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finish_time = time.time()
+        self.block_manager.free(request.block_ids)
+        request.block_ids = []
+        del self.requests[request.request_id]

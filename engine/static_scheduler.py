@@ -1,0 +1,26 @@
+"""Static batching: the baseline continuous batching must beat, on the same model code.
+
+A batch of up to `max_num_seqs` requests is formed only when the previous one
+has completely finished; finished sequences leave the step (our flat batches
+carry no padding) but nobody takes their place until the last one ends. That
+head-of-line blocking is the one difference from `Scheduler`, so a comparison
+of the two isolates scheduling.
+"""
+
+from __future__ import annotations
+
+from engine.request import RequestStatus
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+class StaticScheduler(Scheduler):
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        if self.running:
+            return  # the current batch runs until its last sequence ends
+        # Form the whole batch now; its prompts are prefilled over as many
+        # steps as the token budget needs, through the running path.
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        self._schedule_running(output, budget)

@@ -1,0 +1,35 @@
+"""Shared test helpers: the default model's folder and a greedy transformers reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Triton's interpreter must be chosen before triton is first imported anywhere in
+# the session; on a machine without CUDA every kernel test runs under it.
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.path.exists("/dev/nvidia0") else "1")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from engine.model_files import resolve_model
+
+    return resolve_model("smollm2")
+
+
+def hf_greedy(model, prompt_token_ids: list[int], num_new_tokens: int) -> list[int]:
+    """Token-by-token greedy decoding with transformers' own forward and KV cache (EOS ignored)."""
+    import torch
+
+    input_ids = torch.tensor([prompt_token_ids])
+    output_ids = []
+    past = None
+    with torch.inference_mode():
+        for _ in range(num_new_tokens):
+            out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            next_id = int(out.logits[0, -1].argmax())
+            output_ids.append(next_id)
+            input_ids = torch.tensor([[next_id]])
+    return output_ids

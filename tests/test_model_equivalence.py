@@ -1,0 +1,139 @@
+"""Greedy output equals transformers token for token, on the default model and on tiny
+random Mistral, Qwen2 and llama3-scaled Llama models, under every scheduling stress."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from engine import LLM, SamplingParams
+
+NUM_NEW_TOKENS = 64
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "In 1492, Columbus sailed the ocean blue, and many stories followed.",
+    "def add(a, b):\n    return a + b\n",
+    "Continuous batching lets a new request join as soon as another finishes.",
+]
+
+
+def make_prompts(tokenizer) -> list[list[int]]:
+    """Eight prompts from a few tokens to several hundred."""
+    prompts = []
+    for i, num_sentences in enumerate([0, 1, 2, 3, 6, 12, 25, 40]):
+        if num_sentences == 0:
+            prompts.append(tokenizer.encode("Hello"))
+            continue
+        text = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(num_sentences))
+        prompts.append(tokenizer.encode(text))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(default_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
+    prompts = make_prompts(tokenizer)
+    assert min(map(len, prompts)) <= 3 and max(map(len, prompts)) >= 300
+    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    expected = [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
+    return prompts, expected
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+
+STRESS_CASES = {
+    # block size 8: the longest sequence spans ~60 blocks, the shortest several
+    "continuous": dict(block_size=8),
+    "chunked_prefill": dict(block_size=8, max_num_batched_tokens=48),
+    "preemption": dict(block_size=8, num_kv_blocks=90),
+    "static": dict(block_size=8, batching="static", max_num_seqs=3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(STRESS_CASES))
+def test_smollm2_matches_transformers(case, smollm2_reference, default_model_path):
+    prompts, expected = smollm2_reference
+    llm = LLM(default_model_path, **STRESS_CASES[case])
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for i, (output, want) in enumerate(zip(outputs, expected)):
+        assert output.token_ids == want, f"prompt {i} ({len(prompts[i])} tokens) diverged"
+        assert output.finish_reason == "length"
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+    if case == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+
+
+def make_tiny_model(tmp_path, architecture: str, **overrides) -> str:
+    """A random-weight model of the given architecture, saved as an HF folder."""
+    import transformers
+
+    config_class = {
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "LlamaForCausalLM": transformers.LlamaConfig,
+    }[architecture]
+    config = config_class(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        initializer_range=0.1,  # peaky logits: no near-ties for greedy to trip on
+        **overrides,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.1)  # biases start at zero; make them count
+    path = tmp_path / architecture
+    model.save_pretrained(path, safe_serialization=True)
+    assert json.loads((path / "config.json").read_text())["architectures"] == [architecture]
+    return str(path), model
+
+
+TINY_CASES = {
+    "mistral": ("MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2ForCausalLM", dict(rope_theta=1e6)),
+    "llama3_rope": (
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TINY_CASES))
+def test_tiny_models_match_transformers(case, tmp_path):
+    architecture, overrides = TINY_CASES[case]
+    path, hf_model = make_tiny_model(tmp_path, architecture, **overrides)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (1, 5, 17, 40, 133)]
+    expected = [hf_greedy(hf_model, p, 40) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for engine_kwargs in (dict(block_size=4), dict(block_size=4, max_num_batched_tokens=16, num_kv_blocks=50)):
+        llm = LLM(path, skip_tokenizer_init=True, **engine_kwargs)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected, engine_kwargs
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
