@@ -1,0 +1,262 @@
+"""The engine-core process: a busy loop over `EngineCore`, speaking ipc messages on one ROUTER socket.
+
+    loop:  drain every pending message without blocking
+           if there is work: step, send one EngineOutputs
+           else:             wait on the socket (with a timeout, to notice a dead parent)
+
+ZeroMQ sends are queued to its own I/O thread, so the loop never blocks on
+Python-side I/O while it has work. A bad request fails alone (EngineError with
+its id); an exception in a step is fatal: it is reported, then the process exits.
+
+Run: python -m engine.core_process --model smollm2 --address ipc:///tmp/x --engine-id 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+
+from engine.config import EngineConfig
+from ipc.codec import DecodeError, decode
+from ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineError,
+    EngineOutputs,
+    EngineReady,
+    Hello,
+    Shutdown,
+)
+from ipc.sockets import bind_router, send_message
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
+FINAL_MESSAGE_LINGER_MS = 2000  # time given to a fatal report to leave before the socket closes
+
+
+class EngineCoreProcess:
+    def __init__(self, engine, sock: zmq.Socket, engine_id: int, model_name: str, parent_pid: int = 0) -> None:
+        self.engine = engine
+        self.sock = sock
+        self.engine_id = engine_id
+        self.model_name = model_name
+        self.parent_pid = parent_pid
+        self.frontend_identity: bytes | None = None
+        self.should_exit = False
+        self.num_steps = 0
+        self.fault_at_step: int | None = None  # test hook: raise inside step number N
+        self.handlers = {
+            Hello: self._on_hello,
+            AddRequest: self._on_add_request,
+            AbortRequests: self._on_abort_requests,
+            Shutdown: self._on_shutdown,
+        }
+
+    # ---- the loop ----
+
+    def run(self) -> None:
+        while not self.should_exit:
+            has_work = self.engine.has_unfinished_requests()
+            if not has_work and not self.sock.poll(IDLE_POLL_MS, zmq.POLLIN):
+                self._check_parent()
+                continue
+            self._drain_inbox()
+            if self.engine.has_unfinished_requests():
+                self._step()
+            elif self.num_steps % 64 == 0:
+                self._check_parent()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                logger.error("dropped a message of %d frames (expected identity + payload)", len(frames))
+                continue
+            identity, payload = frames
+            try:
+                message = decode(payload)
+            except DecodeError as e:
+                logger.error("dropped a malformed message: %s", e)
+                self._send(EngineError(f"malformed message: {e}", engine_id=self.engine_id), identity)
+                continue
+            handler = self.handlers.get(type(message))
+            if handler is None:
+                logger.error("dropped a %s: not a message for the engine", type(message).__name__)
+                continue
+            handler(identity, message)
+
+    def _step(self) -> None:
+        self.num_steps += 1
+        if self.fault_at_step is not None and self.num_steps >= self.fault_at_step:
+            raise RuntimeError(f"injected fault at step {self.num_steps}")
+        outputs = self.engine.step()
+        self._send_outputs(outputs)
+
+    # ---- handlers ----
+
+    def _on_hello(self, identity: bytes, message: Hello) -> None:
+        logger.info("frontend %r connected", message.frontend_id)
+        self.frontend_identity = identity
+        engine = self.engine
+        self._send(
+            EngineReady(
+                engine_id=self.engine_id,
+                model_name=self.model_name,
+                max_model_len=engine.max_model_len,
+                vocab_size=engine.vocab_size,
+                num_kv_blocks=engine.num_kv_blocks,
+                block_size=engine.config.block_size,
+                eos_token_ids=list(engine.model_config.eos_token_ids),
+            )
+        )
+
+    def _on_add_request(self, identity: bytes, message: AddRequest) -> None:
+        try:
+            self.engine.add_request(
+                message.request_id, message.prompt_token_ids, message.sampling_params, message.arrival_time or None
+            )
+        except ValueError as e:
+            self._send(EngineError(str(e), request_id=message.request_id, engine_id=self.engine_id), identity)
+
+    def _on_abort_requests(self, identity: bytes, message: AbortRequests) -> None:
+        outputs = self.engine.abort_requests(message.request_ids)
+        if outputs:
+            self._send_outputs(outputs)
+
+    def _on_shutdown(self, identity: bytes, message: Shutdown) -> None:
+        logger.info("shutdown requested: %s", message.reason or "no reason given")
+        self.should_exit = True
+
+    # ---- sending ----
+
+    def _send_outputs(self, outputs) -> None:
+        self._send(EngineOutputs(self.engine_id, outputs, self.engine.stats(), time.time()))
+
+    def _send(self, message, identity: bytes | None = None) -> None:
+        identity = identity or self.frontend_identity
+        if identity is None:
+            return  # nobody has said Hello yet
+        send_message(self.sock, message, identity)
+
+    def report_fatal(self, error: BaseException) -> None:
+        self.sock.setsockopt(zmq.LINGER, FINAL_MESSAGE_LINGER_MS)
+        self._send(EngineError(f"engine core failed: {error!r}", is_fatal=True, engine_id=self.engine_id))
+
+    def _check_parent(self) -> None:
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            logger.warning("parent process %d is gone; exiting", self.parent_pid)
+            self.should_exit = True
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the parent dies (covers SIGKILL of the parent)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the parent-pid check in the loop still catches it
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="tokenloom engine core")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--address", required=True, help="ipc://PATH or tcp://HOST:PORT to bind")
+    parser.add_argument("--engine-id", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (0: never)")
+    parser.add_argument("--allow-remote", action="store_true", help="allow binding a non-loopback tcp address")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=int, default=EngineConfig.kv_cache_memory_bytes, help="bytes")
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")
+    parser.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def run_engine_core(args: argparse.Namespace) -> int:
+    from engine.engine_core import EngineCore
+
+    _die_with_parent()
+    # SIGTERM and SIGINT end the loop at the next iteration, not mid-step.
+    process: EngineCoreProcess | None = None
+
+    def request_exit(signum, frame):
+        if process is not None:
+            process.should_exit = True
+        else:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, request_exit)
+    signal.signal(signal.SIGINT, request_exit)
+    ctx = zmq.Context()
+    sock = bind_router(ctx, args.address, allow_remote=args.allow_remote)
+    try:
+        config = EngineConfig(
+            model=args.model,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            batching=args.batching,
+            attention_backend=args.attention_backend,
+            device=args.device,
+            dtype=args.dtype,
+            seed=args.seed,
+            enforce_eager=args.enforce_eager,
+        )
+        engine = EngineCore(config)
+    except Exception as e:
+        logger.exception("engine core failed to start")
+        sock.setsockopt(zmq.LINGER, FINAL_MESSAGE_LINGER_MS)
+        # Nobody may have said Hello yet: wait briefly for one so the failure is reported.
+        if sock.poll(5000, zmq.POLLIN):
+            identity = sock.recv_multipart()[0]
+            send_message(sock, EngineError(f"engine core failed to start: {e!r}", is_fatal=True, engine_id=args.engine_id), identity)
+        sock.close()
+        return 1
+    process = EngineCoreProcess(engine, sock, args.engine_id, args.served_model_name or args.model, args.parent_pid)
+    process.fault_at_step = args.inject_fault_at_step
+    logger.info("engine core %d ready at %s", args.engine_id, args.address)
+    try:
+        process.run()
+    except Exception as e:
+        logger.exception("engine core failed")
+        process.report_fatal(e)
+        sock.close()
+        return 1
+    sock.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(
+        level=os.environ.get("TOKENLOOM_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s",
+    )
+    sys.exit(run_engine_core(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
