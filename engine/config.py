@@ -29,6 +29,7 @@ class EngineConfig:
     seed: int = 0  # for requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     enforce_eager: bool = False  # CUDA: skip CUDA graphs
+    load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape, for timing
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:

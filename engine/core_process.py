@@ -189,6 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -225,6 +226,7 @@ def run_engine_core(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             seed=args.seed,
             enforce_eager=args.enforce_eager,
+            load_format=args.load_format,
         )
         engine = EngineCore(config)
     except Exception as e:

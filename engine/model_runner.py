@@ -44,7 +44,7 @@ class ModelRunner:
         self.block_size = config.block_size
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.model = load_model(model_config, self.dtype, self.device)
+        self.model = load_model(model_config, self.dtype, self.device, config.load_format)
         self.backend = get_attention_backend(config.attention_backend, self.device.type)
         shape = (num_kv_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V
@@ -97,8 +97,11 @@ class ModelRunner:
         max_num_blocks = max(len(s.request.block_ids) for s in scheduler_output.scheduled)
         block_tables = [s.request.block_ids + [0] * (max_num_blocks - len(s.request.block_ids)) for s in scheduler_output.scheduled]
 
+        pin = self.device.type == "cuda"
+
         def to_device(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            # Pinned host memory lets the copy overlap with the previous step's kernels.
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
         metadata = AttentionMetadata(
             slot_mapping=to_device(slot_mapping, torch.int64),  # [num_tokens]
@@ -133,11 +136,12 @@ class ModelRunner:
             stop_ids = ([] if params.ignore_eos else eos_ids) + list(params.stop_token_ids)
             banned.append(stop_ids if needs_more else [])
             num_logprobs.append(params.logprobs)
+        device = self.device
         return SamplingBatch(
-            temperatures=torch.tensor(temperatures),  # [num_rows]
-            top_ks=torch.tensor(top_ks),
-            top_ps=torch.tensor(top_ps),
-            min_ps=torch.tensor(min_ps),
+            temperatures=torch.tensor(temperatures, device=device),  # [num_rows]
+            top_ks=torch.tensor(top_ks, device=device),
+            top_ps=torch.tensor(top_ps, device=device),
+            min_ps=torch.tensor(min_ps, device=device),
             generators=generators,
             banned_token_ids=banned,
             num_logprobs=num_logprobs,

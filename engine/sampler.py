@@ -62,14 +62,16 @@ class Sampler:
         if batch.needs_min_p:
             threshold = probs.amax(dim=-1, keepdim=True) * batch.min_ps.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs)
+        # Noise is drawn on the CPU, where the generators live, so a seed gives the
+        # same tokens on any device.
+        noise = torch.empty(probs.shape)  # [num_rows, vocab_size]
         shared_rows = [row for row, g in enumerate(batch.generators) if g is None]
         if shared_rows:
             noise[shared_rows] = torch.empty(len(shared_rows), probs.shape[1]).exponential_(generator=self.generator)
         for row, generator in enumerate(batch.generators):
             if generator is not None:
                 noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = (probs / noise.to(probs.device)).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     @staticmethod

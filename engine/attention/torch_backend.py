@@ -118,10 +118,12 @@ class TorchAttentionBackend:
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        k = k_cache[plan.block_ids]  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v = v_cache[plan.block_ids]
+        # Gathering through permuted views transposes in the same pass as the gather,
+        # leaving both operands laid out for the batched matmuls below.
+        k = k_cache.permute(0, 2, 3, 1)[plan.block_ids]  # [num_blocks, num_kv_heads, head_dim, block_size]
+        v = v_cache.permute(0, 2, 1, 3)[plan.block_ids]  # [num_blocks, num_kv_heads, block_size, head_dim]
         q = query.view(num_seqs, num_kv_heads, group, head_dim)[plan.owners]  # [num_blocks, num_kv_heads, group, head_dim]
-        scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [num_blocks, num_kv_heads, group, block_size]
+        scores = torch.matmul(q, k).float() * scale  # [num_blocks, num_kv_heads, group, block_size]
         scores.masked_fill_(~plan.valid[:, None, None, :], float("-inf"))
         # Softmax across each sequence's blocks: a segment max, then a segment sum.
         block_max = scores.amax(-1)  # [num_blocks, num_kv_heads, group]
@@ -129,7 +131,7 @@ class TorchAttentionBackend:
         seq_max.scatter_reduce_(0, plan.owners.view(-1, 1, 1).expand_as(block_max), block_max, "amax")
         probs = torch.exp(scores - seq_max[plan.owners].unsqueeze(-1))
         seq_sum = torch.zeros_like(seq_max).index_add_(0, plan.owners, probs.sum(-1))
-        partial = torch.matmul(probs.to(v.dtype), v.permute(0, 2, 1, 3))  # [num_blocks, num_kv_heads, group, head_dim]
+        partial = torch.matmul(probs.to(v.dtype), v)  # [num_blocks, num_kv_heads, group, head_dim]
         out = torch.zeros(num_seqs, num_kv_heads, group, head_dim, device=query.device, dtype=partial.dtype)
         out.index_add_(0, plan.owners, partial)
         out = out / seq_sum.unsqueeze(-1).to(out.dtype)

@@ -20,14 +20,23 @@ MODEL_CLASSES = {
 }
 
 
-def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
+) -> LlamaForCausalLM:
+    """Build the model for config.json's architecture; `load_format="dummy"` fills random
+    weights instead of reading a checkpoint (timing a model's shape without its weights)."""
     from safetensors import safe_open
 
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_class = MODEL_CLASSES.get(config.architecture)
     if model_class is None:
         raise ValueError(f"architecture {config.architecture!r} is not supported; known: {sorted(MODEL_CLASSES)}")
     files = sorted(glob.glob(os.path.join(config.path, "*.safetensors")))
-    if not files:
+    if not files and load_format == "auto":
         raise FileNotFoundError(f"no .safetensors files in {config.path}")
     with torch.device("meta"):
         model = model_class(config)
@@ -43,9 +52,22 @@ def load_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) ->
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
-    model.load_weights(weights())
+    if load_format == "dummy":
+        _fill_random(model)
+    else:
+        model.load_weights(weights())
     model = model.to(dtype=dtype)
     # The rotary tables stay fp32: positions up to 100k+ lose precision in bf16.
     model.rotary.float()
     logger.info("loaded %s (%s) from %s", config.architecture, dtype, config.path)
     return model.eval()
+
+
+@torch.no_grad()
+def _fill_random(model: LlamaForCausalLM) -> None:
+    generator = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)

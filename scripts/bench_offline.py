@@ -1,0 +1,367 @@
+"""Offline throughput: one workload through continuous batching, static batching and
+transformers' own padded static batching, on the same model and machine.
+
+    python scripts/bench_offline.py --modes continuous,static,hf --json results/bench_offline.json \
+        --plot results/bench_offline
+
+Modes:
+  continuous  our engine, batching="continuous": a finished sequence's slot is refilled next step
+  static      our engine, batching="static" (max_num_seqs = --static-batch-size): a batch is
+              formed only when the previous one has fully finished; finished sequences leave
+              the step (flat batches, no padding) but nobody takes their place
+  hf          AutoModelForCausalLM.generate on left-padded batches of --hf-batch-size, greedy,
+              every row generating the batch's longest requested output
+
+Every request is greedy with ignore_eos and gets exactly its requested output length.
+All requests arrive at time 0, so TTFT includes queueing; a request's latency ends when
+its own last token is out (a streaming client's view; for hf, before its batch returns). Throughputs count each
+request's own tokens only; "useful share" is useful token positions over positions run
+through the model (padding and recomputation included): 1.0 for our flat batches unless
+preemption recomputes. A position is useful if it is a prompt token or an output token
+that feeds the next one, so a request contributes prompt + output - 1. In the occupancy
+picture, hf's "running sequences" are the rows that still need their own tokens; the
+finished rows it keeps computing show up only in the useful share.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from workload import DISTRIBUTIONS, WorkloadRequest, make_workload  # noqa: E402
+
+logger = logging.getLogger("bench_offline")
+
+MODES = ("continuous", "static", "hf")
+QUICK = dict(num_requests=8, input_len=(8, 32), output_len=(4, 24), static_batch_size=4, hf_batch_size=4)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    elapsed_s: float
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_useful_positions: int  # sum of prompt + output - 1 over requests
+    num_computed_positions: int  # token positions run through the model, padding included
+    ttfts: list[float]
+    latencies: list[float]
+    step_stats: list = field(default_factory=list)  # start_time, end_time, num_seqs, num_tokens per step
+
+    def summary(self) -> dict:
+        return {
+            "elapsed_s": self.elapsed_s,
+            "requests_per_s": self.num_requests / self.elapsed_s,
+            "output_tokens_per_s": self.num_output_tokens / self.elapsed_s,
+            "total_tokens_per_s": (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s,
+            "useful_share": self.num_useful_positions / self.num_computed_positions,
+            "mean_ttft_s": sum(self.ttfts) / len(self.ttfts),
+            "mean_latency_s": sum(self.latencies) / len(self.latencies),
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_computed_positions": self.num_computed_positions,
+            "num_steps": len(self.step_stats),
+        }
+
+
+def useful_positions(workload: list[WorkloadRequest]) -> int:
+    return sum(r.num_prompt_tokens + r.max_tokens - 1 for r in workload)
+
+
+def warmup_requests(workload: list[WorkloadRequest], max_num_tokens: int, max_num_seqs: int) -> list[WorkloadRequest]:
+    """The leading requests whose prompts fill about one step's token budget, so the
+    warm-up runs a full-size prefill step and a few decode steps."""
+    chosen, num_tokens = [], 0
+    for r in workload[:max_num_seqs]:
+        if chosen and num_tokens + r.num_prompt_tokens > max_num_tokens:
+            break
+        chosen.append(r)
+        num_tokens += r.num_prompt_tokens
+    return chosen
+
+
+def check_lengths(workload: list[WorkloadRequest], output_lens: list[int], mode: str) -> None:
+    bad = [(i, r.max_tokens, n) for i, (r, n) in enumerate(zip(workload, output_lens)) if n != r.max_tokens]
+    if bad:
+        raise RuntimeError(f"{mode}: {len(bad)} requests got the wrong output length (index, wanted, got): {bad[:5]}")
+
+
+def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
+    from engine.llm import LLM
+    from ipc.sampling_params import SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        batching=mode,
+        max_num_seqs=args.max_num_seqs if mode == "continuous" else args.static_batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+    )
+    prompts = [r.prompt_token_ids for r in workload]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
+    warmup = warmup_requests(workload, args.max_num_batched_tokens, llm.engine.config.max_num_seqs)
+    llm.generate([r.prompt_token_ids for r in warmup], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    llm.engine.step_stats.clear()
+    llm.engine.record_step_stats = True
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    check_lengths(workload, [len(o.token_ids) for o in outputs], mode)
+    step_stats = list(llm.engine.step_stats)
+    del llm
+    return ModeResult(
+        mode=mode,
+        elapsed_s=elapsed,
+        num_requests=len(workload),
+        num_prompt_tokens=sum(r.num_prompt_tokens for r in workload),
+        num_output_tokens=sum(len(o.token_ids) for o in outputs),
+        num_useful_positions=useful_positions(workload),
+        num_computed_positions=sum(s.num_tokens for s in step_stats),
+        ttfts=[o.metrics.first_token_time - o.metrics.arrival_time for o in outputs],
+        latencies=[o.metrics.finish_time - o.metrics.arrival_time for o in outputs],
+        step_stats=step_stats,
+    )
+
+
+def run_hf(workload: list[WorkloadRequest], args, model_path: str) -> ModeResult:
+    """transformers' static batching: left-padded batches, every row runs to the batch's
+    longest output (min_new_tokens = max_new_tokens, so EOS cannot end a row early)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.generation.streamers import BaseStreamer
+
+    from engine.config import EngineConfig
+    from engine.model_runner import resolve_device_and_dtype
+
+    class StepTimes(BaseStreamer):
+        """generate() calls put() with the prompt, then once per new token column."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    device, dtype = resolve_device_and_dtype(EngineConfig(model=args.model))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_token_id = tokenizer.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = model.generation_config.pad_token_id or model.generation_config.eos_token_id
+    if isinstance(pad_token_id, list):
+        pad_token_id = pad_token_id[0]
+
+    def generate(batch: list[WorkloadRequest], streamer=None):
+        num_padded = max(r.num_prompt_tokens for r in batch)
+        num_new = max(r.max_tokens for r in batch)
+        # Left padding keeps every row's last prompt token in the last column; the mask hides the pads.
+        num_pads = [num_padded - r.num_prompt_tokens for r in batch]
+        input_ids = torch.tensor([[pad_token_id] * n + r.prompt_token_ids for n, r in zip(num_pads, batch)])
+        attention_mask = torch.tensor([[0] * n + [1] * r.num_prompt_tokens for n, r in zip(num_pads, batch)])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                do_sample=False,
+                max_new_tokens=num_new,
+                min_new_tokens=num_new,
+                pad_token_id=pad_token_id,
+                streamer=streamer,
+            )
+        if out.shape[1] != num_padded + num_new:
+            raise RuntimeError(f"hf: expected {num_padded + num_new} columns, got {out.shape[1]}")
+        return num_padded, num_new
+
+    generate([WorkloadRequest(r.prompt_token_ids, 4) for r in workload[: args.hf_batch_size]])  # warm-up: one batch
+    batches = [workload[i : i + args.hf_batch_size] for i in range(0, len(workload), args.hf_batch_size)]
+    ttfts, latencies, step_stats = [], [], []
+    num_computed = 0
+    start = time.perf_counter()
+    for batch in batches:
+        timer = StepTimes()
+        num_padded, num_new = generate(batch, timer)
+        times = timer.times  # times[0]: before prefill; times[k]: token k of every row is out
+        num_computed += len(batch) * (num_padded + num_new - 1)
+        for r in batch:
+            ttfts.append(times[1] - start)
+            latencies.append(times[r.max_tokens] - start)
+        # Steps as the engine records them, counting only rows that still need their tokens.
+        step_stats.append(SimpleNamespace(start_time=times[0], end_time=times[1], num_seqs=len(batch),
+                                          num_tokens=sum(r.num_prompt_tokens for r in batch)))
+        for k in range(1, num_new):
+            num_live = sum(1 for r in batch if r.max_tokens > k)
+            step_stats.append(SimpleNamespace(start_time=times[k], end_time=times[k + 1], num_seqs=num_live,
+                                              num_tokens=num_live))
+    elapsed = time.perf_counter() - start
+    del model
+    return ModeResult(
+        mode="hf",
+        elapsed_s=elapsed,
+        num_requests=len(workload),
+        num_prompt_tokens=sum(r.num_prompt_tokens for r in workload),
+        num_output_tokens=sum(r.max_tokens for r in workload),
+        num_useful_positions=useful_positions(workload),
+        num_computed_positions=num_computed,
+        ttfts=ttfts,
+        latencies=latencies,
+        step_stats=step_stats,
+    )
+
+
+def print_table(summaries: dict[str, dict]) -> None:
+    columns = [
+        ("mode", "{}", None),
+        ("elapsed s", "{:.2f}", "elapsed_s"),
+        ("req/s", "{:.2f}", "requests_per_s"),
+        ("out tok/s", "{:.1f}", "output_tokens_per_s"),
+        ("total tok/s", "{:.1f}", "total_tokens_per_s"),
+        ("useful", "{:.3f}", "useful_share"),
+        ("mean TTFT s", "{:.3f}", "mean_ttft_s"),
+        ("mean lat s", "{:.3f}", "mean_latency_s"),
+        ("vs cont.", "{:.2f}x", "total_tokens_per_s_vs_continuous"),
+    ]
+    rows = [[name for name, _, _ in columns]]
+    for mode, s in summaries.items():
+        rows.append([mode] + [fmt.format(s[key]) if s.get(key) is not None else "-" for _, fmt, key in columns[1:]])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    for row in rows:
+        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "load_average_1m": os.getloadavg()[0],  # at the end of the run: high means a shared, noisy machine
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def step_columns(steps: list) -> dict[str, list]:
+    t0 = steps[0].start_time if steps else 0.0
+    return {
+        "start_s": [round(s.start_time - t0, 6) for s in steps],
+        "end_s": [round(s.end_time - t0, 6) for s in steps],
+        "num_seqs": [s.num_seqs for s in steps],
+        "num_tokens": [s.num_tokens for s in steps],
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--modes", default="continuous,static,hf", help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    p.add_argument("--distribution", choices=DISTRIBUTIONS, default="uniform")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--real-prompts", action="store_true", help="English text prompts instead of random token ids")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="continuous mode's running-sequence cap")
+    p.add_argument("--static-batch-size", type=int, default=16, help="static mode's batch size (its max_num_seqs)")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from the engine's memory budget")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads for every mode")
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PREFIX", help="writes PREFIX_occupancy.png and PREFIX_latency.png")
+    p.add_argument("--quick", action="store_true", help="a tiny workload for smoke tests (overrides sizes)")
+    args = p.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    args.input_len, args.output_len = tuple(args.input_len), tuple(args.output_len)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(args.modes) - set(MODES)
+    if unknown or not args.modes:
+        p.error(f"--modes takes a subset of {MODES}, got {args.modes}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    import torch
+    from transformers import AutoTokenizer
+
+    from engine.model_files import resolve_model
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    model_path = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    workload = make_workload(
+        args.num_requests, args.input_len, args.output_len, args.distribution, args.seed,
+        vocab_size=vocab_size, real_prompts=args.real_prompts, tokenizer=tokenizer,
+    )
+    logger.info("%d requests, %d prompt + %d output tokens", len(workload),
+                sum(r.num_prompt_tokens for r in workload), sum(r.max_tokens for r in workload))
+
+    results: dict[str, ModeResult] = {}
+    for mode in args.modes:
+        logger.info("running %s", mode)
+        results[mode] = run_hf(workload, args, model_path) if mode == "hf" else run_engine(mode, workload, args)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    summaries = {mode: r.summary() for mode, r in results.items()}
+    baseline = summaries.get("continuous", {}).get("total_tokens_per_s")
+    for s in summaries.values():
+        s["total_tokens_per_s_vs_continuous"] = s["total_tokens_per_s"] / baseline if baseline else None
+    print_table(summaries)
+
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+        "machine": machine_info(),
+        "results": {mode: {**summaries[mode], "ttfts_s": r.ttfts, "latencies_s": r.latencies,
+                           "step_stats": step_columns(r.step_stats)} for mode, r in results.items()},
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        logger.info("wrote %s", args.json)
+    if args.plot:
+        from plots import plot_latency_distributions, plot_occupancy
+
+        prefix = args.plot.removesuffix(".png")
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        plot_occupancy({mode: r.step_stats for mode, r in results.items()}, f"{prefix}_occupancy.png")
+        plot_latency_distributions(
+            {mode: {"ttft": r.ttfts, "latency": r.latencies} for mode, r in results.items()}, f"{prefix}_latency.png"
+        )
+        logger.info("wrote %s_occupancy.png and %s_latency.png", prefix, prefix)
+    return report
+
+
+if __name__ == "__main__":
+    main()
