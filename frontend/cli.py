@@ -1,0 +1,62 @@
+"""The `tokenloom` command.
+
+    tokenloom serve --model smollm2 --port 8000 [--host 127.0.0.1] [--data-parallel N]
+                    [--engine ADDR ...] [--api-key KEY] [--client-socket ADDR] [engine flags]
+    tokenloom engine --listen tcp://127.0.0.1:PORT --model smollm2 [--engine-id N] [engine flags]
+
+`serve` is `python -m frontend.api_server`. `engine` replaces itself with an engine core
+(`python -m engine.core_process`) bound at --listen, for a frontend elsewhere to reach
+with `serve --engine tcp://...`; it stays up when that frontend goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from frontend.server_args import DEFAULT_MODEL, add_server_args
+
+ENGINE_MODULE = "engine.core_process"
+
+
+def run_serve(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> None:
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from frontend.api_server import serve  # imported late: `tokenloom engine` needs none of it
+
+    serve(args)
+
+
+def run_engine(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> None:
+    # Everything not parsed here (--max-num-seqs, --allow-remote, ...) is the core's to check.
+    command = [sys.executable, "-m", ENGINE_MODULE, "--model", args.model, "--address", args.listen,
+               "--engine-id", str(args.engine_id), *extra]
+    sys.stdout.flush()
+    os.execv(sys.executable, command)
+
+
+COMMANDS = {"serve": run_serve, "engine": run_engine}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloom", description="tokenloom LLM inference server")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,engine}")
+    add_server_args(commands.add_parser("serve", help="run the HTTP API server and its engine cores"))
+    engine = commands.add_parser("engine", help="run one engine core for a frontend to connect to",
+                                 epilog="Other flags are passed to the engine core unchanged.")
+    engine.add_argument("--listen", required=True, metavar="ADDR",
+                        help="address to bind, e.g. tcp://127.0.0.1:5555 (loopback unless --allow-remote)")
+    engine.add_argument("--model", default=DEFAULT_MODEL, help=f"known model name or local folder (default: {DEFAULT_MODEL})")
+    engine.add_argument("--engine-id", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_parser()
+    args, extra = parser.parse_known_args(argv)
+    COMMANDS[args.command](args, extra, parser)
+
+
+if __name__ == "__main__":
+    main()

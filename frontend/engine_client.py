@@ -1,0 +1,298 @@
+"""AsyncEngineClient: the frontend's handle on its engine cores.
+
+    handler ──generate()──▶ AsyncEngineClient ──AddRequest──▶ least-loaded core
+       ▲                                                          │ EngineOutputs
+       │                    output pump (one task per core) ◀─────┘
+       └── per-request asyncio.Queue ◀── RequestState.make_delta (detokenize, stop strings)
+
+`generate` validates and sends before it returns (so bad input raises at once and the
+HTTP layer can answer 400), then hands back a `RequestStream` of `RequestDelta`s.
+Closing it, or cancelling a read from it, aborts whatever is still running. A core that
+dies fails every request on it with `EngineDeadError` and marks the client unhealthy:
+nothing waits on a dead core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+import zmq
+import zmq.asyncio
+
+from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection
+from frontend.errors import EngineDeadError, FrontendError, InvalidRequestError, RequestFailedError
+from frontend.metrics import FrontendMetrics
+from frontend.request_state import RequestState, RequestStream
+from frontend.tokenizer import Tokenizer, resolve_model_folder
+from ipc.codec import DecodeError, decode, encode
+from ipc.messages import AbortRequests, AddRequest, EngineError, EngineOutputs, FinishReason, SchedulerStats
+from ipc.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128  # choices per request: each one is a full engine request
+
+
+@dataclass
+class EngineClientConfig:
+    model: str  # known name or local folder; the tokenizer comes from it
+    served_model_name: str | None = None  # the name clients see; defaults to `model`
+    num_local_engines: int = 1  # cores started as children (ignored when engine_addresses is set)
+    engine_addresses: list[str] = field(default_factory=list)  # already-running cores to connect to
+    engine_args: list[str] = field(default_factory=list)  # passed through to local cores
+    engine_command: tuple[str, ...] = DEFAULT_ENGINE_COMMAND  # tests swap in a fake core
+    ready_timeout_s: float = 600.0  # model loading on a cold cache takes minutes
+
+
+class AsyncEngineClient:
+    """Routes requests to engine cores and streams their text back."""
+
+    def __init__(self, config: EngineClientConfig, tokenizer: Tokenizer, model_folder: str):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_folder = model_folder
+        self.model_name = config.served_model_name or config.model
+        self.frontend_id = f"frontend-{os.getpid()}"
+        self.ctx = zmq.asyncio.Context()
+        self.engines: list[EngineConnection] = []
+        self.metrics = FrontendMetrics(self.model_name)
+        self.max_model_len = 0
+        self.vocab_size = tokenizer.vocab_size
+        self.is_healthy = False
+        self.dead_reason: str | None = "the engines are not ready yet"
+        self._states: dict[str, RequestState] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._num_routed = 0  # rotates ties between equally loaded cores
+
+    @classmethod
+    async def start(cls, config: EngineClientConfig) -> AsyncEngineClient:
+        """Load the tokenizer, start or connect the cores and wait until each is ready."""
+        loop = asyncio.get_running_loop()
+        model_folder = await loop.run_in_executor(None, resolve_model_folder, config.model)
+        tokenizer = await loop.run_in_executor(None, Tokenizer, model_folder)
+        client = cls(config, tokenizer, model_folder)
+        try:
+            await client._connect_engines()
+        except BaseException:
+            await client.shutdown()
+            raise
+        return client
+
+    async def _connect_engines(self) -> None:
+        config = self.config
+        if config.engine_addresses:
+            self.engines = [EngineConnection(i, addr, self.ctx) for i, addr in enumerate(config.engine_addresses)]
+        else:
+            for i in range(config.num_local_engines):
+                self.engines.append(await EngineConnection.start_local(
+                    i, self.ctx, self.model_folder, config.engine_args, config.engine_command))
+        readies = await asyncio.gather(*(e.handshake(self.frontend_id, config.ready_timeout_s) for e in self.engines))
+        self.max_model_len = min(r.max_model_len for r in readies)
+        self.vocab_size = min([self.vocab_size, *(r.vocab_size for r in readies if r.vocab_size)])
+        for engine in self.engines:
+            self._tasks.append(asyncio.create_task(self._pump_outputs(engine), name=f"pump-{engine.index}"))
+            self._tasks.append(asyncio.create_task(self._watch(engine), name=f"watch-{engine.index}"))
+        self.is_healthy, self.dead_reason = True, None
+
+    # ------------------------------------------------------------ requests
+
+    def generate(self, prompt: str | None, params: SamplingParams, request_id: str, *,
+                 prompt_token_ids: list[int] | None = None, n: int = 1) -> RequestStream:
+        """Send one prompt (text, or token ids) as n choices and return its delta stream."""
+        return self.generate_batch([prompt if prompt_token_ids is None else prompt_token_ids], params, request_id, n=n)
+
+    def generate_batch(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str, *,
+                       n: int = 1) -> RequestStream:
+        """Send each prompt as n choices (seeds seed, seed+1, ...); choice j of prompt p has index p*n + j.
+
+        Every prompt is checked before any is sent, so InvalidRequestError or
+        EngineDeadError raise here, before anything streams.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
+        prompt_ids_list = [self._tokenize(prompt) for prompt in prompts]
+        # Per prompt: a missing max_tokens becomes "up to the context length" for that prompt.
+        params_list = [self._check_request(prompt_token_ids, params, n) for prompt_token_ids in prompt_ids_list]
+        num_choices = len(prompts) * n
+        request_ids = [request_id] if num_choices == 1 else [f"{request_id}-{k}" for k in range(num_choices)]
+        if any(rid in self._states for rid in request_ids):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        states = []
+        for index, rid in enumerate(request_ids):
+            prompt_token_ids, prompt_params, choice = prompt_ids_list[index // n], params_list[index // n], index % n
+            choice_params = prompt_params
+            if prompt_params.seed is not None and choice:
+                choice_params = replace(prompt_params, seed=prompt_params.seed + choice)
+            engine = self._pick_engine()
+            state = RequestState(rid, index, prompt_token_ids, choice_params, self.tokenizer, queue, engine.index)
+            self._states[rid] = state
+            engine.request_ids.add(rid)
+            engine.send(AddRequest(rid, prompt_token_ids, choice_params, time.time()))
+            self.metrics.num_prompt_tokens += len(prompt_token_ids)
+            states.append(state)
+        return RequestStream(states, queue, self._abort)
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequestError("the prompt must be a non-empty string")
+        return self.tokenizer.encode(prompt)
+
+    def _check_request(self, prompt_token_ids: list[int], params: SamplingParams, n: int) -> SamplingParams:
+        try:
+            params.validate()
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(str(e)) from None
+        if not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n!r}")
+        # The core drops a message it cannot decode without knowing whose it was, and the
+        # request would hang: so anything the codec would refuse is refused here.
+        last_seed = None if params.seed is None else params.seed + n - 1
+        try:
+            decode(encode(AddRequest("check", [], replace(params, seed=last_seed))))
+        except (DecodeError, TypeError, ValueError, OverflowError) as e:
+            raise InvalidRequestError(f"invalid sampling parameters: {e}") from None
+        num_prompt_tokens = len(prompt_token_ids)
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt_tokens
+        if num_prompt_tokens >= self.max_model_len or num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
+                "the completion). Please reduce the length of the prompt or of max_tokens.")
+        return replace(params, max_tokens=max_tokens)
+
+    def _pick_engine(self) -> EngineConnection:
+        # Fewest requests in flight; ties rotate so sequential requests spread over idle cores.
+        self._num_routed += 1
+        num_engines = len(self.engines)
+        alive = [e for e in self.engines if e.is_alive]
+        return min(alive, key=lambda e: (e.num_in_flight, (e.index - self._num_routed) % num_engines))
+
+    def _abort(self, states: list[RequestState]) -> None:
+        request_ids_by_engine = defaultdict(list)
+        for state in states:
+            self._finish(state, FinishReason.ABORT)
+            request_ids_by_engine[state.engine_index].append(state.request_id)
+        for engine_index, request_ids in request_ids_by_engine.items():
+            engine = self.engines[engine_index]
+            if engine.is_alive:
+                logger.debug("aborting %s on engine %d", request_ids, engine_index)
+                engine.send(AbortRequests(request_ids))
+
+    def _finish(self, state: RequestState, reason: FinishReason) -> None:
+        state.is_finished = True
+        self._states.pop(state.request_id, None)
+        self.engines[state.engine_index].request_ids.discard(state.request_id)
+        self.metrics.record_finished(reason)
+
+    def _fail(self, state: RequestState, error: FrontendError) -> None:
+        self._finish(state, FinishReason.ERROR)
+        state.queue.put_nowait(error)
+
+    # ------------------------------------------------------------ engine outputs
+
+    async def _pump_outputs(self, engine: EngineConnection) -> None:
+        handlers = {EngineOutputs: self._on_outputs, EngineError: self._on_error}
+        while True:
+            try:
+                msg = await engine.recv()
+            except DecodeError as e:
+                logger.error("engine %d sent a malformed message, dropped: %s", engine.index, e)
+                continue
+            handler = handlers.get(type(msg))
+            if handler is None:
+                logger.warning("engine %d sent an unexpected %s; ignored", engine.index, type(msg).__name__)
+                continue
+            try:
+                handler(engine, msg)
+            except Exception:  # a bug here must not stop the pump: every request on the core would hang
+                logger.exception("handling %s from engine %d failed", type(msg).__name__, engine.index)
+
+    def _on_outputs(self, engine: EngineConnection, msg: EngineOutputs) -> None:
+        engine.stats = msg.stats
+        now = time.monotonic()
+        stopped_request_ids = []
+        for output in msg.outputs:
+            state = self._states.get(output.request_id)
+            if state is None:
+                continue  # finished here already (stop string, abort): late outputs are dropped
+            self.metrics.num_generation_tokens += len(output.new_token_ids)
+            try:
+                delta = state.make_delta(output)
+            except Exception:
+                logger.exception("detokenizing request %s failed", state.request_id)
+                self._fail(state, RequestFailedError("detokenizing the output failed"))
+                stopped_request_ids.append(state.request_id)
+                continue
+            if delta.token_ids:
+                if state.last_token_time is None:
+                    self.metrics.time_to_first_token.observe(now - state.arrival_time)
+                else:
+                    self.metrics.inter_token_latency.observe(now - state.last_token_time)
+                state.last_token_time = now
+            if delta.finish_reason is not None:
+                self._finish(state, delta.finish_reason)
+                if output.finish_reason is None:  # a stop string: the core is still generating
+                    stopped_request_ids.append(state.request_id)
+            state.queue.put_nowait(delta)
+        if stopped_request_ids:
+            engine.send(AbortRequests(stopped_request_ids))
+
+    def _on_error(self, engine: EngineConnection, msg: EngineError) -> None:
+        logger.error("engine %d reported an error%s: %s", engine.index,
+                     f" for request {msg.request_id}" if msg.request_id else "", msg.message)
+        state = self._states.get(msg.request_id) if msg.request_id is not None else None
+        if state is not None:
+            self._fail(state, RequestFailedError(f"the engine failed this request: {msg.message}"))
+        if msg.is_fatal:
+            self._on_engine_dead(engine, f"engine {engine.index} failed: {msg.message}")
+
+    async def _watch(self, engine: EngineConnection) -> None:
+        self._on_engine_dead(engine, await engine.wait_for_death())
+
+    def _on_engine_dead(self, engine: EngineConnection, reason: str) -> None:
+        if not engine.is_alive:
+            return
+        engine.is_alive = False
+        self.is_healthy, self.dead_reason = False, reason
+        logger.error("%s; failing its %d in-flight requests", reason, engine.num_in_flight)
+        for request_id in list(engine.request_ids):
+            self._fail(self._states[request_id], EngineDeadError(reason))
+
+    # ------------------------------------------------------------ state and shutdown
+
+    def stats(self) -> SchedulerStats:
+        """The engines' latest scheduler stats, summed."""
+        total = SchedulerStats()
+        for engine in self.engines:
+            for name in vars(total):
+                setattr(total, name, getattr(total, name) + getattr(engine.stats, name))
+        return total
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._states)
+
+    async def shutdown(self) -> None:
+        """Stop the pumps, shut local cores down, fail whatever is still waiting."""
+        self.is_healthy, self.dead_reason = False, "the server is shutting down"
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Close first: a remote core's close aborts the requests still listed on it.
+        await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)
+        for state in list(self._states.values()):
+            self._fail(state, EngineDeadError(self.dead_reason))
+        self.ctx.term()

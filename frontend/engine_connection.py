@@ -1,0 +1,150 @@
+"""One engine core as the frontend sees it: a DEALER socket, maybe a child process, its requests.
+
+Death detection has no heartbeat. A local core is our child: its exit is death. Any
+core, local or remote, is dead once its socket disconnects after the handshake (a
+ZMQ monitor reports it: a killed process closes its end and the peer sees EOF).
+A core going down on purpose also says so first with `EngineError(is_fatal=True)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from ipc.codec import DecodeError, decode
+from ipc.messages import AbortRequests, EngineError, EngineReady, Hello, SchedulerStats, Shutdown
+from ipc.sockets import connect_dealer, new_ipc_address, send_message
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENGINE_COMMAND = (sys.executable, "-m", "engine.core_process")
+# Time a local core gets to exit after Shutdown before it is terminated, then killed.
+SHUTDOWN_GRACE_S = 5.0
+# After a disconnect, time to wait for a local core's exit code so the error can name it.
+EXIT_CODE_GRACE_S = 1.0
+
+
+class EngineStartError(RuntimeError):
+    """A core never became ready: it exited, or sent no EngineReady in time."""
+
+
+class EngineConnection:
+    """The link to one engine core. `index` is its place in the frontend's engine list."""
+
+    def __init__(self, index: int, address: str, ctx: zmq.asyncio.Context,
+                 process: asyncio.subprocess.Process | None = None):
+        self.index = index
+        self.address = address
+        self.process = process
+        self.socket = connect_dealer(ctx, address)
+        self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.ready: EngineReady | None = None
+        self.request_ids: set[str] = set()  # in flight here: the least-loaded router counts these
+        self.stats = SchedulerStats()
+        self.is_alive = True
+
+    @classmethod
+    async def start_local(cls, index: int, ctx: zmq.asyncio.Context, model: str, engine_args: list[str],
+                          engine_command: tuple[str, ...] = DEFAULT_ENGINE_COMMAND) -> EngineConnection:
+        """Start a core as our child on a private ipc:// address; it exits when we die."""
+        address = new_ipc_address(f"engine{index}")
+        command = [*engine_command, "--model", model, "--address", address, "--engine-id", str(index),
+                   "--parent-pid", str(os.getpid()), *engine_args]
+        logger.info("starting engine core %d: %s", index, " ".join(command))
+        process = await asyncio.create_subprocess_exec(*command)
+        return cls(index, address, ctx, process)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.request_ids)
+
+    def send(self, msg) -> None:
+        # The DEALER's queue is unbounded (SNDHWM 0), so this never waits.
+        send_message(self.socket, msg)
+
+    async def recv(self):
+        """The next record from the core; raises DecodeError for a malformed one."""
+        frames = await self.socket.recv_multipart()
+        if len(frames) != 1:
+            raise DecodeError(f"expected 1 frame, got {len(frames)}")
+        return decode(frames[0])
+
+    async def handshake(self, frontend_id: str, timeout_s: float) -> EngineReady:
+        """Send Hello and wait for EngineReady, failing early if a local core exits."""
+        self.send(Hello(frontend_id))
+        waiters = {asyncio.ensure_future(self._recv_ready())}
+        ready_waiter = next(iter(waiters))
+        if self.process is not None:
+            waiters.add(asyncio.ensure_future(self.process.wait()))
+        done, pending = await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in pending:
+            waiter.cancel()
+        if ready_waiter in done:
+            self.ready = ready_waiter.result()  # re-raises a fatal EngineError as EngineStartError
+            logger.info("engine %d ready at %s: %s", self.index, self.address, self.ready)
+            return self.ready
+        if done:
+            raise EngineStartError(f"engine {self.index} exited with code {self.process.returncode} before it was ready")
+        raise EngineStartError(f"engine {self.index} at {self.address} sent no EngineReady within {timeout_s:.0f} s")
+
+    async def _recv_ready(self) -> EngineReady:
+        while True:
+            msg = await self.recv()
+            if isinstance(msg, EngineReady):
+                return msg
+            if isinstance(msg, EngineError) and msg.is_fatal:
+                raise EngineStartError(f"engine {self.index} failed to start: {msg.message}")
+            logger.warning("engine %d sent %s before EngineReady; ignored", self.index, type(msg).__name__)
+
+    async def wait_for_death(self) -> str:
+        """Return (with a reason) once the core is gone: its process exited or its socket dropped."""
+        disconnected = asyncio.ensure_future(self._wait_disconnected())
+        if self.process is None:
+            return await disconnected
+        exited = asyncio.ensure_future(self._wait_exit())
+        try:
+            await asyncio.wait([disconnected, exited], return_when=asyncio.FIRST_COMPLETED)
+            # A local core's exit code says more than "disconnected": give it a moment to show.
+            await asyncio.wait([exited], timeout=EXIT_CODE_GRACE_S)
+            return exited.result() if exited.done() else disconnected.result()
+        finally:
+            disconnected.cancel()
+            exited.cancel()
+
+    async def _wait_exit(self) -> str:
+        code = await self.process.wait()
+        return f"engine {self.index} exited with code {code}"
+
+    async def _wait_disconnected(self) -> str:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                return f"engine {self.index} at {self.address} disconnected"
+
+    async def close(self) -> None:
+        """Shut a local core down (Shutdown, then terminate, then kill); abort our requests on a remote one."""
+        process = self.process
+        if process is not None and process.returncode is None:
+            self.send(Shutdown("frontend exiting"))
+            try:
+                await asyncio.wait_for(process.wait(), SHUTDOWN_GRACE_S)
+            except asyncio.TimeoutError:
+                logger.warning("engine %d did not exit after Shutdown; terminating it", self.index)
+                process.terminate()
+                try:
+                    await asyncio.wait_for(process.wait(), SHUTDOWN_GRACE_S)
+                except asyncio.TimeoutError:
+                    process.kill()
+                    await process.wait()
+        elif process is None and self.is_alive and self.request_ids:
+            # A remote core outlives us; free its slots rather than let our requests run on.
+            self.send(AbortRequests(sorted(self.request_ids)))
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self.socket.close(linger=500)  # give a last AbortRequests time to leave

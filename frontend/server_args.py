@@ -1,0 +1,76 @@
+"""Command-line flags of the API server, shared by `python -m frontend.api_server` and `tokenloom serve`."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from frontend.engine_client import EngineClientConfig
+from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
+
+DEFAULT_MODEL = "smollm2"
+# Engine-core flags passed through unchanged to locally started cores; the core validates them.
+ENGINE_PASS_THROUGH_ARGS = (
+    ("--max-num-seqs", int, "most requests in one batch"),
+    ("--max-num-batched-tokens", int, "most tokens in one engine step"),
+    ("--num-kv-blocks", int, "KV-cache blocks to allocate"),
+    ("--block-size", int, "tokens per KV-cache block"),
+    ("--max-model-len", int, "longest prompt + output, in tokens"),
+    ("--batching", str, "batching policy of the core"),
+    ("--attention-backend", str, "attention implementation of the core"),
+)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"known model name or local HF folder (default: {DEFAULT_MODEL})")
+    parser.add_argument("--served-model-name", help="model name shown to clients (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--data-parallel", type=int, default=1, metavar="N", help="engine cores to start locally")
+    parser.add_argument("--engine", action="extend", nargs="+", default=[], metavar="ADDR",
+                        help="connect to running cores (tcp://host:port or ipc://path) instead of starting any")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /generate")
+    parser.add_argument("--client-socket", metavar="ADDR",
+                        help="also serve GenerateRequest over a ZeroMQ ROUTER at ADDR (see frontend/PROTOCOL.md)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--engine-ready-timeout", type=float, default=600.0, metavar="S",
+                        help="seconds to wait for each core's EngineReady")
+    group = parser.add_argument_group("engine core", "passed through to the cores this server starts")
+    for flag, flag_type, help_text in ENGINE_PASS_THROUGH_ARGS:
+        group.add_argument(flag, type=flag_type, help=help_text)
+    group.add_argument("--allow-remote", action="store_true",
+                       help="let cores and --client-socket bind non-loopback tcp addresses")
+    # Tests swap the core for tests/fake_engine.py; not for users.
+    parser.add_argument("--engine-command", help=argparse.SUPPRESS)
+    return parser
+
+
+def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    return add_server_args(argparse.ArgumentParser(prog=prog, description="tokenloom OpenAI-compatible API server"))
+
+
+def engine_args_from(args: argparse.Namespace) -> list[str]:
+    engine_args = []
+    for flag, _, _ in ENGINE_PASS_THROUGH_ARGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            engine_args += [flag, str(value)]
+    if args.allow_remote:
+        engine_args.append("--allow-remote")
+    return engine_args
+
+
+def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
+    if args.data_parallel < 1:
+        raise ValueError("--data-parallel must be at least 1")
+    if args.engine and args.data_parallel != 1:
+        raise ValueError("--data-parallel starts local cores; with --engine, list every core's address instead")
+    return EngineClientConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        num_local_engines=args.data_parallel,
+        engine_addresses=list(args.engine),
+        engine_args=engine_args_from(args),
+        engine_command=tuple(shlex.split(args.engine_command)) if args.engine_command else DEFAULT_ENGINE_COMMAND,
+        ready_timeout_s=args.engine_ready_timeout,
+    )

@@ -1,0 +1,111 @@
+"""`POST /v1/completions` (OpenAI) and `POST /generate` (vLLM's simple API server).
+
+Both read one RequestStream. Streamed responses are built from the same deltas as
+non-streamed ones, so the concatenated stream equals the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from frontend.engine_client import AsyncEngineClient
+from frontend.errors import FrontendError
+from frontend.protocol import CompletionRequest, GenerateBody
+from frontend.request_state import RequestStream
+from frontend.serving_utils import (
+    SSE_DONE, ClientDisconnected, Usage, collect, completion_logprobs, now_s, random_id, run_unless_disconnected,
+    sse,
+)
+
+logger = logging.getLogger(__name__)
+
+
+async def create_completion(body: CompletionRequest, raw_request: Request, client: AsyncEngineClient) -> Response:
+    body.check_supported()
+    prompts = body.prompts()
+    params = body.to_sampling_params(body.max_tokens, body.logprobs)
+    request_id = random_id("cmpl")
+    stream = client.generate_batch(prompts, params, request_id, n=body.n)
+    echo_texts = [_prompt_text(client, p) for p in prompts] if body.echo else None
+    header = {"id": request_id, "object": "text_completion", "created": now_s(), "model": client.model_name}
+    if body.stream:
+        return StreamingResponse(_stream_completion(stream, body, header, client, echo_texts),
+                                 media_type="text/event-stream")
+    usage = Usage(body.n)
+    try:
+        results = await run_unless_disconnected(raw_request, collect(stream, usage))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = []
+    for result in results:
+        prefix = echo_texts[result.index // body.n] if echo_texts else ""
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(client.tokenizer, result.logprobs, len(prefix))
+        choices.append({"index": result.index, "text": prefix + result.text, "logprobs": logprobs,
+                        "finish_reason": result.finish_reason})
+    return JSONResponse({**header, "choices": choices, "usage": usage.to_dict()})
+
+
+async def _stream_completion(stream: RequestStream, body: CompletionRequest, header: dict,
+                             client: AsyncEngineClient, echo_texts: list[str] | None) -> AsyncIterator[str]:
+    usage = Usage(body.n)
+    is_echoed: set[int] = set()
+    text_offsets: dict[int, int] = {}
+    extra = {"usage": None} if body.include_usage else {}
+    try:
+        async with stream:
+            async for delta in stream:
+                usage.add(delta)
+                text = delta.text
+                if echo_texts and delta.index not in is_echoed:
+                    is_echoed.add(delta.index)
+                    text = echo_texts[delta.index // body.n] + text
+                logprobs = None
+                if body.logprobs is not None:
+                    offset = text_offsets.get(delta.index, 0)
+                    logprobs = completion_logprobs(client.tokenizer, delta.logprobs or [], offset)
+                    text_offsets[delta.index] = offset + len(text)
+                finish_reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
+                if not text and finish_reason is None and logprobs is None:
+                    continue  # nothing a client could see
+                choice = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                yield sse({**header, "choices": [choice], **extra})
+        if body.include_usage:
+            yield sse({**header, "choices": [], "usage": usage.to_dict()})
+    except FrontendError as e:
+        yield sse(e.to_dict())
+    yield SSE_DONE
+
+
+def _prompt_text(client: AsyncEngineClient, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else client.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+async def generate(body: GenerateBody, raw_request: Request, client: AsyncEngineClient) -> Response:
+    """vLLM's `/generate`: `{"text": [prompt + output, ...]}`, streamed as one such object per step + NUL."""
+    params = body.to_sampling_params(body.max_tokens, body.logprobs)
+    stream = client.generate(body.prompt, params, random_id("gen"), n=body.n)
+    if body.stream:
+        return StreamingResponse(_stream_generate(stream, body))
+    try:
+        results = await run_unless_disconnected(raw_request, collect(stream, Usage(body.n)))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse({"text": [body.prompt + result.text for result in results]})
+
+
+async def _stream_generate(stream: RequestStream, body: GenerateBody) -> AsyncIterator[bytes]:
+    texts = [body.prompt] * body.n
+    try:
+        async with stream:
+            async for delta in stream:
+                texts[delta.index] += delta.text
+                yield (json.dumps({"text": texts}) + "\0").encode("utf-8")
+    except FrontendError as e:
+        yield (json.dumps(e.to_dict()) + "\0").encode("utf-8")

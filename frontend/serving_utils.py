@@ -1,0 +1,149 @@
+"""Pieces the HTTP handlers share: ids, SSE framing, usage, non-streamed collection, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, TypeVar
+
+from fastapi import Request
+
+from frontend.request_state import RequestDelta, RequestStream
+from ipc.messages import TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client hung up before the response was ready."""
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class ChoiceResult:
+    """One choice of a non-streamed response, accumulated from its deltas."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class Usage:
+    """Token counts for the `usage` object: each prompt counted once, every choice's output."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.num_prompt_tokens_by_prompt: dict[int, int] = {}
+        self.num_output_tokens_by_choice: dict[int, int] = {}
+
+    def add(self, delta: RequestDelta) -> None:
+        self.num_prompt_tokens_by_prompt[delta.index // self.n] = delta.num_prompt_tokens
+        self.num_output_tokens_by_choice[delta.index] = delta.num_output_tokens
+
+    def to_dict(self) -> dict:
+        num_prompt_tokens = sum(self.num_prompt_tokens_by_prompt.values())
+        num_completion_tokens = sum(self.num_output_tokens_by_choice.values())
+        return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+                "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+async def collect(stream: RequestStream, usage: Usage) -> list[ChoiceResult]:
+    """Read a whole request; choices come back in index order."""
+    choices = {state.index: ChoiceResult(state.index) for state in stream.states}
+    async with stream:
+        async for delta in stream:
+            usage.add(delta)
+            choice = choices[delta.index]
+            choice.text_parts.append(delta.text)
+            choice.logprobs.extend(delta.logprobs or ())
+            choice.num_output_tokens = delta.num_output_tokens
+            if delta.finish_reason is not None:
+                choice.finish_reason = delta.finish_reason.openai_name
+    return [choices[i] for i in sorted(choices)]
+
+
+async def run_unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its request) if the client hangs up first.
+
+    Like vLLM's `with_cancellation`: once the body is read, the next ASGI message can
+    only be http.disconnect.
+    """
+    work_task = asyncio.ensure_future(work)
+    disconnect_task = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait({work_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task in done:
+        return work_task.result()
+    try:
+        await work_task  # let the cancellation run the stream's abort before we return
+    except asyncio.CancelledError:
+        pass
+    logger.info("client disconnected; request aborted")
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, logprobs: list[TokenLogprobs], text_offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object: parallel lists over the sampled tokens."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for lp in logprobs:
+        text = token_text(tokenizer, lp.token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        top_logprobs.append({token_text(tokenizer, t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, logprobs: list[TokenLogprobs]) -> dict:
+    """The chat `logprobs` object: one entry per sampled token, each with its top alternatives."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [
+        {**entry(lp.token_id, lp.logprob),
+         "top_logprobs": [entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+        for lp in logprobs
+    ]}

@@ -1,0 +1,52 @@
+"""The `tokenloom` command line: serve's flags reach the engine client; engine execs the core."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from frontend import cli
+from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
+from frontend.server_args import engine_client_config, make_parser
+
+
+def test_serve_flags_build_the_engine_client_config():
+    args = make_parser().parse_args(["--model", "smollm2", "--data-parallel", "2", "--max-num-seqs", "8",
+                                     "--batching", "static", "--allow-remote", "--served-model-name", "m"])
+    config = engine_client_config(args)
+    assert (config.model, config.served_model_name, config.num_local_engines) == ("smollm2", "m", 2)
+    assert config.engine_args == ["--max-num-seqs", "8", "--batching", "static", "--allow-remote"]
+    assert config.engine_command == DEFAULT_ENGINE_COMMAND and config.engine_addresses == []
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+
+
+def test_engine_addresses_and_hidden_engine_command():
+    args = make_parser().parse_args(["--engine", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "--engine", "ipc:///x",
+                                     "--engine-command", "python fake.py --step-delay 1"])
+    config = engine_client_config(args)
+    assert config.engine_addresses == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "ipc:///x"]
+    assert config.engine_command == ("python", "fake.py", "--step-delay", "1")
+    with pytest.raises(ValueError, match="--data-parallel"):
+        engine_client_config(make_parser().parse_args(["--engine", "tcp://127.0.0.1:1", "--data-parallel", "2"]))
+
+
+def test_serve_runs_the_api_server(monkeypatch):
+    import frontend.api_server
+
+    seen = []
+    monkeypatch.setattr(frontend.api_server, "serve", seen.append)
+    cli.main(["serve", "--model", "m", "--port", "9", "--api-key", "k"])
+    assert (seen[0].model, seen[0].port, seen[0].api_key) == ("m", 9, "k")
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--no-such-flag"])
+
+
+def test_engine_execs_the_core_with_pass_through_flags(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: calls.append((path, argv)))
+    cli.main(["engine", "--listen", "tcp://127.0.0.1:5555", "--model", "smollm2", "--max-num-seqs", "4"])
+    path, argv = calls[0]
+    assert path == sys.executable
+    assert argv == [sys.executable, "-m", "engine.core_process", "--model", "smollm2", "--address",
+                    "tcp://127.0.0.1:5555", "--engine-id", "0", "--max-num-seqs", "4"]

@@ -1,0 +1,81 @@
+"""frontend.tokenizer (torch-free) must agree with transformers' AutoTokenizer on the same folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fake_engine import write_fake_model
+
+from frontend.tokenizer import TemplateError, Tokenizer
+
+SMOLLM2_DIR = Path.home() / ".cache/tokenloom/models/SmolLM2-135M-Instruct"
+TEXTS = ["Hello world, how are you today?", "  leading spaces\nand lines\n", "你好，世界 😀 café",
+         "<|im_start|>user\nhi<|im_end|>"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"},
+     {"role": "assistant", "content": "Because."}, {"role": "user", "content": "Ok 😀"}],
+]
+
+
+@pytest.fixture(scope="module", params=["fake", "smollm2"])
+def folder(request, tmp_path_factory) -> Path:
+    if request.param == "fake":
+        return write_fake_model(tmp_path_factory.mktemp("fake-model"))
+    if not (SMOLLM2_DIR / "tokenizer.json").exists():
+        pytest.skip(f"SmolLM2 not converted at {SMOLLM2_DIR}")
+    return SMOLLM2_DIR
+
+
+@pytest.fixture(scope="module")
+def pair(folder):
+    from transformers import AutoTokenizer  # the reference; the test process may import torch
+
+    return Tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(pair, text):
+    ours, reference = pair
+    ids = ours.encode(text)
+    assert ids == reference.encode(text)
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    assert ours.convert_ids_to_tokens(ids) == reference.convert_ids_to_tokens(ids)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(pair, messages, add_generation_prompt):
+    ours, reference = pair
+    text = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(messages, add_generation_prompt) == text
+    assert ours.encode_chat(messages, add_generation_prompt) == reference.encode(text, add_special_tokens=False)
+
+
+def test_special_tokens(pair):
+    ours, reference = pair
+    assert ours.eos_token_id == reference.eos_token_id
+    assert set(ours.all_special_ids) >= {reference.eos_token_id}
+    assert ours.vocab_size == len(reference)
+
+
+def test_template_errors(tmp_path):
+    folder = write_fake_model(tmp_path / "model")
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{{ raise_exception('only user messages') }}"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(TemplateError, match="only user messages"):
+        Tokenizer(folder).apply_chat_template([{"role": "user", "content": "x"}])
+    del config["chat_template"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(TemplateError, match="no chat template"):
+        Tokenizer(folder).encode_chat([{"role": "user", "content": "x"}])
+
+
+def test_folder_without_tokenizer_json_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer(tmp_path)
