@@ -53,11 +53,13 @@ class BlockManager:
             self.ref_counts[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
+        # Checked whole before anything changes, so a bad call leaves the pool as it was.
+        for block_id in set(block_ids):
+            if self.ref_counts[block_id] < block_ids.count(block_id):
+                raise RuntimeError(f"block {block_id} freed twice: more often than it is held")
         # Freed in reverse so a sequence's tail blocks, the least likely to be
         # shared, are reused last: cheap locality for prefix caching later.
         for block_id in reversed(block_ids):
-            if self.ref_counts[block_id] < 1:
-                raise RuntimeError(f"block {block_id} freed twice")
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_block_ids.append(block_id)

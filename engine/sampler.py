@@ -85,8 +85,10 @@ class Sampler:
         if batch.needs_top_p:
             probs = sorted_logits.softmax(dim=-1)
             # Drop a token once the mass before it already reaches top_p; the first always stays.
+            # Rows with top_p 1 drop nothing: float32 cumsum reaches 1.0 before the tail ends.
             mass_before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(mass_before >= batch.top_ps.unsqueeze(1), float("-inf"))
+            top_ps = batch.top_ps.unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill((mass_before >= top_ps) & (top_ps < 1.0), float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
     @staticmethod
