@@ -46,8 +46,10 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.model = load_model(model_config, self.dtype, self.device, config.load_format)
         self.backend = get_attention_backend(config.attention_backend, self.device.type)
-        shape = (num_kv_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        # [num_blocks, block_size, num_kv_heads, head_dim] per layer, for K and for V
+        # One K and one V tensor per layer, in the backend's block layout.
+        shape = self.backend.kv_cache_shape(
+            num_kv_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim
+        )
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(model_config.num_layers)

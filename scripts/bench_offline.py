@@ -111,6 +111,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
+        dtype=args.dtype,
     )
     prompts = [r.prompt_token_ids for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
@@ -161,7 +162,7 @@ def run_hf(workload: list[WorkloadRequest], args, model_path: str) -> ModeResult
         def end(self) -> None:
             pass
 
-    device, dtype = resolve_device_and_dtype(EngineConfig(model=args.model))
+    device, dtype = resolve_device_and_dtype(EngineConfig(model=args.model, dtype=args.dtype))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_token_id = tokenizer.pad_token_id
@@ -290,6 +291,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from the engine's memory budget")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="every mode's weights and activations (default: the engine's, fp32 on the CPU)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads for every mode")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="writes PREFIX_occupancy.png and PREFIX_latency.png")

@@ -7,9 +7,11 @@ token j of sequence i sits at position seq_lens[i] - query_len_i + j and attends
 causally to context positions 0..that position. A decode is a query_len of 1, a
 prefill chunk a longer one: no special case.
 
-KV cache layout, per layer (one tensor for K, one for V):
-    [num_blocks, block_size, num_kv_heads, head_dim]
-Token t of sequence i lives in block block_tables[i, t // block_size] at offset
+KV cache: one tensor for K and one for V per layer, each a pool of blocks whose
+layout the backend chooses (`backend.kv_cache_shape`): the Triton kernels use
+[num_blocks, block_size, num_kv_heads, head_dim], the torch path keeps blocks
+head-major, [num_blocks, num_kv_heads, block_size, head_dim]. Either way, token
+t of sequence i lives in block block_tables[i, t // block_size] at offset
 t % block_size, i.e. flat slot block_id * block_size + offset.
 """
 

@@ -1,10 +1,14 @@
 """Paged attention in plain torch: the CPU path and the reference for the Triton kernels.
 
+This backend keeps each block head-major, [num_blocks, num_kv_heads, block_size,
+head_dim], so a gathered block is already laid out for the batched matmuls
+(keys are used transposed through BLAS, with no copy).
+
 Sequences with one query token (decodes) are done together, block by block,
 as PagedAttention does: each block's scores come from one batched matmul
 against its owner's query, and the softmax is combined across a sequence's
-blocks with segment max/sum. Work is proportional to the blocks actually held,
-never to the longest sequence in the batch. Sequences with several query
+blocks with a segment max and sum. Work is proportional to the blocks actually
+held, never to the longest sequence in the batch. Sequences with several query
 tokens (prefill chunks) gather their blocks and run causal SDPA, one call each.
 """
 
@@ -32,7 +36,7 @@ class _PrefillSeq:
     query_end: int
     seq_len: int
     block_ids: torch.Tensor  # [num_blocks]
-    mask: torch.Tensor | None  # [query_len, seq_len] bool, None when plain causal or a single row
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, None when plainly causal
 
 
 class TorchAttentionBackend:
@@ -43,11 +47,18 @@ class TorchAttentionBackend:
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillSeq] = []
 
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        # key, value: [num_tokens, num_kv_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+        # key, value: [num_tokens, num_kv_heads, head_dim]; caches [num_blocks, num_kv_heads, block_size, head_dim]
+        block_size = k_cache.shape[2]
+        block_ids = slot_mapping // block_size
+        offsets = slot_mapping % block_size
+        # Two advanced indices around a slice: the token dimension comes first, matching key.
+        k_cache[block_ids, :, offsets] = key
+        v_cache[block_ids, :, offsets] = value
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         """Work out, once per step, what every layer's forward reuses."""
@@ -88,7 +99,7 @@ class TorchAttentionBackend:
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape
         if metadata is not self._metadata:
-            self.prepare(metadata, k_cache.shape[1])
+            self.prepare(metadata, k_cache.shape[2])
         out = torch.empty_like(query)
         if self._decode is not None:
             out[self._decode.rows] = self._decode_attention(query[self._decode.rows], k_cache, v_cache, scale)
@@ -98,14 +109,17 @@ class TorchAttentionBackend:
             )
         return out
 
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+        num_kv_heads, head_dim = cache.shape[1], cache.shape[3]
+        blocks = cache[block_ids].transpose(0, 1)  # [num_kv_heads, num_blocks, block_size, head_dim]
+        return blocks.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]  # [num_kv_heads, seq_len, head_dim]
+
     def _prefill_attention(self, query, k_cache, v_cache, seq: _PrefillSeq, scale: float) -> torch.Tensor:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k = k_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[: seq.seq_len]  # [seq_len, num_kv_heads, head_dim]
-        v = v_cache[seq.block_ids].view(-1, num_kv_heads, head_dim)[: seq.seq_len]
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0),  # [1, num_heads, query_len, head_dim]
-            k.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, seq_len, head_dim]
-            v.transpose(0, 1).unsqueeze(0),
+            self._gather(k_cache, seq.block_ids, seq.seq_len).unsqueeze(0),  # [1, num_kv_heads, seq_len, head_dim]
+            self._gather(v_cache, seq.block_ids, seq.seq_len).unsqueeze(0),
             attn_mask=seq.mask,
             is_causal=seq.mask is None,
             scale=scale,
@@ -116,14 +130,12 @@ class TorchAttentionBackend:
     def _decode_attention(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
         plan = self._decode
         num_seqs, num_heads, head_dim = query.shape
-        num_kv_heads = k_cache.shape[2]
+        num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
-        # Gathering through permuted views transposes in the same pass as the gather,
-        # leaving both operands laid out for the batched matmuls below.
-        k = k_cache.permute(0, 2, 3, 1)[plan.block_ids]  # [num_blocks, num_kv_heads, head_dim, block_size]
-        v = v_cache.permute(0, 2, 1, 3)[plan.block_ids]  # [num_blocks, num_kv_heads, block_size, head_dim]
+        k = k_cache.index_select(0, plan.block_ids)  # [num_blocks, num_kv_heads, block_size, head_dim]
+        v = v_cache.index_select(0, plan.block_ids)
         q = query.view(num_seqs, num_kv_heads, group, head_dim)[plan.owners]  # [num_blocks, num_kv_heads, group, head_dim]
-        scores = torch.matmul(q, k).float() * scale  # [num_blocks, num_kv_heads, group, block_size]
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [num_blocks, num_kv_heads, group, block_size]
         scores.masked_fill_(~plan.valid[:, None, None, :], float("-inf"))
         # Softmax across each sequence's blocks: a segment max, then a segment sum.
         block_max = scores.amax(-1)  # [num_blocks, num_kv_heads, group]

@@ -25,6 +25,10 @@ class TritonAttentionBackend:
         # None lets the decode kernel pick split-K per batch; tests pin it.
         self.num_splits = num_splits
 
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
     def store_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
