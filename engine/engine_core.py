@@ -49,7 +49,11 @@ class EngineCore:
         )
         self.num_kv_blocks = num_kv_blocks
         # A sequence must fit in the whole pool by itself, or preemption could not save it.
-        limit = min(self.model_config.max_position_embeddings, num_kv_blocks * config.block_size)
+        limit = min(
+            self.model_config.max_position_embeddings,
+            num_kv_blocks * config.block_size,
+            self.model_config.sliding_window or self.model_config.max_position_embeddings,
+        )
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.model_runner = ModelRunner(config, self.model_config, num_kv_blocks)
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)

@@ -29,6 +29,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    # Within the window, sliding-window attention equals full attention, so the
+    # engine caps the context at the window instead of implementing it.
+    sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -58,6 +61,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama-style configs say so explicitly.
             attention_bias=bool(cfg.get("attention_bias", architectures[0] == "Qwen2ForCausalLM")),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             eos_token_ids=_read_eos_token_ids(path, cfg),
         )
 
