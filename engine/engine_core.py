@@ -55,7 +55,7 @@ class EngineCore:
             self.model_config.sliding_window or self.model_config.max_position_embeddings,
         )
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.model_runner = ModelRunner(config, self.model_config, num_kv_blocks)
+        self.model_runner = ModelRunner(config, self.model_config, num_kv_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)
         scheduler_class = StaticScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_class(

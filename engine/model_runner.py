@@ -13,6 +13,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import CudaGraphRunner
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.request import Request
@@ -37,7 +38,7 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int) -> None:
         self.config = config
         self.model_config = model_config
         self.device, self.dtype = resolve_device_and_dtype(config)
@@ -57,12 +58,21 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.generators: dict[str, torch.Generator] = {}
         logger.info("KV pool: %d blocks of %d tokens on %s", num_kv_blocks, config.block_size, self.device)
+        # Decode steps replay CUDA graphs sized for the longest sequence.
+        self.cuda_graphs = CudaGraphRunner(
+            self.model, self.kv_caches, self.backend, device=self.device, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, enforce_eager=config.enforce_eager,
+        )
+        self.cuda_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the model on the step's flat batch; return a new token for each request that reached its end."""
         input_ids, positions, metadata, sample_rows, sampled_requests = self._prepare_inputs(scheduler_output)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)  # [num_tokens, hidden_size]
+        if self.cuda_graphs.can_run(metadata):
+            hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden_size]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)  # [num_tokens, hidden_size]
         if not sampled_requests:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab_size]
