@@ -4,54 +4,68 @@
     POST /v1/completions         OpenAI completions (SSE when "stream": true)
     POST /v1/chat/completions    OpenAI chat completions
     GET  /v1/models              the served model
-    GET  /health                 200, or 503 once an engine core is dead
+    GET  /health                 200; 503 while an engine core is dead or the server is draining
     GET  /metrics                Prometheus text
     GET  /openapi.json           the schema
 
 Errors are always `{"error": {"message", "type", "code"}}`: 400 bad input, 401 bad
-key, 503 engine dead. Run: `python -m frontend.api_server --model PATH --port 8000`.
+key, 404 unknown model, 413 body too large, 429 too many concurrent requests, 503
+engine dead or shutting down (limits and flags: frontend/RELIABILITY.md).
+On SIGTERM the server drains: no new requests, running ones get --shutdown-timeout
+seconds to finish, the rest are failed, the cores are shut down, exit code 0.
+Run: `python -m frontend.api_server --model PATH --port 8000`.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
+import asyncio
 import logging
 import signal
 import sys
 import time
+from typing import TypeVar
 
+import pydantic_core
 import uvicorn
 import uvloop
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from frontend.admission import Admission, AdmissionConfig, AdmissionMiddleware
 from frontend.engine_client import AsyncEngineClient
 from frontend.engine_connection import EngineStartError
-from frontend.errors import AuthenticationError, EngineDeadError, FrontendError, InvalidRequestError
+from frontend.errors import (
+    EngineDeadError, FrontendError, InvalidRequestError, ModelNotFoundError, ShuttingDownError,
+)
 from frontend.local_socket import LocalSocketServer
 from frontend.metrics import CONTENT_TYPE
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerateBody
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion, generate
-from frontend.server_args import engine_client_config, make_parser
+from frontend.server_args import admission_config, engine_client_config, make_parser
 
 logger = logging.getLogger(__name__)
 
 TIMEOUT_KEEP_ALIVE_S = 5
+DRAIN_BACKSTOP_S = 5.0  # uvicorn cancels what is left this long after our own grace
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-def build_app(client: AsyncEngineClient, api_key: str | None = None) -> FastAPI:
+def build_app(client: AsyncEngineClient, admission: Admission | None = None) -> FastAPI:
     app = FastAPI(title="tokenloom", summary="OpenAI-compatible LLM inference server")
+    admission = admission or Admission(AdmissionConfig())
     app.state.client = client
+    app.state.admission = admission
     created = int(time.time())
-    auth = [Depends(_make_key_check(api_key))] if api_key else []
 
     @app.get("/health")
     async def health() -> Response:
+        if admission.is_draining:
+            return _error_response(ShuttingDownError("the server is shutting down"))
         if not client.is_healthy:
             return _error_response(EngineDeadError(f"the engine is not available: {client.dead_reason}"))
         return Response(status_code=200)
@@ -60,41 +74,73 @@ def build_app(client: AsyncEngineClient, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         return PlainTextResponse(client.metrics.render(client.stats(), client.is_healthy), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": client.model_name, "object": "model", "created": created, "owned_by": "tokenloom",
                 "root": client.model_folder, "max_model_len": client.max_model_len}
         return {"object": "list", "data": [card]}
 
-    # vLLM's /generate reads JSON whatever the Content-Type (its curl examples send none),
-    # so this route parses the body itself instead of letting FastAPI insist on the header.
-    generate_schema = {"requestBody": {"required": True,
-                                       "content": {"application/json": {"schema": GenerateBody.model_json_schema()}}}}
-
-    @app.post("/generate", dependencies=auth, openapi_extra=generate_schema)
+    # Each route parses its body itself (read_body) so every way a body can be wrong gets
+    # its own 400 message; vLLM's /generate also reads JSON whatever the Content-Type.
+    @app.post("/generate", openapi_extra=_body_schema(GenerateBody))
     async def generate_route(raw_request: Request) -> Response:
-        try:
-            body = GenerateBody.model_validate_json(await raw_request.body())
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
-        return await generate(body, raw_request, client)
+        return await generate(await read_body(raw_request, GenerateBody), raw_request, client)
 
-    @app.post("/v1/completions", dependencies=auth)
-    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(raw_request: Request) -> Response:
+        body = await read_body(raw_request, CompletionRequest)
+        _check_model(client, body.model)
         return await create_completion(body, raw_request, client)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(raw_request: Request) -> Response:
+        body = await read_body(raw_request, ChatCompletionRequest)
+        _check_model(client, body.model)
         return await create_chat_completion(body, raw_request, client)
 
     app.add_exception_handler(FrontendError, _on_frontend_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_middleware(AdmissionMiddleware, admission=admission)
     return app
 
 
+def _body_schema(model: type[BaseModel]) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+async def read_body(raw_request: Request, model: type[BodyT]) -> BodyT:
+    """Parse the JSON body into `model`; each kind of bad body raises its own 400."""
+    raw = await raw_request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        # jiter also refuses lone surrogate escapes (no tokenizer takes them) and deep nesting.
+        obj = pydantic_core.from_json(text, allow_inf_nan=False)
+    except ValueError as e:
+        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError(f"the request body must be a JSON object, got {_json_type(obj)}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
+
+
+def _json_type(obj) -> str:
+    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if obj is None else names.get(type(obj), type(obj).__name__)
+
+
+def _check_model(client: AsyncEngineClient, model: str | None) -> None:
+    if model is not None and model != client.model_name:
+        raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves `{client.model_name}`.")
+
+
 def _error_response(error: FrontendError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status_code)
+    return JSONResponse(error.to_dict(), status_code=error.status_code, headers=error.headers)
 
 
 async def _on_frontend_error(request: Request, exc: FrontendError) -> JSONResponse:
@@ -116,32 +162,65 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
-def _make_key_check(api_key: str):
-    expected = f"Bearer {api_key}".encode()
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, plus: the first SIGTERM/SIGINT starts our drain before uvicorn's own shutdown.
 
-    async def check_api_key(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise AuthenticationError("invalid or missing API key")
+    uvicorn then closes its listening socket (new connections are refused) and waits for
+    open responses; our drain fails whatever still runs once the grace is over, so the
+    clients get an error event instead of a cut connection.
+    """
 
-    return check_api_key
+    def __init__(self, config: uvicorn.Config, on_first_signal):
+        super().__init__(config)
+        self.on_first_signal = on_first_signal
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            self.on_first_signal(sig)
+        super().handle_exit(sig, frame)
+
+
+async def _drain(client: AsyncEngineClient, admission: Admission, grace_s: float) -> None:
+    """Wait up to grace_s for the requests in flight, then fail the rest (they are aborted in the cores)."""
+    deadline = time.monotonic() + grace_s
+    while (client.num_in_flight or admission.num_active) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if client.num_in_flight:
+        logger.warning("shutdown grace of %.0f s is over: aborting %d requests", grace_s, client.num_in_flight)
+        client.fail_all(ShuttingDownError("the server shut down before this request finished"))
 
 
 async def run_frontend(args: argparse.Namespace) -> None:
-    """Start the cores, serve HTTP (and the local socket) until a signal, then shut the cores down."""
+    """Start the cores, serve HTTP (and the local socket) until a signal, drain, then shut the cores down."""
+    admission = Admission(admission_config(args))
     client = await AsyncEngineClient.start(engine_client_config(args))
     local_server = None
+    drain_tasks = []
     try:
         if args.client_socket:
             local_server = LocalSocketServer(client, args.client_socket, allow_remote=args.allow_remote)
-        config = uvicorn.Config(build_app(client, args.api_key), host=args.host, port=args.port, loop="uvloop",
-                                http="httptools", log_level=args.log_level, timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S)
+        loop = asyncio.get_running_loop()
+
+        def start_drain(signum: int) -> None:
+            logger.info("signal %d: draining (grace %.0f s)", signum, args.shutdown_timeout)
+            drain_tasks.append(loop.create_task(_drain(client, admission, args.shutdown_timeout)))
+
+        def on_first_signal(signum: int) -> None:  # runs in a signal handler: hand the rest to the loop
+            admission.is_draining = True
+            loop.call_soon_threadsafe(start_drain, signum)
+
+        # uvicorn's own timeout is a backstop: by then our drain has ended every request.
+        config = uvicorn.Config(build_app(client, admission), host=args.host, port=args.port, loop="uvloop",
+                                http="httptools", log_level=args.log_level, timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
+                                timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_BACKSTOP_S)
         # uvicorn re-raises the signal that stopped it once serve() returns; with these
         # handlers that is a no-op, so the finally below still shuts the cores down.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: logger.info("signal %d: shutting down", signum))
-        await uvicorn.Server(config).serve()
+            signal.signal(sig, lambda signum, frame: logger.debug("signal %d: already shut down", signum))
+        await _DrainingServer(config, on_first_signal).serve()
     finally:
+        for task in drain_tasks:
+            task.cancel()
         if local_server is not None:
             await local_server.close()
         await client.shutdown()

@@ -16,6 +16,7 @@ import os
 import sys
 
 from frontend.server_args import DEFAULT_MODEL, add_server_args
+from ipc.sockets import check_bind_address
 
 ENGINE_MODULE = "engine.core_process"
 
@@ -29,6 +30,11 @@ def run_serve(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
 
 
 def run_engine(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> None:
+    # Checked here too so a refused address fails at once, before the core loads torch and the model.
+    try:
+        check_bind_address(args.listen, allow_remote="--allow-remote" in extra)
+    except ValueError as e:
+        parser.error(str(e).replace("allow_remote=True", "--allow-remote"))
     # Everything not parsed here (--max-num-seqs, --allow-remote, ...) is the core's to check.
     command = [sys.executable, "-m", ENGINE_MODULE, "--model", args.model, "--address", args.listen,
                "--engine-id", str(args.engine_id), *extra]

@@ -9,7 +9,9 @@
 HTTP layer can answer 400), then hands back a `RequestStream` of `RequestDelta`s.
 Closing it, or cancelling a read from it, aborts whatever is still running. A core that
 dies fails every request on it with `EngineDeadError` and marks the client unhealthy:
-nothing waits on a dead core.
+nothing waits on a dead core. With `restart_engine`, a dead local core is replaced by a
+fresh one (without the first start's test-only fault flags) and the client is healthy
+again once it is ready.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import zmq
 import zmq.asyncio
 
-from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection
+from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection, EngineStartError
 from frontend.errors import EngineDeadError, FrontendError, InvalidRequestError, RequestFailedError
 from frontend.metrics import FrontendMetrics
 from frontend.request_state import RequestState, RequestStream
@@ -34,7 +36,10 @@ from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 128  # choices per request: each one is a full engine request
+MAX_N = 128  # choices per prompt: each one is a full engine request
+MAX_CHOICES = 1024  # prompts x n in one request: bounds what one HTTP body can put in the cores
+# A dead core's restarts: the wait before each try; once every try has failed it stays dead.
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)
 
 
 @dataclass
@@ -46,6 +51,8 @@ class EngineClientConfig:
     engine_args: list[str] = field(default_factory=list)  # passed through to local cores
     engine_command: tuple[str, ...] = DEFAULT_ENGINE_COMMAND  # tests swap in a fake core
     ready_timeout_s: float = 600.0  # model loading on a cold cache takes minutes
+    restart_engine: bool = False  # replace a local core that dies instead of staying down
+    first_start_args: list[str] = field(default_factory=list)  # test hooks (fault injection): first start only
 
 
 class AsyncEngineClient:
@@ -65,7 +72,9 @@ class AsyncEngineClient:
         self.is_healthy = False
         self.dead_reason: str | None = "the engines are not ready yet"
         self._states: dict[str, RequestState] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._engine_tasks: dict[int, list[asyncio.Task]] = {}  # per core: its output pump and death watch
+        self._restart_tasks: set[asyncio.Task] = set()
+        self._is_shutting_down = False
         self._num_routed = 0  # rotates ties between equally loaded cores
 
     @classmethod
@@ -89,14 +98,20 @@ class AsyncEngineClient:
         else:
             for i in range(config.num_local_engines):
                 self.engines.append(await EngineConnection.start_local(
-                    i, self.ctx, self.model_folder, config.engine_args, config.engine_command))
+                    i, self.ctx, self.model_folder, [*config.engine_args, *config.first_start_args],
+                    config.engine_command))
         readies = await asyncio.gather(*(e.handshake(self.frontend_id, config.ready_timeout_s) for e in self.engines))
         self.max_model_len = min(r.max_model_len for r in readies)
         self.vocab_size = min([self.vocab_size, *(r.vocab_size for r in readies if r.vocab_size)])
         for engine in self.engines:
-            self._tasks.append(asyncio.create_task(self._pump_outputs(engine), name=f"pump-{engine.index}"))
-            self._tasks.append(asyncio.create_task(self._watch(engine), name=f"watch-{engine.index}"))
+            self._start_engine_tasks(engine)
         self.is_healthy, self.dead_reason = True, None
+
+    def _start_engine_tasks(self, engine: EngineConnection) -> None:
+        self._engine_tasks[engine.index] = [
+            asyncio.create_task(self._pump_outputs(engine), name=f"pump-{engine.index}"),
+            asyncio.create_task(self._watch(engine), name=f"watch-{engine.index}"),
+        ]
 
     # ------------------------------------------------------------ requests
 
@@ -118,6 +133,9 @@ class AsyncEngineClient:
         # Per prompt: a missing max_tokens becomes "up to the context length" for that prompt.
         params_list = [self._check_request(prompt_token_ids, params, n) for prompt_token_ids in prompt_ids_list]
         num_choices = len(prompts) * n
+        if num_choices > MAX_CHOICES:
+            raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), "
+                                      f"this one asks for {num_choices}")
         request_ids = [request_id] if num_choices == 1 else [f"{request_id}-{k}" for k in range(num_choices)]
         if any(rid in self._states for rid in request_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -270,6 +288,43 @@ class AsyncEngineClient:
         logger.error("%s; failing its %d in-flight requests", reason, engine.num_in_flight)
         for request_id in list(engine.request_ids):
             self._fail(self._states[request_id], EngineDeadError(reason))
+        if self.config.restart_engine and engine.process is not None and not self._is_shutting_down:
+            task = asyncio.create_task(self._restart(engine), name=f"restart-{engine.index}")
+            self._restart_tasks.add(task)
+            task.add_done_callback(self._restart_tasks.discard)
+
+    async def _restart(self, dead: EngineConnection) -> None:
+        """Replace a dead local core with a fresh one in the same slot; healthy again once every core is."""
+        index = dead.index
+        tasks = self._engine_tasks.pop(index, [])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await dead.close()
+        for attempt, backoff_s in enumerate(RESTART_BACKOFF_S, 1):
+            await asyncio.sleep(backoff_s)
+            logger.warning("restarting engine %d (try %d of %d)", index, attempt, len(RESTART_BACKOFF_S))
+            engine = None
+            try:
+                engine = await EngineConnection.start_local(index, self.ctx, self.model_folder, self.config.engine_args,
+                                                            self.config.engine_command)
+                await engine.handshake(self.frontend_id, self.config.ready_timeout_s)
+            except (EngineStartError, OSError) as e:
+                logger.error("engine %d did not restart: %s", index, e)
+                if engine is not None:
+                    await engine.close()
+                continue
+            except BaseException:  # cancelled by shutdown: do not leave the new core behind
+                if engine is not None:
+                    await engine.close()
+                raise
+            self.engines[index] = engine
+            self._start_engine_tasks(engine)
+            if all(e.is_alive for e in self.engines):
+                self.is_healthy, self.dead_reason = True, None
+            logger.warning("engine %d restarted; serving again", index)
+            return
+        logger.error("engine %d failed to restart %d times; staying down", index, len(RESTART_BACKOFF_S))
 
     # ------------------------------------------------------------ state and shutdown
 
@@ -285,12 +340,24 @@ class AsyncEngineClient:
     def num_in_flight(self) -> int:
         return len(self._states)
 
+    def fail_all(self, error: FrontendError) -> None:
+        """Fail every request in flight with `error` and abort them in their cores (shutdown grace is over)."""
+        request_ids_by_engine = defaultdict(list)
+        for state in list(self._states.values()):
+            request_ids_by_engine[state.engine_index].append(state.request_id)
+            self._fail(state, error)
+        for engine_index, request_ids in request_ids_by_engine.items():
+            if self.engines[engine_index].is_alive:
+                self.engines[engine_index].send(AbortRequests(request_ids))
+
     async def shutdown(self) -> None:
-        """Stop the pumps, shut local cores down, fail whatever is still waiting."""
+        """Stop the pumps and restarts, shut local cores down, fail whatever is still waiting."""
+        self._is_shutting_down = True
         self.is_healthy, self.dead_reason = False, "the server is shutting down"
-        for task in self._tasks:
+        tasks = [*self._restart_tasks, *(t for engine_tasks in self._engine_tasks.values() for t in engine_tasks)]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         # Close first: a remote core's close aborts the requests still listed on it.
         await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)
         for state in list(self._states.values()):

@@ -57,7 +57,9 @@ class EngineConnection:
         command = [*engine_command, "--model", model, "--address", address, "--engine-id", str(index),
                    "--parent-pid", str(os.getpid()), *engine_args]
         logger.info("starting engine core %d: %s", index, " ".join(command))
-        process = await asyncio.create_subprocess_exec(*command)
+        # Its own session: a Ctrl-C to the terminal's process group reaches only us, and we drain
+        # before we shut the core down. Our death still reaches it (PDEATHSIG, parent-pid check).
+        process = await asyncio.create_subprocess_exec(*command, start_new_session=True)
         return cls(index, address, ctx, process)
 
     @property
@@ -87,6 +89,7 @@ class EngineConnection:
             waiter.cancel()
         if ready_waiter in done:
             self.ready = ready_waiter.result()  # re-raises a fatal EngineError as EngineStartError
+            self.stats = SchedulerStats(num_kv_blocks_free=self.ready.num_kv_blocks)  # until its first step
             logger.info("engine %d ready at %s: %s", self.index, self.address, self.ready)
             return self.ready
         if done:

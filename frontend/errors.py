@@ -1,6 +1,8 @@
 """Typed frontend errors; the HTTP layer maps each to a status code and an OpenAI-style body.
 
     {"error": {"message": "...", "type": "invalid_request_error", "code": 400}}
+
+`code` is the HTTP status, except where OpenAI names the error (`model_not_found`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ class FrontendError(Exception):
 
     status_code = 500
     error_type = "internal_server_error"
+    code: int | str | None = None  # None: the status code
+    headers: dict[str, str] | None = None  # extra response headers
 
     def to_dict(self) -> dict:
-        return {"error": {"message": str(self), "type": self.error_type, "code": self.status_code}}
+        code = self.status_code if self.code is None else self.code
+        return {"error": {"message": str(self), "type": self.error_type, "code": code}}
 
 
 class InvalidRequestError(FrontendError):
@@ -28,11 +33,39 @@ class AuthenticationError(FrontendError):
     error_type = "authentication_error"
 
 
+class ModelNotFoundError(FrontendError):
+    """The `model` field names a model this server does not serve (OpenAI's and vLLM's 404)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class RequestTooLargeError(FrontendError):
+    """The body is over --max-request-bytes; the connection is closed rather than read to the end."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+    headers = {"connection": "close"}
+
+
+class ServerBusyError(FrontendError):
+    """--max-concurrent-requests are already being served; the client may retry."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    headers = {"retry-after": "1"}
+
+
 class EngineDeadError(FrontendError):
     """An engine core died; in-flight requests on it fail and the frontend stops taking new ones."""
 
     status_code = 503
     error_type = "service_unavailable"
+
+
+class ShuttingDownError(EngineDeadError):
+    """The server got SIGTERM: it takes no new requests, and ends those still running after the grace."""
 
 
 class RequestFailedError(FrontendError):

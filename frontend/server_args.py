@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 
+from frontend.admission import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, AdmissionConfig
 from frontend.engine_client import EngineClientConfig
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
 
 DEFAULT_MODEL = "smollm2"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+API_KEY_ENV = "TOKENLOOM_API_KEY"
 # Engine-core flags passed through unchanged to locally started cores; the core validates them.
 ENGINE_PASS_THROUGH_ARGS = (
     ("--max-num-seqs", int, "most requests in one batch"),
@@ -29,19 +33,31 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--data-parallel", type=int, default=1, metavar="N", help="engine cores to start locally")
     parser.add_argument("--engine", action="extend", nargs="+", default=[], metavar="ADDR",
                         help="connect to running cores (tcp://host:port or ipc://path) instead of starting any")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /generate")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* and /generate (default: ${API_KEY_ENV})")
     parser.add_argument("--client-socket", metavar="ADDR",
                         help="also serve GenerateRequest over a ZeroMQ ROUTER at ADDR (see frontend/PROTOCOL.md)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--engine-ready-timeout", type=float, default=600.0, metavar="S",
                         help="seconds to wait for each core's EngineReady")
+    limits = parser.add_argument_group("limits and faults")
+    limits.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                        help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
+    limits.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS, metavar="N",
+                        help=f"API requests served at once; more get 429 (default: {DEFAULT_MAX_CONCURRENT_REQUESTS})")
+    limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+                        help="on SIGTERM, seconds running requests get to finish before they are aborted "
+                             f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
+    limits.add_argument("--restart-engine", action="store_true",
+                        help="start a fresh core when a local one dies, instead of staying down (503)")
     group = parser.add_argument_group("engine core", "passed through to the cores this server starts")
     for flag, flag_type, help_text in ENGINE_PASS_THROUGH_ARGS:
         group.add_argument(flag, type=flag_type, help=help_text)
     group.add_argument("--allow-remote", action="store_true",
                        help="let cores and --client-socket bind non-loopback tcp addresses")
-    # Tests swap the core for tests/fake_engine.py; not for users.
+    # Tests swap the core for tests/fake_engine.py, and make it fail; not for users.
     parser.add_argument("--engine-command", help=argparse.SUPPRESS)
+    parser.add_argument("--inject-fault-at-step", type=int, help=argparse.SUPPRESS)  # first start of each core only
     return parser
 
 
@@ -65,6 +81,11 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         raise ValueError("--data-parallel must be at least 1")
     if args.engine and args.data_parallel != 1:
         raise ValueError("--data-parallel starts local cores; with --engine, list every core's address instead")
+    if args.engine and args.restart_engine:
+        raise ValueError("--restart-engine restarts the cores this server starts; it cannot be used with --engine")
+    first_start_args = []
+    if args.inject_fault_at_step is not None:
+        first_start_args = ["--inject-fault-at-step", str(args.inject_fault_at_step)]
     return EngineClientConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -73,4 +94,14 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         engine_args=engine_args_from(args),
         engine_command=tuple(shlex.split(args.engine_command)) if args.engine_command else DEFAULT_ENGINE_COMMAND,
         ready_timeout_s=args.engine_ready_timeout,
+        restart_engine=args.restart_engine,
+        first_start_args=first_start_args,
     )
+
+
+def admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    if args.max_request_bytes < 1 or args.max_concurrent_requests < 1:
+        raise ValueError("--max-request-bytes and --max-concurrent-requests must be at least 1")
+    if args.shutdown_timeout < 0:
+        raise ValueError("--shutdown-timeout must not be negative")
+    return AdmissionConfig(args.api_key or None, args.max_request_bytes, args.max_concurrent_requests)

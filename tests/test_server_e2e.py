@@ -26,7 +26,8 @@ REAL_ENGINE = f"{sys.executable} -m engine.core_process"
 
 @pytest.fixture(scope="module")
 def server(default_model_path):
-    with FrontendServer(Path(default_model_path), "--engine-command", REAL_ENGINE, "--max-num-seqs", "64") as s:
+    with FrontendServer(Path(default_model_path), "--engine-command", REAL_ENGINE, "--max-num-seqs", "64",
+                        "--served-model-name", "smollm2") as s:
         s.start_time = time.time()
         yield s
 
