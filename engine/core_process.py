@@ -52,7 +52,6 @@ class EngineCoreProcess:
         self.frontend_identity: bytes | None = None
         self.should_exit = False
         self.num_steps = 0
-        self.fault_at_step: int | None = None  # test hook: raise inside step number N
         self.handlers = {
             Hello: self._on_hello,
             AddRequest: self._on_add_request,
@@ -98,8 +97,6 @@ class EngineCoreProcess:
 
     def _step(self) -> None:
         self.num_steps += 1
-        if self.fault_at_step is not None and self.num_steps >= self.fault_at_step:
-            raise RuntimeError(f"injected fault at step {self.num_steps}")
         outputs = self.engine.step()
         self._send_outputs(outputs)
 
@@ -152,6 +149,18 @@ class EngineCoreProcess:
     def report_fatal(self, error: BaseException) -> None:
         self.sock.setsockopt(zmq.LINGER, FINAL_MESSAGE_LINGER_MS)
         self._send(EngineError(f"engine core failed: {error!r}", is_fatal=True, engine_id=self.engine_id))
+
+    def inject_fault(self, at_step: int) -> None:
+        """Test hook: the model's forward raises on its `at_step`-th call, as a real model bug would."""
+        num_calls = 0
+
+        def raise_at_step(module, args):
+            nonlocal num_calls
+            num_calls += 1
+            if num_calls >= at_step:
+                raise RuntimeError(f"injected fault in model forward call {num_calls}")
+
+        self.engine.model_runner.model.register_forward_pre_hook(raise_at_step)
 
     def _check_parent(self) -> None:
         if self.parent_pid and os.getppid() != self.parent_pid:
@@ -239,7 +248,8 @@ def run_engine_core(args: argparse.Namespace) -> int:
         sock.close()
         return 1
     process = EngineCoreProcess(engine, sock, args.engine_id, args.served_model_name or args.model, args.parent_pid)
-    process.fault_at_step = args.inject_fault_at_step
+    if args.inject_fault_at_step is not None:
+        process.inject_fault(args.inject_fault_at_step)
     logger.info("engine core %d ready at %s", args.engine_id, args.address)
     try:
         process.run()

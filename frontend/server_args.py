@@ -22,6 +22,12 @@ ENGINE_PASS_THROUGH_ARGS = (
     ("--max-model-len", int, "longest prompt + output, in tokens"),
     ("--batching", str, "batching policy of the core"),
     ("--attention-backend", str, "attention implementation of the core"),
+    ("--dtype", str, "weights and activations: float32 (CPU default), bfloat16 (CUDA default), float16"),
+)
+# Engine-core switches passed through when set.
+ENGINE_PASS_THROUGH_FLAGS = (
+    ("--allow-remote", "let cores and --client-socket bind non-loopback tcp addresses"),
+    ("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA graphs"),
 )
 
 
@@ -53,8 +59,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine core", "passed through to the cores this server starts")
     for flag, flag_type, help_text in ENGINE_PASS_THROUGH_ARGS:
         group.add_argument(flag, type=flag_type, help=help_text)
-    group.add_argument("--allow-remote", action="store_true",
-                       help="let cores and --client-socket bind non-loopback tcp addresses")
+    for flag, help_text in ENGINE_PASS_THROUGH_FLAGS:
+        group.add_argument(flag, action="store_true", help=help_text)
     # Tests swap the core for tests/fake_engine.py, and make it fail; not for users.
     parser.add_argument("--engine-command", help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-at-step", type=int, help=argparse.SUPPRESS)  # first start of each core only
@@ -71,8 +77,9 @@ def engine_args_from(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             engine_args += [flag, str(value)]
-    if args.allow_remote:
-        engine_args.append("--allow-remote")
+    for flag, _ in ENGINE_PASS_THROUGH_FLAGS:
+        if getattr(args, flag[2:].replace("-", "_")):
+            engine_args.append(flag)
     return engine_args
 
 
