@@ -34,7 +34,7 @@ from ipc.messages import (
     Hello,
     Shutdown,
 )
-from ipc.sockets import bind_router, send_message
+from ipc.sockets import bind_router, parse_address, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -203,63 +203,78 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        batching=args.batching,
+        attention_backend=args.attention_backend,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        load_format=args.load_format,
+    )
+
+
+def _remove_ipc_socket(address: str) -> None:
+    """Remove our ipc:// socket file, and its private directory once empty (a dead frontend cannot)."""
+    scheme, path, _ = parse_address(address)
+    if scheme != "ipc":
+        return
+    for remove in (os.unlink, lambda p: os.rmdir(os.path.dirname(p))):
+        try:
+            remove(path)
+        except OSError:
+            return
+
+
 def run_engine_core(args: argparse.Namespace) -> int:
     from engine.engine_core import EngineCore
 
     _die_with_parent()
-    # SIGTERM and SIGINT end the loop at the next iteration, not mid-step.
     process: EngineCoreProcess | None = None
 
     def request_exit(signum, frame):
-        if process is not None:
-            process.should_exit = True
-        else:
+        # SIGTERM and SIGINT end the loop at the next iteration, not mid-step.
+        if process is None:
             raise SystemExit(0)
+        process.should_exit = True
 
     signal.signal(signal.SIGTERM, request_exit)
     signal.signal(signal.SIGINT, request_exit)
-    ctx = zmq.Context()
-    sock = bind_router(ctx, args.address, allow_remote=args.allow_remote)
+    sock = bind_router(zmq.Context(), args.address, allow_remote=args.allow_remote)
     try:
-        config = EngineConfig(
-            model=args.model,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_bytes=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            batching=args.batching,
-            attention_backend=args.attention_backend,
-            device=args.device,
-            dtype=args.dtype,
-            seed=args.seed,
-            enforce_eager=args.enforce_eager,
-            load_format=args.load_format,
-        )
-        engine = EngineCore(config)
-    except Exception as e:
-        logger.exception("engine core failed to start")
-        sock.setsockopt(zmq.LINGER, FINAL_MESSAGE_LINGER_MS)
-        # Nobody may have said Hello yet: wait briefly for one so the failure is reported.
-        if sock.poll(5000, zmq.POLLIN):
-            identity = sock.recv_multipart()[0]
-            send_message(sock, EngineError(f"engine core failed to start: {e!r}", is_fatal=True, engine_id=args.engine_id), identity)
+        try:
+            engine = EngineCore(_engine_config(args))
+        except Exception as e:
+            logger.exception("engine core failed to start")
+            sock.setsockopt(zmq.LINGER, FINAL_MESSAGE_LINGER_MS)
+            # Nobody may have said Hello yet: wait briefly for one so the failure is reported.
+            if sock.poll(5000, zmq.POLLIN):
+                identity = sock.recv_multipart()[0]
+                error = EngineError(f"engine core failed to start: {e!r}", is_fatal=True, engine_id=args.engine_id)
+                send_message(sock, error, identity)
+            return 1
+        process = EngineCoreProcess(engine, sock, args.engine_id, args.served_model_name or args.model, args.parent_pid)
+        if args.inject_fault_at_step is not None:
+            process.inject_fault(args.inject_fault_at_step)
+        logger.info("engine core %d ready at %s", args.engine_id, args.address)
+        try:
+            process.run()
+        except Exception as e:
+            logger.exception("engine core failed")
+            process.report_fatal(e)
+            return 1
+        return 0
+    finally:
         sock.close()
-        return 1
-    process = EngineCoreProcess(engine, sock, args.engine_id, args.served_model_name or args.model, args.parent_pid)
-    if args.inject_fault_at_step is not None:
-        process.inject_fault(args.inject_fault_at_step)
-    logger.info("engine core %d ready at %s", args.engine_id, args.address)
-    try:
-        process.run()
-    except Exception as e:
-        logger.exception("engine core failed")
-        process.report_fatal(e)
-        sock.close()
-        return 1
-    sock.close()
-    return 0
+        _remove_ipc_socket(args.address)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -270,7 +270,9 @@ class CudaGraphRunner:
 
     def capture(self) -> None:
         if self.disabled_reason is not None:
-            logger.info("CUDA graphs off: %s", self.disabled_reason)
+            # Only news on CUDA; on the CPU graphs never apply.
+            log = logger.info if self.device.type == "cuda" else logger.debug
+            log("CUDA graphs off: %s", self.disabled_reason)
             return
         start = time.perf_counter()
         try:

@@ -6,7 +6,7 @@
 Each GenerateRequest runs as one task reading an `AsyncEngineClient` stream; the
 last GenerateOutput of a request has a finish_reason (ABORT after an abort, ERROR
 with `error` set when it failed). Request ids belong to the client, so they are
-scoped by the client's ZeroMQ identity. Framing and layouts: frontend/PROTOCOL.md.
+scoped by the client's ZeroMQ identity. Framing and layouts: the README's local-socket protocol section.
 """
 
 from __future__ import annotations
