@@ -222,16 +222,19 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _remove_ipc_socket(address: str) -> None:
-    """Remove our ipc:// socket file, and its private directory once empty (a dead frontend cannot)."""
+def _remove_ipc_socket(address: str, parent_pid: int) -> None:
+    """Remove our ipc:// socket file; when the frontend that made its private directory
+    is dead (it cannot clean up after a SIGKILL), the directory too, once empty. A live
+    frontend keeps the directory: it binds restarted cores there."""
     scheme, path, _ = parse_address(address)
     if scheme != "ipc":
         return
-    for remove in (os.unlink, lambda p: os.rmdir(os.path.dirname(p))):
-        try:
-            remove(path)
-        except OSError:
-            return
+    try:
+        os.unlink(path)
+        if parent_pid and os.getppid() != parent_pid:
+            os.rmdir(os.path.dirname(path))
+    except OSError:
+        pass
 
 
 def run_engine_core(args: argparse.Namespace) -> int:
@@ -274,7 +277,7 @@ def run_engine_core(args: argparse.Namespace) -> int:
         return 0
     finally:
         sock.close()
-        _remove_ipc_socket(args.address)
+        _remove_ipc_socket(args.address, args.parent_pid)
 
 
 def main(argv: list[str] | None = None) -> None:
