@@ -65,13 +65,17 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
 
         requests = {}
-        for prompt, params in zip(prompts, sampling_params):
-            request_id = str(next(self._request_counter))
-            if isinstance(prompt, str) and self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids or drop skip_tokenizer_init")
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.engine.add_request(request_id, token_ids, params)
-            requests[request_id] = (prompt if isinstance(prompt, str) else None, params)
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                request_id = str(next(self._request_counter))
+                if isinstance(prompt, str) and self.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer; pass token ids or drop skip_tokenizer_init")
+                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                self.engine.add_request(request_id, token_ids, params)
+                requests[request_id] = (prompt if isinstance(prompt, str) else None, params)
+        except ValueError:
+            self.engine.abort_requests(list(requests))  # all or nothing: leave no half-added batch behind
+            raise
         order = list(requests)
         finished = self._run(len(order), use_tqdm)
         return [self._to_output(finished[request_id], *requests[request_id]) for request_id in order]

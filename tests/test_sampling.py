@@ -367,3 +367,13 @@ def test_logprobs_match_transformers(tiny_llama, llm, prompts):
                 assert logprobs.top_logprobs[0] == pytest.approx(logprobs.logprob)
         if params_i.is_greedy:
             assert output.token_ids == hf_greedy(hf_model, prompt, 8)
+
+
+def test_generate_with_a_bad_prompt_adds_nothing(tiny_llama):
+    llm = LLM(tiny_llama[0], skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[1, 2, 3], []], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+    assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids) == 2
