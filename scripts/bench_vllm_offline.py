@@ -1,0 +1,111 @@
+"""bench_offline's workload through vLLM's `LLM.generate`, for scripts/bench_peers.sh.
+
+    .peers/vllm-venv/bin/python scripts/bench_vllm_offline.py --model MODEL_FOLDER \
+        --dtype float32 --json results/peers/vllm_offline.json
+
+Runs in vLLM's venv, so it imports only workload.py from this repo, never engine/.
+The prompts are the same token ids bench_offline builds (same sizes, seed and vocabulary),
+sent as TokensPrompts; every request is greedy with ignore_eos and its own max_tokens.
+One small warm-up, then the timed run. The JSON has bench_offline's layout, with one
+mode, "vllm", and its throughput keys (elapsed_s, requests_per_s, output_tokens_per_s,
+total_tokens_per_s).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+
+from workload import DISTRIBUTIONS, make_workload  # noqa: E402
+
+NUM_WARMUP_REQUESTS = 8
+WARMUP_MAX_TOKENS = 4
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a local HF folder")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    p.add_argument("--distribution", choices=DISTRIBUTIONS, default="uniform")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--enforce-eager", action="store_true", help="skip vLLM's torch.compile")
+    p.add_argument("--json", default=None, metavar="PATH")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    workload = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.distribution,
+                             args.seed, vocab_size=vocab_size)
+    prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in workload]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
+
+    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager)
+    llm.generate(prompts[:NUM_WARMUP_REQUESTS],
+                 SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+
+    output_lens = [len(o.outputs[0].token_ids) for o in outputs]
+    bad = [(i, r.max_tokens, n) for i, (r, n) in enumerate(zip(workload, output_lens)) if n != r.max_tokens]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests got the wrong output length (index, wanted, got): {bad[:5]}")
+    num_prompt = sum(r.num_prompt_tokens for r in workload)
+    num_output = sum(output_lens)
+    summary = {
+        "elapsed_s": elapsed,
+        "requests_per_s": len(workload) / elapsed,
+        "output_tokens_per_s": num_output / elapsed,
+        "total_tokens_per_s": (num_prompt + num_output) / elapsed,
+        "num_prompt_tokens": num_prompt,
+        "num_output_tokens": num_output,
+    }
+    print(f"vllm {vllm.__version__} {args.dtype}: {len(workload)} requests, {num_prompt} prompt + {num_output} "
+          f"output tokens in {elapsed:.2f} s: {summary['requests_per_s']:.2f} req/s, "
+          f"{summary['output_tokens_per_s']:.1f} out tok/s, {summary['total_tokens_per_s']:.1f} total tok/s")
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "torch_version": torch.__version__,
+            "vllm_version": vllm.__version__,
+            "torch_num_threads": torch.get_num_threads(),
+            "load_average_1m": os.getloadavg()[0],
+            "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")},
+        },
+        "results": {"vllm": summary},
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
