@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
 from engine.models import load_model
 from engine.models.config import ModelConfig
+from engine.models.cpu_packing import can_prepack
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -46,6 +47,8 @@ class ModelRunner:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.model = load_model(model_config, self.dtype, self.device, config.load_format)
+        if can_prepack(self.device, self.dtype):
+            self.model.prepack_for_cpu(batch_size_hint=config.max_num_seqs)
         self.backend = get_attention_backend(config.attention_backend, self.device.type)
         # One K and one V tensor per layer, in the backend's block layout.
         shape = self.backend.kv_cache_shape(

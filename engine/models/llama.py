@@ -69,6 +69,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None  # logits reuse the embedding matrix
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # set by prepack_for_cpu
 
     def forward(
         self,
@@ -84,8 +85,17 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_head is not None:
+            return self.logits_head(hidden)  # [num_sampled, vocab_size]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()  # [num_sampled, vocab_size]
+
+    def prepack_for_cpu(self, batch_size_hint: int) -> None:
+        """Move every matmul, the logits' too, onto oneDNN-prepacked weights."""
+        from engine.models.cpu_packing import PackedLinear, prepack_linears
+
+        prepack_linears(self, batch_size_hint)  # an untied lm_head among them
+        self.logits_head = self.lm_head or PackedLinear(self.embed_tokens.weight, None, batch_size_hint)
 
     def load_weights(self, weights) -> None:
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up as they arrive."""
