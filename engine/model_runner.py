@@ -47,6 +47,9 @@ class ModelRunner:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.model = load_model(model_config, self.dtype, self.device, config.load_format)
+        # Counted before prepacking, which turns weights into opaque oneDNN buffers.
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.num_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if can_prepack(self.device, self.dtype):
             self.model.prepack_for_cpu(batch_size_hint=config.max_num_seqs)
         self.backend = get_attention_backend(config.attention_backend, self.device.type)

@@ -157,9 +157,8 @@ def run(args: argparse.Namespace) -> dict:
     )
     engine = llm.engine
     model_config = engine.model_config
-    params = list(engine.model_runner.model.parameters())
-    num_params = sum(p.numel() for p in params)
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    num_params = engine.model_runner.num_params
+    weight_bytes = engine.model_runner.num_weight_bytes
     kv_element_size = engine.model_runner.kv_caches[0][0].element_size()
     kv_bytes = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
                                   kv_element_size)
