@@ -30,6 +30,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     enforce_eager: bool = False  # CUDA: skip CUDA graphs
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape, for timing
+    # CPU: oneDNN-prepacked matmul weights, ~2x faster steps here, but oneDNN caches a
+    # primitive (with its own memory) per distinct batch shape, so a long-running server's
+    # memory grows with the variety of its traffic. Off by default until that is bounded.
+    cpu_prepack: bool = False
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:

@@ -199,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    parser.add_argument("--cpu-prepack", action="store_true", help="CPU: oneDNN-prepacked matmul weights")
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -219,6 +220,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
+        cpu_prepack=args.cpu_prepack,
     )
 
 

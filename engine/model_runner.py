@@ -50,7 +50,7 @@ class ModelRunner:
         # Counted before prepacking, which turns weights into opaque oneDNN buffers.
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.num_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if can_prepack(self.device, self.dtype):
+        if config.cpu_prepack and can_prepack(self.device, self.dtype):
             self.model.prepack_for_cpu(batch_size_hint=config.max_num_seqs)
         self.backend = get_attention_backend(config.attention_backend, self.device.type)
         # One K and one V tensor per layer, in the backend's block layout.

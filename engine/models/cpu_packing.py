@@ -5,6 +5,11 @@ once, at load time, into the blocked layout its kernels read. On this
 project's 2-core CPU that roughly doubles the speed of the model's matmuls
 (vLLM's CPU backend does the same). The arithmetic stays fp32 (or bf16): only
 the order of summation inside each dot product changes.
+
+Opt-in (`EngineConfig.cpu_prepack`, `--cpu-prepack`): oneDNN creates and caches
+a primitive per distinct input shape, and each holds memory of its own; with
+the number of tokens per step varying freely, a long soak grew the core's RSS
+by hundreds of MB (bounded only by ONEDNN_PRIMITIVE_CACHE_CAPACITY).
 """
 
 from __future__ import annotations
