@@ -11,6 +11,20 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "0" if os.path.exists("/dev/nvidia0") else "1")
 
 
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A tokenizer-only model folder for the fake engine core (tests/fake_engine.py)."""
+    from fake_engine import write_fake_model
+
+    return write_fake_model(tmp_path_factory.mktemp("fake-model"))
+
+
+@pytest.fixture(scope="module")
+def event_log(tmp_path_factory):
+    """Where the fake core appends its 'add ID' / 'abort ID' lines."""
+    return tmp_path_factory.mktemp("events") / "events.log"
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     from engine.model_files import resolve_model

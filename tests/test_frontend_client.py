@@ -5,26 +5,15 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
-from fake_engine import FAKE_ENGINE_PATH, FrontendServer, expected_text, read_event_log, write_fake_model
+from fake_engine import FAKE_ENGINE_PATH, FrontendServer, expected_text, read_event_log
 
 from frontend.client import TokenloomClient, TokenloomError
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory) -> Path:
-    return write_fake_model(tmp_path_factory.mktemp("fake-model"))
-
-
-@pytest.fixture(scope="module")
-def event_log(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("events") / "events.log"
 
 
 @pytest.fixture(scope="module")

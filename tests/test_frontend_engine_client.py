@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_engine import FAKE_ENGINE_PATH, SCRIPT, free_port, read_event_log, start_fake_engine, write_fake_model
+from fake_engine import FAKE_ENGINE_PATH, SCRIPT, free_port, read_event_log, start_fake_engine
 
 from frontend.engine_client import AsyncEngineClient, EngineClientConfig
 from frontend.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -21,11 +21,6 @@ from ipc.messages import FinishReason
 from ipc.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory) -> Path:
-    return write_fake_model(tmp_path_factory.mktemp("fake-model"))
 
 
 def run(coro):

@@ -20,7 +20,7 @@ import pytest
 import requests
 import zmq
 from fake_engine import (
-    FAKE_ENGINE_PATH, REPO_ROOT, FrontendServer, free_port, read_event_log, subprocess_env, write_fake_model,
+    FAKE_ENGINE_PATH, REPO_ROOT, FrontendServer, free_port, read_event_log, subprocess_env,
 )
 from reliability_helpers import health, is_gone, metric, post_completion, real_server, run_streams, wait_for
 
@@ -29,11 +29,6 @@ from ipc.messages import AddRequest, EngineError, EngineOutputs, EngineReady, He
 from ipc.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory) -> Path:
-    return write_fake_model(tmp_path_factory.mktemp("fake-model"))
 
 
 def fake_core(*args: str) -> tuple[str, str]:

@@ -8,11 +8,10 @@ asks only that the server never answers 5xx and keeps serving.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import requests
-from fake_engine import FrontendServer, write_fake_model
+from fake_engine import FrontendServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reliability_helpers import metric, raw_http, wait_for
@@ -20,11 +19,6 @@ from reliability_helpers import metric, raw_http, wait_for
 pytestmark = pytest.mark.timeout(300)
 MAX_REQUEST_BYTES = 65536
 GOOD = {"prompt": "Hi", "max_tokens": 3}
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory) -> Path:
-    return write_fake_model(tmp_path_factory.mktemp("fake-model"))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 import zmq
-from fake_engine import FAKE_ENGINE_PATH, REPO_ROOT, FrontendServer, free_port, subprocess_env, write_fake_model
+from fake_engine import FAKE_ENGINE_PATH, REPO_ROOT, FrontendServer, free_port, subprocess_env
 from reliability_helpers import run_streams, wait_for
 
 from frontend.admission import Admission, AdmissionConfig
@@ -30,11 +30,6 @@ API_CALLS = [  # every API route, each with a body it would accept
     ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
     ("post", "/generate", {"prompt": "Hi", "max_tokens": 2}),
 ]
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory) -> Path:
-    return write_fake_model(tmp_path_factory.mktemp("fake-model"))
 
 
 def listening_addresses(port: int) -> list[str]:

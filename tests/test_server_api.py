@@ -10,25 +10,14 @@ import json
 import socket
 import sys
 import time
-from pathlib import Path
 
 import openai
 import pytest
 import requests
-from fake_engine import FAKE_ENGINE_PATH, FrontendServer, expected_text, read_event_log, write_fake_model
+from fake_engine import FAKE_ENGINE_PATH, FrontendServer, expected_text, read_event_log
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = "Hello world"
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory) -> Path:
-    return write_fake_model(tmp_path_factory.mktemp("fake-model"))
-
-
-@pytest.fixture(scope="module")
-def event_log(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("events") / "events.log"
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,10 @@ from pathlib import Path
 import pytest
 import requests
 from fake_engine import (
-    FAKE_ENGINE_PATH, FrontendServer, free_port, read_event_log, start_fake_engine, write_fake_model,
+    FAKE_ENGINE_PATH, FrontendServer, free_port, read_event_log, start_fake_engine,
 )
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory) -> Path:
-    return write_fake_model(tmp_path_factory.mktemp("fake-model"))
 
 
 def stream_in_background(url: str, results: list) -> threading.Thread:
