@@ -23,17 +23,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # None: the model's own, capped by the KV pool
     batching: str = "continuous"  # or "static": the head-of-line-blocking baseline
-    attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
+    attention_backend: str | None = None  # None: triton on CUDA, cpu (C++ decode kernel) on CPU
     device: str | None = None  # None: cuda when available, else cpu
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     seed: int = 0  # for requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     enforce_eager: bool = False  # CUDA: skip CUDA graphs
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape, for timing
-    # CPU: oneDNN-prepacked matmul weights, ~2x faster steps here, but oneDNN caches a
-    # primitive (with its own memory) per distinct batch shape, so a long-running server's
-    # memory grows with the variety of its traffic. Off by default until that is bounded.
-    cpu_prepack: bool = False
+    # CPU: oneDNN-prepacked matmul weights, ~2x faster steps here; the primitive caches
+    # that would grow with the variety of step sizes are capped (engine.models.cpu_packing).
+    cpu_prepack: bool = True
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:

@@ -23,6 +23,7 @@ import time
 
 import zmq
 
+from engine.attention import BACKEND_NAMES
 from engine.config import EngineConfig
 from ipc.codec import DecodeError, decode
 from ipc.messages import (
@@ -193,13 +194,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")
-    parser.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+    parser.add_argument("--attention-backend", choices=list(BACKEND_NAMES), default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    parser.add_argument("--cpu-prepack", action="store_true", help="CPU: oneDNN-prepacked matmul weights")
+    parser.add_argument("--no-cpu-prepack", action="store_true", help="CPU: plain F.linear instead of oneDNN-prepacked weights")
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -220,7 +221,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
-        cpu_prepack=args.cpu_prepack,
+        cpu_prepack=not args.no_cpu_prepack,
     )
 
 

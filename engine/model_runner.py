@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
 from engine.models import load_model
 from engine.models.config import ModelConfig
-from engine.models.cpu_packing import can_prepack
+from engine.models.cpu_packing import bound_primitive_caches, can_prepack
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -46,11 +46,14 @@ class ModelRunner:
         self.block_size = config.block_size
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        prepack = config.cpu_prepack and can_prepack(self.device, self.dtype)
+        if prepack:
+            bound_primitive_caches()
         self.model = load_model(model_config, self.dtype, self.device, config.load_format)
         # Counted before prepacking, which turns weights into opaque oneDNN buffers.
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.num_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if config.cpu_prepack and can_prepack(self.device, self.dtype):
+        if prepack:
             self.model.prepack_for_cpu(batch_size_hint=config.max_num_seqs)
         self.backend = get_attention_backend(config.attention_backend, self.device.type)
         # One K and one V tensor per layer, in the backend's block layout.

@@ -28,7 +28,7 @@ ENGINE_PASS_THROUGH_ARGS = (
 ENGINE_PASS_THROUGH_FLAGS = (
     ("--allow-remote", "let cores and --client-socket bind non-loopback tcp addresses"),
     ("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA graphs"),
-    ("--cpu-prepack", "CPU: oneDNN-prepacked matmul weights (faster; memory grows with traffic variety)"),
+    ("--no-cpu-prepack", "CPU: plain F.linear instead of oneDNN-prepacked matmul weights"),
 )
 
 

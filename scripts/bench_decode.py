@@ -43,6 +43,8 @@ import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+from engine.attention import BACKEND_NAMES  # noqa: E402
+
 logger = logging.getLogger("bench_decode")
 
 H200_PEAK_BANDWIDTH_GBS = 4800.0
@@ -220,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default=None, help="default: cuda when available")
-    p.add_argument("--attention-backend", default=None, choices=("torch", "triton"),
+    p.add_argument("--attention-backend", default=None, choices=BACKEND_NAMES,
                    help="default: triton on CUDA, torch on the CPU")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)

@@ -112,7 +112,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         dtype=args.dtype,
-        cpu_prepack=args.cpu_prepack,
+        cpu_prepack=not args.no_cpu_prepack,
     )
     prompts = [r.prompt_token_ids for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
@@ -294,7 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from the engine's memory budget")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="every mode's weights and activations (default: the engine's, fp32 on the CPU)")
-    p.add_argument("--cpu-prepack", action="store_true", help="our engine: oneDNN-prepacked matmul weights")
+    p.add_argument("--no-cpu-prepack", action="store_true", help="our engine: plain F.linear, not oneDNN-prepacked weights")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads for every mode")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="writes PREFIX_occupancy.png and PREFIX_latency.png")

@@ -1,19 +1,40 @@
-"""Attention backends, chosen once at start-up: Triton on CUDA, torch on the CPU."""
+"""Attention backends, chosen once at start-up: Triton on CUDA, the C++ kernel backend on
+the CPU (the plain torch one where it cannot be built)."""
 
 from __future__ import annotations
 
-BACKEND_NAMES = ("torch", "triton")
+import logging
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str | None, device_type: str):
     if name is None:
-        name = "triton" if device_type == "cuda" else "torch"
+        if device_type == "cuda":
+            name = "triton"
+        else:
+            try:
+                return _cpu_backend()
+            except Exception as exc:  # no compiler, say: the torch path does the same work, slower
+                logger.warning("CPU attention kernels unavailable (%s); using the torch backend", exc)
+                name = "torch"
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "cpu":
+        return _cpu_backend()
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {name!r}")
+
+
+def _cpu_backend():
+    from engine.attention.cpu_backend import CpuAttentionBackend
+    from engine.kernels.cpu_extension import load_cpu_kernels
+
+    return CpuAttentionBackend(load_cpu_kernels())

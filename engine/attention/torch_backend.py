@@ -65,36 +65,39 @@ class TorchAttentionBackend:
         self._metadata = metadata
         device = metadata.block_tables.device
         starts = metadata.query_start_loc.tolist()
-        block_tables = metadata.block_tables
-        decode_rows, decode_blocks, decode_owners, decode_lens = [], [], [], []
+        decode_seqs: list[int] = []
         self._prefills = []
         for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
-            num_blocks = -(-seq_len // block_size)
             if query_len == 1:
-                decode_owners.extend([len(decode_rows)] * num_blocks)
-                decode_rows.append(starts[i])
-                decode_blocks.append(block_tables[i, :num_blocks])
-                decode_lens.append(seq_len)
+                decode_seqs.append(i)
                 continue
+            num_blocks = -(-seq_len // block_size)
             mask = None
             if query_len != seq_len:  # a chunk after a cached prefix: causal, offset by the prefix
                 positions = torch.arange(seq_len - query_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
-            self._prefills.append(_PrefillSeq(starts[i], starts[i + 1], seq_len, block_tables[i, :num_blocks].long(), mask))
-        self._decode = None
-        if decode_rows:
-            owners = torch.tensor(decode_owners, device=device)
-            offsets = torch.arange(block_size, device=device)
-            # Token index of each slot within its sequence, compared with the sequence length.
-            block_index = torch.cat([torch.arange(-(-n // block_size), device=device) for n in decode_lens])
-            seq_lens = torch.tensor(decode_lens, device=device)[owners]
-            valid = block_index[:, None] * block_size + offsets[None, :] < seq_lens[:, None]
-            self._decode = _DecodePlan(
-                rows=torch.tensor(decode_rows, device=device),
-                block_ids=torch.cat(decode_blocks).long(),
-                owners=owners,
-                valid=valid,
-            )
+            block_ids = metadata.block_tables[i, :num_blocks].long()
+            self._prefills.append(_PrefillSeq(starts[i], starts[i + 1], seq_len, block_ids, mask))
+        self._decode = self._plan_decodes(decode_seqs, metadata, block_size) if decode_seqs else None
+
+    def _plan_decodes(self, seq_indices: list[int], metadata: AttentionMetadata, block_size: int) -> _DecodePlan:
+        device = metadata.block_tables.device
+        starts = metadata.query_start_loc.tolist()
+        decode_lens = [metadata.seq_lens_cpu[i] for i in seq_indices]
+        num_blocks = [-(-n // block_size) for n in decode_lens]
+        owners = torch.repeat_interleave(torch.arange(len(seq_indices), device=device), torch.tensor(num_blocks, device=device))
+        offsets = torch.arange(block_size, device=device)
+        # Token index of each slot within its sequence, compared with the sequence length.
+        block_index = torch.cat([torch.arange(n, device=device) for n in num_blocks])
+        seq_lens = torch.tensor(decode_lens, device=device)[owners]
+        valid = block_index[:, None] * block_size + offsets[None, :] < seq_lens[:, None]
+        block_ids = [metadata.block_tables[i, :n] for i, n in zip(seq_indices, num_blocks)]
+        return _DecodePlan(
+            rows=torch.tensor([starts[i] for i in seq_indices], device=device),
+            block_ids=torch.cat(block_ids).long(),
+            owners=owners,
+            valid=valid,
+        )
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape

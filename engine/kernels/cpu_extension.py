@@ -1,0 +1,57 @@
+"""Builds and loads the C++ CPU kernels (engine/kernels/cpu/*.cpp) once per machine.
+
+torch.utils.cpp_extension compiles them with the host compiler the first time
+(about 20 s) into <cache>/torch_extensions/<cpu key>, and later processes only
+load the shared library; it rebuilds by itself when a source changes. The code
+is compiled for the host's own instruction set (-march=native), so the build
+folder is keyed by the CPU's model and flags: a cache shared with another kind
+of machine never hands it an incompatible binary.
+
+-ffast-math lets the compiler vectorize exp (glibc's libmvec) and reassociate
+fp32 sums; every sum still accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from pathlib import Path
+from types import ModuleType
+
+from engine.model_files import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "cpu" / "paged_decode_attention.cpp"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+_module: ModuleType | None = None
+
+
+def _cpu_key() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        description = "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+    except OSError:
+        description = platform.processor()
+    return platform.machine() + "-" + hashlib.sha256(description.encode()).hexdigest()[:12]
+
+
+def load_cpu_kernels() -> ModuleType:
+    """The compiled module; raises if this machine cannot build it (no compiler, say)."""
+    global _module
+    if _module is None:
+        from torch.utils.cpp_extension import load
+
+        build_dir = cache_dir() / "torch_extensions" / _cpu_key()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("loading CPU kernels (built on first use) from %s", build_dir)
+        _module = load(
+            name="tokenloom_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+        )
+    return _module

@@ -1,0 +1,127 @@
+"""The C++ CPU decode kernel against the torch backend and a dense softmax reference.
+
+Caches are in the torch backend's head-major block layout with shuffled block
+tables, so a kernel that read blocks in table order by accident would fail.
+"""
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import get_attention_backend
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+
+try:
+    from engine.kernels.cpu_extension import load_cpu_kernels
+
+    KERNELS = load_cpu_kernels()
+except Exception as exc:  # the build needs a C++ compiler
+    pytest.skip(f"CPU kernels cannot be built here: {exc}", allow_module_level=True)
+
+from engine.attention.cpu_backend import CpuAttentionBackend  # noqa: E402
+
+
+def make_batch(seq_lens, query_lens, block_size, num_kv_heads, group, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(num_blocks_per_seq) + 3  # a few never referenced
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    tables, next_block = [], 0
+    for n in num_blocks_per_seq:
+        tables.append(order[next_block : next_block + n])
+        next_block += n
+    width = max(num_blocks_per_seq)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),  # unused: nothing is stored here
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+    return query, k_cache, v_cache, metadata
+
+
+def dense_reference(query, k_cache, v_cache, metadata, scale):
+    """Per sequence: gather the context, then a plain causal softmax in fp64."""
+    block_size, num_kv_heads = k_cache.shape[2], k_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    starts = metadata.query_start_loc.tolist()
+    for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        blocks = metadata.block_tables[i, : -(-seq_len // block_size)].long()
+        k = k_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, k_cache.shape[3])[:, :seq_len].double()
+        v = v_cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, v_cache.shape[3])[:, :seq_len].double()
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [num_heads, seq_len, head_dim]
+        q = query[starts[i] : starts[i + 1]].double().transpose(0, 1)  # [num_heads, query_len, head_dim]
+        query_len = q.shape[1]
+        scores = q @ k.transpose(1, 2) * scale
+        positions = torch.arange(seq_len - query_len, seq_len)
+        scores.masked_fill_(torch.arange(seq_len)[None, :] > positions[:, None], float("-inf"))
+        out[starts[i] : starts[i + 1]] = (scores.softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "seq_lens, block_size, num_kv_heads, group, head_dim",
+    [
+        ([1, 5, 16, 17, 300], 16, 3, 3, 64),  # SmolLM2's heads; a block exactly full, one just started
+        ([7, 33, 64], 8, 2, 1, 32),  # no grouping
+        ([1, 2, 3], 1, 1, 4, 16),  # one token per block
+        ([1000], 16, 4, 2, 128),  # one long context
+    ],
+)
+def test_decode_matches_reference(seq_lens, block_size, num_kv_heads, group, head_dim, dtype):
+    query, k_cache, v_cache, metadata = make_batch(
+        seq_lens, [1] * len(seq_lens), block_size, num_kv_heads, group, head_dim, dtype
+    )
+    scale = head_dim**-0.5
+    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, scale)
+    assert out.shape == query.shape and out.dtype == dtype
+    expected = dense_reference(query, k_cache, v_cache, metadata, scale)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch_out = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, scale)
+    torch.testing.assert_close(out, torch_out, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_mixed_batch_decodes_in_kernel_prefills_in_torch():
+    # A fresh prompt, a chunk after a cached prefix, and decodes, interleaved.
+    seq_lens, query_lens = [40, 9, 70, 3, 12], [40, 1, 20, 1, 1]
+    query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, 16, 3, 3, 64, torch.float32, seed=1)
+    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125)
+    expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_rejects_context_beyond_its_block_table():
+    query, k_cache, v_cache, metadata = make_batch([20], [1], 16, 1, 1, 16, torch.float32)
+    too_long = torch.tensor([33], dtype=torch.int32)  # two blocks in the table hold at most 32 tokens
+    with pytest.raises(RuntimeError, match="block table"):
+        KERNELS.paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, too_long, 1.0)
+    bad_table = metadata.block_tables.clone()
+    bad_table[0, 1] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        KERNELS.paged_decode_attention(query, k_cache, v_cache, bad_table, metadata.seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        KERNELS.paged_decode_attention(query, k_cache, v_cache, metadata.block_tables.long(), metadata.seq_lens, 1.0)
+
+
+def test_cpu_is_the_default_backend_on_cpu():
+    assert get_attention_backend(None, "cpu").name == "cpu"
+    assert get_attention_backend("torch", "cpu").name == "torch"
