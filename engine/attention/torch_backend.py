@@ -46,6 +46,9 @@ class TorchAttentionBackend:
         self._metadata: AttentionMetadata | None = None
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillSeq] = []
+        self._slot_mapping: torch.Tensor | None = None
+        self._slot_blocks: torch.Tensor | None = None  # [num_tokens] block of each new token
+        self._slot_offsets: torch.Tensor | None = None  # [num_tokens] its offset in the block
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -53,12 +56,13 @@ class TorchAttentionBackend:
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         # key, value: [num_tokens, num_kv_heads, head_dim]; caches [num_blocks, num_kv_heads, block_size, head_dim]
-        block_size = k_cache.shape[2]
-        block_ids = slot_mapping // block_size
-        offsets = slot_mapping % block_size
+        if slot_mapping is not self._slot_mapping:  # a new step: split the slots once, not per layer
+            block_size = k_cache.shape[2]
+            self._slot_mapping = slot_mapping
+            self._slot_blocks, self._slot_offsets = slot_mapping // block_size, slot_mapping % block_size
         # Two advanced indices around a slice: the token dimension comes first, matching key.
-        k_cache[block_ids, :, offsets] = key
-        v_cache[block_ids, :, offsets] = value
+        k_cache[self._slot_blocks, :, self._slot_offsets] = key
+        v_cache[self._slot_blocks, :, self._slot_offsets] = value
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         """Work out, once per step, what every layer's forward reuses."""
@@ -103,6 +107,8 @@ class TorchAttentionBackend:
         # query: [num_tokens, num_heads, head_dim] -> same shape
         if metadata is not self._metadata:
             self.prepare(metadata, k_cache.shape[2])
+        if not self._prefills:  # decode-only: query row i is sequence i
+            return self._decode_attention(query, k_cache, v_cache, scale)
         out = torch.empty_like(query)
         if self._decode is not None:
             out[self._decode.rows] = self._decode_attention(query[self._decode.rows], k_cache, v_cache, scale)

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from engine.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 
 
 class Attention(nn.Module):
@@ -29,13 +29,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, positions, hidden, rotary, kv_cache, metadata, backend) -> torch.Tensor:
+    def forward(self, cos_sin, hidden, kv_cache, metadata, backend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [num_tokens, num_heads, head_dim]
@@ -50,8 +50,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, positions, hidden, rotary, kv_cache, metadata, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, metadata, backend)
+    def forward(self, cos_sin, hidden, kv_cache, metadata, backend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, metadata, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -80,8 +80,9 @@ class LlamaForCausalLM(nn.Module):
         backend,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, self.rotary, kv_cache, metadata, backend)
+            hidden = layer(cos_sin, hidden, kv_cache, metadata, backend)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
