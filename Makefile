@@ -1,6 +1,7 @@
 # tokenloom: `make serve` starts the server on the default model, `make test` runs every test.
 # Each target creates .venv when missing and installs what it needs (CPU torch from the
-# wheel on disk, the default model converted once into ~/.cache/tokenloom).
+# wheel on disk, the default model converted once into ~/.cache/tokenloom, the CPU kernels
+# compiled once into the same cache).
 
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2
 PORT ?= 8000
 
-.PHONY: setup model test test-fast demo serve bench clean
+.PHONY: setup model kernels test test-fast demo serve bench clean
 
 $(STAMP): requirements-cpu.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,19 +24,23 @@ setup: $(STAMP)
 model: $(STAMP)
 	$(PY) -m engine.model_files $(MODEL)
 
-test: model
+# The C++ CPU attention kernels, compiled once per machine (engines fall back to torch without a compiler).
+kernels: $(STAMP)
+	$(PY) -m engine.kernels.cpu_extension
+
+test: model kernels
 	$(PY) -m pytest -q -rs
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-demo: model
+demo: model kernels
 	$(PY) scripts/demo.py --model $(MODEL)
 
-serve: model
+serve: model kernels
 	$(PY) -m frontend.cli serve --model $(MODEL) --port $(PORT)
 
-bench: model
+bench: model kernels
 	$(PY) scripts/bench_offline.py --json results/bench_offline.json
 
 clean:

@@ -55,3 +55,18 @@ def load_cpu_kernels() -> ModuleType:
             build_directory=str(build_dir),
         )
     return _module
+
+
+def main() -> None:
+    """Build ahead of time (`make` runs this), so no engine start pays the compile."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        module = load_cpu_kernels()
+    except Exception as exc:  # the engine falls back to the torch backend, so set-up goes on
+        logger.warning("CPU kernels could not be built (%s); engines will use the torch attention backend", exc)
+        return
+    print(module.__file__)
+
+
+if __name__ == "__main__":
+    main()
