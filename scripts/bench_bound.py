@@ -7,15 +7,18 @@ and nothing of the work each token brings. How much that is worth depends on the
 machine's balance of memory bandwidth and arithmetic, not only on the scheduler. This
 script measures that balance here and prices each mode of a `bench_offline.py` run as
 an ideal engine would run it: the same steps with the same token counts (read from the
-run's per-step stats), each costing exactly its roofline time,
+run's per-step stats), each costing only its weight read (every weight once, at the
+measured bandwidth) and its matmul FLOPs (at the measured rate), either overlapped,
 
-    step time = max(weights read once at the measured bandwidth,
-                    step FLOPs at the measured matmul rate)
+    step time = max(read, matmul)      ("ideal")
+    step time = read + matmul          ("ideal, no overlap")
 
 with no other overhead (attention and element-wise work cost nothing). It prints the
 measured machine numbers, each mode's ideal and measured seconds, and the ideal and
 measured ratios as JSON. A measured ratio above the ideal one means steps carry
 overhead that the ideal engine does not have, which the mode with more steps pays more.
+Faster memory (relative to arithmetic) makes the fixed part of a step smaller and so
+lowers the ideal ratio; each rate is the best of several timings.
 """
 
 from __future__ import annotations
@@ -53,30 +56,40 @@ def model_cost(hidden: int, intermediate: int, num_layers: int, num_heads: int, 
     return ModelCost(num_params * element_size, 2.0 * num_layers * per_layer, 2.0 * embedding)
 
 
-def ideal_step_s(num_tokens: int, num_seqs: int, cost: ModelCost, machine: MachineBalance) -> float:
-    """Roofline time of one step: every sequence samples at most one token."""
+def ideal_step_s(num_tokens: int, num_seqs: int, cost: ModelCost, machine: MachineBalance, overlap: bool = True) -> float:
+    """Time of one step for an engine with no overhead; every sequence samples at most one token."""
     flops = num_tokens * cost.body_flops_per_token + num_seqs * cost.head_flops_per_token
-    return max(cost.weight_bytes / machine.read_bytes_per_s, flops / machine.matmul_flops_per_s)
+    read_s, matmul_s = cost.weight_bytes / machine.read_bytes_per_s, flops / machine.matmul_flops_per_s
+    return max(read_s, matmul_s) if overlap else read_s + matmul_s
 
 
-def ideal_run_s(step_stats: dict, cost: ModelCost, machine: MachineBalance) -> float:
-    return sum(ideal_step_s(t, s, cost, machine) for t, s in zip(step_stats["num_tokens"], step_stats["num_seqs"]))
+def ideal_run_s(step_stats: dict, cost: ModelCost, machine: MachineBalance, overlap: bool = True) -> float:
+    steps = zip(step_stats["num_tokens"], step_stats["num_seqs"])
+    return sum(ideal_step_s(t, s, cost, machine, overlap) for t, s in steps)
 
 
-def measure_machine(hidden: int, intermediate: int, dtype, repeats: int = 5) -> MachineBalance:
-    """Read bandwidth (summing a buffer far larger than the caches) and the prepacked matmul
-    rate at an MLP-shaped matmul of 512 tokens, as the engine runs it on the CPU."""
+def best_rate(work: float, run, trials: int) -> float:
+    """Work per second of the fastest of `trials` timed runs: the machine's capability,
+    which an ideal engine would reach (this host is shared, and single timings vary)."""
+    run()  # warm up: page faults, primitive creation
+    best_s = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        run()
+        best_s = min(best_s, time.perf_counter() - start)
+    return work / best_s
+
+
+def measure_machine(weight_bytes: int, hidden: int, intermediate: int, dtype, trials: int = 7) -> MachineBalance:
+    """Read bandwidth (summing a buffer the size of the model's weights) and the prepacked
+    matmul rate at an MLP-shaped matmul of 512 tokens, as the engine runs it on the CPU."""
     import torch
 
     from engine.models.cpu_packing import PackedLinear, bound_primitive_caches, can_prepack
 
     bound_primitive_caches()
-    buffer = torch.ones(256 * 2**20 // 4, dtype=torch.float32)  # 256 MB
-    buffer.sum()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        buffer.sum()
-    read_bytes_per_s = repeats * buffer.numel() * 4 / (time.perf_counter() - start)
+    buffer = torch.ones(weight_bytes // 4, dtype=torch.float32)
+    read_bytes_per_s = best_rate(buffer.numel() * 4, buffer.sum, trials)
 
     weight = torch.randn(2 * intermediate, hidden, dtype=dtype)
     if can_prepack(torch.device("cpu"), dtype):
@@ -85,12 +98,7 @@ def measure_machine(hidden: int, intermediate: int, dtype, repeats: int = 5) -> 
         linear = torch.nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
     x = torch.randn(512, hidden, dtype=dtype)
     with torch.inference_mode():
-        linear(x)
-        start = time.perf_counter()
-        for _ in range(repeats * 4):
-            linear(x)
-        elapsed = time.perf_counter() - start
-    matmul_flops_per_s = repeats * 4 * 2.0 * x.shape[0] * weight.numel() / elapsed
+        matmul_flops_per_s = best_rate(2.0 * x.shape[0] * weight.numel(), lambda: linear(x), trials)
     return MachineBalance(read_bytes_per_s, matmul_flops_per_s)
 
 
@@ -114,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     cost = model_cost(config.hidden_size, config.intermediate_size, config.num_layers, config.num_heads,
                       config.num_kv_heads, config.head_dim, config.vocab_size, config.tie_word_embeddings,
                       torch.tensor([], dtype=dtype).element_size())
-    machine = measure_machine(config.hidden_size, config.intermediate_size, dtype)
+    machine = measure_machine(cost.weight_bytes, config.hidden_size, config.intermediate_size, dtype)
     result = {
         "bench": args.bench,
         "machine": {"read_gb_per_s": machine.read_bytes_per_s / 1e9, "matmul_gflop_per_s": machine.matmul_flops_per_s / 1e9},
@@ -126,10 +134,12 @@ def main(argv: list[str] | None = None) -> dict:
         result["modes"][mode] = {
             "num_steps": len(stats["num_tokens"]),
             "ideal_s": ideal_run_s(stats, cost, machine),
+            "ideal_no_overlap_s": ideal_run_s(stats, cost, machine, overlap=False),
             "measured_s": bench["results"][mode]["elapsed_s"],
         }
     cont, static = result["modes"]["continuous"], result["modes"]["static"]
     result["ideal_ratio"] = static["ideal_s"] / cont["ideal_s"]
+    result["ideal_ratio_no_overlap"] = static["ideal_no_overlap_s"] / cont["ideal_no_overlap_s"]
     result["measured_ratio"] = static["measured_s"] / cont["measured_s"]
     print(json.dumps(result, indent=2))
     if args.json:

@@ -35,6 +35,7 @@ def test_small_steps_are_bound_by_the_weight_read_large_ones_by_arithmetic():
     big = ideal_step_s(1000, 64, cost, machine)
     assert big == pytest.approx((1000 * cost.body_flops_per_token + 64 * cost.head_flops_per_token) / 500e9)
     assert big > read_s
+    assert ideal_step_s(1000, 64, cost, machine, overlap=False) == pytest.approx(big + read_s)
 
 
 def test_fewer_fuller_steps_are_cheaper_for_the_same_tokens():

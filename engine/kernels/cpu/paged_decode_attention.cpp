@@ -22,6 +22,22 @@ inline float to_float(scalar_t x) {
   return static_cast<float>(x);
 }
 
+// Walks one sequence's cached rows of one KV head in position order through its
+// block table: rows of a block are contiguous, blocks lie anywhere in the pool.
+struct RowWalk {
+  const int32_t* block_table;
+  int64_t seq_len, block_size, block_stride, head_offset, head_dim;
+
+  template <typename scalar_t, typename RowFn>
+  void for_each_row(const scalar_t* cache, RowFn row_fn) const {
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+      const scalar_t* block = cache + block_table[start / block_size] * block_stride + head_offset;
+      const int64_t num_tokens = std::min(block_size, seq_len - start);
+      for (int64_t t = 0; t < num_tokens; ++t) row_fn(start + t, block + t * head_dim);
+    }
+  }
+};
+
 template <typename scalar_t>
 void decode_task(
     const scalar_t* query,         // [group, head_dim] of this (sequence, KV head)
@@ -38,21 +54,16 @@ void decode_task(
   const int64_t block_stride = num_kv_heads * block_size * head_dim;
   const int64_t head_offset = kv_head * block_size * head_dim;
 
-  for (int64_t start = 0; start < seq_len; start += block_size) {
-    const int64_t block_id = block_table[start / block_size];
-    const scalar_t* k_block = k_cache + block_id * block_stride + head_offset;
-    const int64_t num_tokens = std::min(block_size, seq_len - start);
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      const scalar_t* k = k_block + t * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q = q_buf + g * head_dim;
-        float dot = 0.f;
+  const RowWalk walk{block_table, seq_len, block_size, block_stride, head_offset, head_dim};
+  walk.for_each_row(k_cache, [=](int64_t pos, const scalar_t* k) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = q_buf + g * head_dim;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * to_float(k[d]);
-        scores[g * seq_len + start + t] = dot;
-      }
+      for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * to_float(k[d]);
+      scores[g * seq_len + pos] = dot;
     }
-  }
+  });
 
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * seq_len;
@@ -71,20 +82,14 @@ void decode_task(
   }
 
   std::fill(acc, acc + group * head_dim, 0.f);
-  for (int64_t start = 0; start < seq_len; start += block_size) {
-    const int64_t block_id = block_table[start / block_size];
-    const scalar_t* v_block = v_cache + block_id * block_stride + head_offset;
-    const int64_t num_tokens = std::min(block_size, seq_len - start);
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      const scalar_t* v = v_block + t * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * seq_len + start + t];
-        float* a = acc + g * head_dim;
+  walk.for_each_row(v_cache, [=](int64_t pos, const scalar_t* v) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * seq_len + pos];
+      float* a = acc + g * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
-      }
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
     }
-  }
+  });
   for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<scalar_t>(acc[i]);
 }
 
