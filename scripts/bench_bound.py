@@ -68,37 +68,41 @@ def ideal_run_s(step_stats: dict, cost: ModelCost, machine: MachineBalance, over
     return sum(ideal_step_s(t, s, cost, machine, overlap) for t, s in steps)
 
 
-def best_rate(work: float, run, trials: int) -> float:
+def best_rate(work: float, run, trials: int, sync=lambda: None) -> float:
     """Work per second of the fastest of `trials` timed runs: the machine's capability,
     which an ideal engine would reach (this host is shared, and single timings vary)."""
     run()  # warm up: page faults, primitive creation
+    sync()
     best_s = float("inf")
     for _ in range(trials):
         start = time.perf_counter()
         run()
+        sync()
         best_s = min(best_s, time.perf_counter() - start)
     return work / best_s
 
 
-def measure_machine(weight_bytes: int, hidden: int, intermediate: int, dtype, trials: int = 7) -> MachineBalance:
-    """Read bandwidth (summing a buffer the size of the model's weights) and the prepacked
-    matmul rate at an MLP-shaped matmul of 512 tokens, as the engine runs it on the CPU."""
+def measure_machine(weight_bytes: int, hidden: int, intermediate: int, dtype, device: str = "cpu",
+                    trials: int = 7) -> MachineBalance:
+    """Read bandwidth (summing a buffer the size of the model's weights) and the matmul rate
+    at an MLP-shaped matmul of 512 tokens, as the engine runs it: prepacked on the CPU."""
     import torch
 
     from engine.models.cpu_packing import PackedLinear, bound_primitive_caches, can_prepack
 
     bound_primitive_caches()
-    buffer = torch.ones(weight_bytes // 4, dtype=torch.float32)
-    read_bytes_per_s = best_rate(buffer.numel() * 4, buffer.sum, trials)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    buffer = torch.ones(weight_bytes // 4, dtype=torch.float32, device=device)
+    read_bytes_per_s = best_rate(buffer.numel() * 4, buffer.sum, trials, sync)
 
-    weight = torch.randn(2 * intermediate, hidden, dtype=dtype)
-    if can_prepack(torch.device("cpu"), dtype):
+    weight = torch.randn(2 * intermediate, hidden, dtype=dtype, device=device)
+    if can_prepack(torch.device(device), dtype):
         linear = PackedLinear(weight, None, batch_size_hint=512)
     else:
-        linear = torch.nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
-    x = torch.randn(512, hidden, dtype=dtype)
+        linear = torch.nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype, device=device)
+    x = torch.randn(512, hidden, dtype=dtype, device=device)
     with torch.inference_mode():
-        matmul_flops_per_s = best_rate(2.0 * x.shape[0] * weight.numel(), lambda: linear(x), trials)
+        matmul_flops_per_s = best_rate(2.0 * x.shape[0] * weight.numel(), lambda: linear(x), trials, sync)
     return MachineBalance(read_bytes_per_s, matmul_flops_per_s)
 
 
@@ -118,13 +122,18 @@ def main(argv: list[str] | None = None) -> dict:
     if len(modes) < 2:
         p.error(f"{args.bench} needs both continuous and static results")
     config = ModelConfig.from_folder(resolve_model(bench["config"]["model"]))
-    dtype = torch.bfloat16 if bench["config"].get("dtype") == "bfloat16" else torch.float32
+    # The engine's own defaults when the run chose none: bf16 on CUDA, fp32 on the CPU.
+    device = "cuda" if bench["machine"].get("cuda") else "cpu"
+    dtype_name = bench["config"].get("dtype") or ("bfloat16" if device == "cuda" else "float32")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     cost = model_cost(config.hidden_size, config.intermediate_size, config.num_layers, config.num_heads,
                       config.num_kv_heads, config.head_dim, config.vocab_size, config.tie_word_embeddings,
                       torch.tensor([], dtype=dtype).element_size())
-    machine = measure_machine(cost.weight_bytes, config.hidden_size, config.intermediate_size, dtype)
+    machine = measure_machine(cost.weight_bytes, config.hidden_size, config.intermediate_size, dtype, device)
     result = {
         "bench": args.bench,
+        "device": device,
+        "dtype": dtype_name,
         "machine": {"read_gb_per_s": machine.read_bytes_per_s / 1e9, "matmul_gflop_per_s": machine.matmul_flops_per_s / 1e9},
         "model": {"weight_mb": cost.weight_bytes / 2**20, "gflop_per_token": cost.body_flops_per_token / 1e9},
         "modes": {},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -47,3 +48,30 @@ def test_fewer_fuller_steps_are_cheaper_for_the_same_tokens():
     assert ideal_run_s(static, cost, machine) == pytest.approx(4 * ideal_step_s(16, 16, cost, machine))
     ratio = ideal_run_s(static, cost, machine) / ideal_run_s(continuous, cost, machine)
     assert 1.0 < ratio < 4.0
+
+
+@pytest.mark.slow
+def test_main_prices_a_bench_run_on_this_machine(tmp_path, default_model_path):
+    from bench_bound import main
+
+    # Two modes doing the same 64 decode tokens: one step of 64, or four steps of 16.
+    bench = {
+        "config": {"model": default_model_path, "dtype": None},
+        "machine": {"cuda": False},
+        "results": {
+            "continuous": {"elapsed_s": 1.0, "step_stats": {"num_tokens": [64], "num_seqs": [64]}},
+            "static": {"elapsed_s": 3.0, "step_stats": {"num_tokens": [16] * 4, "num_seqs": [16] * 4}},
+        },
+    }
+    bench_path = tmp_path / "bench.json"
+    bench_path.write_text(json.dumps(bench))
+    out_path = tmp_path / "bound.json"
+    result = main(["--bench", str(bench_path), "--json", str(out_path)])
+    assert json.loads(out_path.read_text()) == result
+    assert result["device"] == "cpu" and result["dtype"] == "float32"
+    assert result["machine"]["read_gb_per_s"] > 0 and result["machine"]["matmul_gflop_per_s"] > 0
+    assert result["measured_ratio"] == pytest.approx(3.0)
+    # More steps for the same tokens never cost less (equal when every step is bound by its
+    # matmuls); one after the other, the three extra weight reads always show.
+    assert 1.0 - 1e-9 <= result["ideal_ratio"] <= 4.0
+    assert 1.0 < result["ideal_ratio_no_overlap"] <= 4.0
