@@ -34,16 +34,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         self._kernels = kernels
 
-    def _plan_decodes(self, seq_indices: list[int], metadata: AttentionMetadata, block_size: int) -> _KernelDecodePlan:
+    def _plan_decodes(
+        self, seq_indices: list[int], starts: list[int], metadata: AttentionMetadata, block_size: int
+    ) -> _KernelDecodePlan:
+        device = metadata.block_tables.device
+        rows = torch.tensor([starts[i] for i in seq_indices], device=device)
         if len(seq_indices) == metadata.num_seqs:  # decode-only step: every sequence, in order
-            rows = metadata.query_start_loc[:-1].long()
             return _KernelDecodePlan(rows, metadata.block_tables, metadata.seq_lens)
-        index = torch.tensor(seq_indices, device=metadata.block_tables.device)
-        return _KernelDecodePlan(
-            rows=metadata.query_start_loc[index].long(),
-            block_tables=metadata.block_tables[index],
-            seq_lens=metadata.seq_lens[index],
-        )
+        index = torch.tensor(seq_indices, device=device)
+        return _KernelDecodePlan(rows, metadata.block_tables[index], metadata.seq_lens[index])
 
     def _decode_attention(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
         # query: [num_decode_seqs, num_heads, head_dim] -> same shape

@@ -82,11 +82,13 @@ class TorchAttentionBackend:
                 mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
             block_ids = metadata.block_tables[i, :num_blocks].long()
             self._prefills.append(_PrefillSeq(starts[i], starts[i + 1], seq_len, block_ids, mask))
-        self._decode = self._plan_decodes(decode_seqs, metadata, block_size) if decode_seqs else None
+        self._decode = self._plan_decodes(decode_seqs, starts, metadata, block_size) if decode_seqs else None
 
-    def _plan_decodes(self, seq_indices: list[int], metadata: AttentionMetadata, block_size: int) -> _DecodePlan:
+    def _plan_decodes(
+        self, seq_indices: list[int], starts: list[int], metadata: AttentionMetadata, block_size: int
+    ) -> _DecodePlan:
+        # starts: query_start_loc as a list, already read back by prepare
         device = metadata.block_tables.device
-        starts = metadata.query_start_loc.tolist()
         decode_lens = [metadata.seq_lens_cpu[i] for i in seq_indices]
         num_blocks = [-(-n // block_size) for n in decode_lens]
         owners = torch.repeat_interleave(torch.arange(len(seq_indices), device=device), torch.tensor(num_blocks, device=device))
