@@ -6,7 +6,11 @@
 
 ZeroMQ sends are queued to its own I/O thread, so the loop never blocks on
 Python-side I/O while it has work. A bad request fails alone (EngineError with
-its id); an exception in a step is fatal: it is reported, then the process exits.
+its id). A step whose model call raises fails the requests it ran (each gets an
+EngineError) and the core goes on; only MAX_CONSECUTIVE_STEP_FAILURES failed steps
+in a row, or an exception outside a model call, are fatal: reported, then exit.
+An idle core sends an empty EngineOutputs every HEARTBEAT_S, so the frontend can
+tell a hung core (no message for --engine-timeout) from an idle one.
 
 Run: python -m engine.core_process --model smollm2 --address ipc:///tmp/x --engine-id 0
 """
@@ -25,6 +29,7 @@ import zmq
 
 from engine.attention import BACKEND_NAMES
 from engine.config import EngineConfig
+from engine.engine_core import StepError
 from ipc.codec import DecodeError, decode
 from ipc.messages import (
     AbortRequests,
@@ -40,7 +45,15 @@ from ipc.sockets import bind_router, parse_address, send_message
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
+HEARTBEAT_S = 1.0  # an idle core's sign of life; a busy one sends a message every step
+# A model that fails this many steps in a row is broken, not unlucky: the core gives up.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+STEP_FAILED_MESSAGE = "the engine failed while running this request"
 FINAL_MESSAGE_LINGER_MS = 2000  # time given to a fatal report to leave before the socket closes
+
+
+class ModelBrokenError(RuntimeError):
+    """Steps keep failing: the model itself is broken, and the core gives up."""
 
 
 class EngineCoreProcess:
@@ -53,6 +66,8 @@ class EngineCoreProcess:
         self.frontend_identity: bytes | None = None
         self.should_exit = False
         self.num_steps = 0
+        self.num_consecutive_step_failures = 0
+        self.last_send_time = time.monotonic()
         self.handlers = {
             Hello: self._on_hello,
             AddRequest: self._on_add_request,
@@ -67,6 +82,7 @@ class EngineCoreProcess:
             has_work = self.engine.has_unfinished_requests()
             if not has_work and not self.sock.poll(IDLE_POLL_MS, zmq.POLLIN):
                 self._check_parent()
+                self._send_heartbeat()
                 continue
             self._drain_inbox()
             if self.engine.has_unfinished_requests():
@@ -98,8 +114,23 @@ class EngineCoreProcess:
 
     def _step(self) -> None:
         self.num_steps += 1
-        outputs = self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except StepError as e:
+            self._on_step_failed(e)
+            return
+        self.num_consecutive_step_failures = 0
         self._send_outputs(outputs)
+
+    def _on_step_failed(self, error: StepError) -> None:
+        # The detail is in this process's log; the clients get a plain message.
+        self.num_consecutive_step_failures += 1
+        for request_id in error.request_ids:
+            self._send(EngineError(STEP_FAILED_MESSAGE, request_id=request_id, engine_id=self.engine_id))
+        self._send_outputs([])  # stats: the failed requests' blocks are free again
+        if self.num_consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise ModelBrokenError(f"the model failed {self.num_consecutive_step_failures} steps in a row "
+                                   f"(the last with {type(error.cause).__name__})") from error.cause
 
     # ---- handlers ----
 
@@ -141,24 +172,35 @@ class EngineCoreProcess:
     def _send_outputs(self, outputs) -> None:
         self._send(EngineOutputs(self.engine_id, outputs, self.engine.stats(), time.time()))
 
+    def _send_heartbeat(self) -> None:
+        if time.monotonic() - self.last_send_time >= HEARTBEAT_S:
+            self._send_outputs([])
+
     def _send(self, message, identity: bytes | None = None) -> None:
         identity = identity or self.frontend_identity
         if identity is None:
             return  # nobody has said Hello yet
         send_message(self.sock, message, identity)
+        self.last_send_time = time.monotonic()
 
     def report_fatal(self, error: BaseException) -> None:
+        # Clients may see this text: the detail (traceback, exception text) stays in our log.
+        if isinstance(error, ModelBrokenError):
+            message = f"engine core failed: {error}"
+        else:
+            message = f"engine core failed: unexpected {type(error).__name__} (see the engine core's log)"
         self.sock.setsockopt(zmq.LINGER, FINAL_MESSAGE_LINGER_MS)
-        self._send(EngineError(f"engine core failed: {error!r}", is_fatal=True, engine_id=self.engine_id))
+        self._send(EngineError(message, is_fatal=True, engine_id=self.engine_id))
 
-    def inject_fault(self, at_step: int) -> None:
-        """Test hook: the model's forward raises on its `at_step`-th call, as a real model bug would."""
+    def inject_fault(self, at_step: int, is_persistent: bool = False) -> None:
+        """Test hook: the model's forward raises on its `at_step`-th call (and on every later
+        one if `is_persistent`), as a real model bug would."""
         num_calls = 0
 
         def raise_at_step(module, args):
             nonlocal num_calls
             num_calls += 1
-            if num_calls >= at_step:
+            if num_calls == at_step or (is_persistent and num_calls > at_step):
                 raise RuntimeError(f"injected fault in model forward call {num_calls}")
 
         self.engine.model_runner.model.register_forward_pre_hook(raise_at_step)
@@ -202,6 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--no-cpu-prepack", action="store_true", help="CPU: plain F.linear instead of oneDNN-prepacked weights")
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--inject-fault-persistent", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -269,7 +312,7 @@ def run_engine_core(args: argparse.Namespace) -> int:
             return 1
         process = EngineCoreProcess(engine, sock, args.engine_id, args.served_model_name or args.model, args.parent_pid)
         if args.inject_fault_at_step is not None:
-            process.inject_fault(args.inject_fault_at_step)
+            process.inject_fault(args.inject_fault_at_step, args.inject_fault_persistent)
         logger.info("engine core %d ready at %s", args.engine_id, args.address)
         try:
             process.run()

@@ -24,6 +24,15 @@ from ipc.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class StepError(RuntimeError):
+    """The model raised during a step. Its requests have been failed and freed; the engine goes on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"a step failed: {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 @dataclass
 class StepStats:
     """What one step did, recorded cheaply for benchmarks and occupancy plots."""
@@ -79,8 +88,11 @@ class EngineCore:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request; raises ValueError (and changes nothing) on bad input."""
-        sampling_params.validate()
+        """Validate and queue a request; raises ValueError (and changes nothing) on bad input.
+
+        Everything that reaches a tensor is checked here, against this model: a bad
+        value fails this request alone, never a step."""
+        sampling_params.validate(vocab_size=self.vocab_size)
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")
@@ -88,7 +100,7 @@ class EngineCore:
             raise ValueError(
                 f"the prompt has {num_prompt_tokens} tokens; the model's maximum context is {self.max_model_len}"
             )
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+        if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         max_tokens = self.max_model_len - num_prompt_tokens
         if sampling_params.max_tokens is not None:
@@ -109,11 +121,20 @@ class EngineCore:
         return self.scheduler.stats()
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> execute -> update. If the model raises, the step's requests fail
+        (StepError names them, already removed) and the engine stays usable."""
         start_time = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        sampled = self.model_runner.execute(scheduler_output)
+        try:
+            sampled = self.model_runner.execute(scheduler_output)
+        except Exception as e:
+            request_ids = [s.request.request_id for s in scheduler_output.scheduled]
+            logger.exception("a step of %d requests failed; failing them: %s", len(request_ids), request_ids)
+            for output in self.scheduler.fail_requests(request_ids):
+                self.model_runner.release(output.request_id)
+            raise StepError(request_ids, e) from e
         outputs = self.scheduler.update(scheduler_output, sampled)
         for output in outputs:
             if output.finish_reason is not None:

@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from ipc.messages import TokenLogprobs
+from engine.engine_core import EngineCore, StepError
+from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
 from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,11 @@ class LLM:
 
             progress = tqdm(total=num_requests, desc="Generating", unit="req")
         while engine.has_unfinished_requests():
-            for output in engine.step():
+            try:
+                outputs = engine.step()
+            except StepError as e:  # logged by the engine; those requests end with finish_reason "error"
+                outputs = [RequestOutput(request_id, [], FinishReason.ERROR) for request_id in e.request_ids]
+            for output in outputs:
                 if output.finish_reason is not None:
                     finished[output.request_id] = live[output.request_id]
                     if progress is not None:

@@ -148,7 +148,7 @@ class ModelRunner:
         temperatures, top_ks, top_ps, min_ps, generators, banned, num_logprobs = [], [], [], [], [], [], []
         for request in requests:
             params = request.sampling_params
-            temperatures.append(float(params.temperature))
+            temperatures.append(0.0 if params.is_greedy else float(params.temperature))
             top_ks.append(params.top_k if params.top_k > 0 else vocab_size)
             top_ps.append(float(params.top_p))
             min_ps.append(float(params.min_p))
@@ -174,7 +174,7 @@ class ModelRunner:
 
     def _generator_for(self, request: Request) -> torch.Generator | None:
         seed = request.sampling_params.seed
-        if seed is None or request.sampling_params.temperature == 0:
+        if seed is None or request.sampling_params.is_greedy:
             return None
         generator = self.generators.get(request.request_id)
         if generator is None:

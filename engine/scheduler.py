@@ -90,6 +90,13 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        return self._remove(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def fail_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """End requests that a failed step ran (FINISHED_ERROR), freeing their blocks."""
+        return self._remove(request_ids, RequestStatus.FINISHED_ERROR)
+
+    def _remove(self, request_ids: list[str], status: RequestStatus) -> list[RequestOutput]:
         outputs = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -99,7 +106,7 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._finish(request, status)
             outputs.append(RequestOutput(request_id, [], request.status.finish_reason, None, request.num_prompt_tokens))
         return outputs
 

@@ -5,13 +5,16 @@
        │                    output pump (one task per core) ◀─────┘
        └── per-request asyncio.Queue ◀── RequestState.make_delta (detokenize, stop strings)
 
-`generate` validates and sends before it returns (so bad input raises at once and the
-HTTP layer can answer 400), then hands back a `RequestStream` of `RequestDelta`s.
+`generate` tokenizes (off the event loop), validates and sends before it returns (so bad
+input raises at once and the HTTP layer can answer 400), then hands back a
+`RequestStream` of `RequestDelta`s.
 Closing it, or cancelling a read from it, aborts whatever is still running. A core that
 dies fails every request on it with `EngineDeadError` and marks the client unhealthy:
-nothing waits on a dead core. With `restart_engine`, a dead local core is replaced by a
-fresh one (without the first start's test-only fault flags) and the client is healthy
-again once it is ready.
+nothing waits on a dead core. A core that sends nothing for `engine_timeout_s` (an idle
+one sends a heartbeat every second) counts as dead too: it is hung. With
+`restart_engine`, a dead local core (a hung one is killed first) is replaced by a fresh
+one (without the first start's test-only fault flags) and the client is healthy again
+once it is ready.
 """
 
 from __future__ import annotations
@@ -28,15 +31,16 @@ import zmq.asyncio
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection, EngineStartError
 from frontend.errors import EngineDeadError, FrontendError, InvalidRequestError, RequestFailedError
 from frontend.metrics import FrontendMetrics
+from frontend.prompt_tokenizer import PromptTokenizer
+from frontend.request_checks import check_request
 from frontend.request_state import RequestState, RequestStream
 from frontend.tokenizer import Tokenizer, resolve_model_folder
-from ipc.codec import DecodeError, decode, encode
+from ipc.codec import DecodeError
 from ipc.messages import AbortRequests, AddRequest, EngineError, EngineOutputs, FinishReason, SchedulerStats
 from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 128  # choices per prompt: each one is a full engine request
 MAX_CHOICES = 1024  # prompts x n in one request: bounds what one HTTP body can put in the cores
 # A dead core's restarts: the wait before each try; once every try has failed it stays dead.
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)
@@ -52,6 +56,8 @@ class EngineClientConfig:
     engine_command: tuple[str, ...] = DEFAULT_ENGINE_COMMAND  # tests swap in a fake core
     ready_timeout_s: float = 600.0  # model loading on a cold cache takes minutes
     restart_engine: bool = False  # replace a local core that dies instead of staying down
+    # A core silent this long is hung (an idle one sends a heartbeat every second); 0: never.
+    engine_timeout_s: float = 30.0
     first_start_args: list[str] = field(default_factory=list)  # test hooks (fault injection): first start only
 
 
@@ -61,6 +67,7 @@ class AsyncEngineClient:
     def __init__(self, config: EngineClientConfig, tokenizer: Tokenizer, model_folder: str):
         self.config = config
         self.tokenizer = tokenizer
+        self.prompt_tokenizer = PromptTokenizer(tokenizer)
         self.model_folder = model_folder
         self.model_name = config.served_model_name or config.model
         self.frontend_id = f"frontend-{os.getpid()}"
@@ -102,6 +109,7 @@ class AsyncEngineClient:
                     config.engine_command))
         readies = await asyncio.gather(*(e.handshake(self.frontend_id, config.ready_timeout_s) for e in self.engines))
         self.max_model_len = min(r.max_model_len for r in readies)
+        self.prompt_tokenizer.set_max_model_len(self.max_model_len)
         self.vocab_size = min([self.vocab_size, *(r.vocab_size for r in readies if r.vocab_size)])
         for engine in self.engines:
             self._start_engine_tasks(engine)
@@ -115,27 +123,29 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------ requests
 
-    def generate(self, prompt: str | None, params: SamplingParams, request_id: str, *,
-                 prompt_token_ids: list[int] | None = None, n: int = 1) -> RequestStream:
+    async def generate(self, prompt: str | None, params: SamplingParams, request_id: str, *,
+                       prompt_token_ids: list[int] | None = None, n: int = 1) -> RequestStream:
         """Send one prompt (text, or token ids) as n choices and return its delta stream."""
-        return self.generate_batch([prompt if prompt_token_ids is None else prompt_token_ids], params, request_id, n=n)
+        prompts = [prompt if prompt_token_ids is None else prompt_token_ids]
+        return await self.generate_batch(prompts, params, request_id, n=n)
 
-    def generate_batch(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str, *,
-                       n: int = 1) -> RequestStream:
+    async def generate_batch(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str, *,
+                             n: int = 1) -> RequestStream:
         """Send each prompt as n choices (seeds seed, seed+1, ...); choice j of prompt p has index p*n + j.
 
         Every prompt is checked before any is sent, so InvalidRequestError or
         EngineDeadError raise here, before anything streams.
         """
-        if not self.is_healthy:
-            raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
-        prompt_ids_list = [self._tokenize(prompt) for prompt in prompts]
-        # Per prompt: a missing max_tokens becomes "up to the context length" for that prompt.
-        params_list = [self._check_request(prompt_token_ids, params, n) for prompt_token_ids in prompt_ids_list]
-        num_choices = len(prompts) * n
+        self._check_healthy()
+        num_choices = len(prompts) * (n if isinstance(n, int) else 1)
         if num_choices > MAX_CHOICES:
             raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), "
                                       f"this one asks for {num_choices}")
+        prompt_ids_list = [await self._tokenize(prompt) for prompt in prompts]
+        self._check_healthy()  # the core may have died while we tokenized
+        # Per prompt: a missing max_tokens becomes "up to the context length" for that prompt.
+        params_list = [check_request(prompt_token_ids, params, n, vocab_size=self.vocab_size,
+                                     max_model_len=self.max_model_len) for prompt_token_ids in prompt_ids_list]
         request_ids = [request_id] if num_choices == 1 else [f"{request_id}-{k}" for k in range(num_choices)]
         if any(rid in self._states for rid in request_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -155,41 +165,19 @@ class AsyncEngineClient:
             states.append(state)
         return RequestStream(states, queue, self._abort)
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def _check_healthy(self) -> None:
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
+
+    async def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, (list, tuple)):
             return list(prompt)
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequestError("the prompt must be a non-empty string")
-        return self.tokenizer.encode(prompt)
+        return await self.prompt_tokenizer.encode(prompt)
 
-    def _check_request(self, prompt_token_ids: list[int], params: SamplingParams, n: int) -> SamplingParams:
-        try:
-            params.validate()
-        except (ValueError, TypeError) as e:
-            raise InvalidRequestError(str(e)) from None
-        if not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n!r}")
-        # The core drops a message it cannot decode without knowing whose it was, and the
-        # request would hang: so anything the codec would refuse is refused here.
-        last_seed = None if params.seed is None else params.seed + n - 1
-        try:
-            decode(encode(AddRequest("check", [], replace(params, seed=last_seed))))
-        except (DecodeError, TypeError, ValueError, OverflowError) as e:
-            raise InvalidRequestError(f"invalid sampling parameters: {e}") from None
-        num_prompt_tokens = len(prompt_token_ids)
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError("the prompt is empty")
-        if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt_tokens
-        if num_prompt_tokens >= self.max_model_len or num_prompt_tokens + max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
-                "the completion). Please reduce the length of the prompt or of max_tokens.")
-        return replace(params, max_tokens=max_tokens)
+    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        return await self.prompt_tokenizer.encode_chat(messages, add_generation_prompt)
 
     def _pick_engine(self) -> EngineConnection:
         # Fewest requests in flight; ties rotate so sequential requests spread over idle cores.
@@ -273,12 +261,12 @@ class AsyncEngineClient:
                      f" for request {msg.request_id}" if msg.request_id else "", msg.message)
         state = self._states.get(msg.request_id) if msg.request_id is not None else None
         if state is not None:
-            self._fail(state, RequestFailedError(f"the engine failed this request: {msg.message}"))
+            self._fail(state, RequestFailedError(msg.message))
         if msg.is_fatal:
             self._on_engine_dead(engine, f"engine {engine.index} failed: {msg.message}")
 
     async def _watch(self, engine: EngineConnection) -> None:
-        self._on_engine_dead(engine, await engine.wait_for_death())
+        self._on_engine_dead(engine, await engine.wait_for_death(self.config.engine_timeout_s))
 
     def _on_engine_dead(self, engine: EngineConnection, reason: str) -> None:
         if not engine.is_alive:
@@ -362,4 +350,5 @@ class AsyncEngineClient:
         await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)
         for state in list(self._states.values()):
             self._fail(state, EngineDeadError(self.dead_reason))
+        self.prompt_tokenizer.shutdown()
         self.ctx.term()

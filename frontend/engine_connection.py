@@ -1,8 +1,10 @@
 """One engine core as the frontend sees it: a DEALER socket, maybe a child process, its requests.
 
-Death detection has no heartbeat. A local core is our child: its exit is death. Any
-core, local or remote, is dead once its socket disconnects after the handshake (a
-ZMQ monitor reports it: a killed process closes its end and the peer sees EOF).
+Death detection: a local core is our child, so its exit is death. Any core, local or
+remote, is dead once its socket disconnects after the handshake (a ZMQ monitor reports
+it: a killed process closes its end and the peer sees EOF), or once it has sent nothing
+for the engine timeout: a busy core sends a message every step and an idle one a
+heartbeat every second, so silence means it is hung (stopped, deadlocked, swapping).
 A core going down on purpose also says so first with `EngineError(is_fatal=True)`.
 """
 
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 
 import zmq
 import zmq.asyncio
@@ -48,6 +51,8 @@ class EngineConnection:
         self.request_ids: set[str] = set()  # in flight here: the least-loaded router counts these
         self.stats = SchedulerStats()
         self.is_alive = True
+        self.is_hung = False  # silent past the engine timeout: close() kills it without waiting
+        self.last_recv_time = time.monotonic()
 
     @classmethod
     async def start_local(cls, index: int, ctx: zmq.asyncio.Context, model: str, engine_args: list[str],
@@ -73,6 +78,7 @@ class EngineConnection:
     async def recv(self):
         """The next record from the core; raises DecodeError for a malformed one."""
         frames = await self.socket.recv_multipart()
+        self.last_recv_time = time.monotonic()
         if len(frames) != 1:
             raise DecodeError(f"expected 1 frame, got {len(frames)}")
         return decode(frames[0])
@@ -105,20 +111,35 @@ class EngineConnection:
                 raise EngineStartError(f"engine {self.index} failed to start: {msg.message}")
             logger.warning("engine %d sent %s before EngineReady; ignored", self.index, type(msg).__name__)
 
-    async def wait_for_death(self) -> str:
-        """Return (with a reason) once the core is gone: its process exited or its socket dropped."""
-        disconnected = asyncio.ensure_future(self._wait_disconnected())
-        if self.process is None:
-            return await disconnected
-        exited = asyncio.ensure_future(self._wait_exit())
+    async def wait_for_death(self, timeout_s: float = 0.0) -> str:
+        """Return (with a reason) once the core is gone: its process exited, its socket
+        dropped, or (with `timeout_s`) it has sent nothing for that long."""
+        waiters = [asyncio.ensure_future(self._wait_disconnected())]
+        if timeout_s > 0:
+            waiters.append(asyncio.ensure_future(self._wait_silent(timeout_s)))
+        exited = None
+        if self.process is not None:
+            exited = asyncio.ensure_future(self._wait_exit())
+            waiters.append(exited)
         try:
-            await asyncio.wait([disconnected, exited], return_when=asyncio.FIRST_COMPLETED)
-            # A local core's exit code says more than "disconnected": give it a moment to show.
-            await asyncio.wait([exited], timeout=EXIT_CODE_GRACE_S)
-            return exited.result() if exited.done() else disconnected.result()
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            if exited is not None and not self.is_hung:
+                # A local core's exit code says more than "disconnected": give it a moment to show.
+                await asyncio.wait([exited], timeout=EXIT_CODE_GRACE_S)
+                if exited.done():
+                    return exited.result()
+            return next(iter(done)).result()
         finally:
-            disconnected.cancel()
-            exited.cancel()
+            for waiter in waiters:
+                waiter.cancel()
+
+    async def _wait_silent(self, timeout_s: float) -> str:
+        while True:
+            silent_s = time.monotonic() - self.last_recv_time
+            if silent_s >= timeout_s:
+                self.is_hung = True
+                return f"engine {self.index} sent nothing for {silent_s:.0f} s (--engine-timeout): it is hung"
+            await asyncio.sleep(min(1.0, timeout_s - silent_s + 0.01))
 
     async def _wait_exit(self) -> str:
         code = await self.process.wait()
@@ -133,7 +154,11 @@ class EngineConnection:
     async def close(self) -> None:
         """Shut a local core down (Shutdown, then terminate, then kill); abort our requests on a remote one."""
         process = self.process
-        if process is not None and process.returncode is None:
+        if process is not None and process.returncode is None and self.is_hung:
+            logger.warning("engine %d is hung; killing it", self.index)
+            process.kill()
+            await process.wait()
+        elif process is not None and process.returncode is None:
             self.send(Shutdown("frontend exiting"))
             try:
                 await asyncio.wait_for(process.wait(), SHUTDOWN_GRACE_S)

@@ -12,6 +12,7 @@ from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_ENGINE_TIMEOUT_S = 30.0
 API_KEY_ENV = "TOKENLOOM_API_KEY"
 # Engine-core flags passed through unchanged to locally started cores; the core validates them.
 ENGINE_PASS_THROUGH_ARGS = (
@@ -56,7 +57,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="on SIGTERM, seconds running requests get to finish before they are aborted "
                              f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
     limits.add_argument("--restart-engine", action="store_true",
-                        help="start a fresh core when a local one dies, instead of staying down (503)")
+                        help="start a fresh core when a local one dies or hangs, instead of staying down (503)")
+    limits.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S, metavar="S",
+                        help="a core that sends nothing for S seconds (an idle one sends a heartbeat every second) "
+                             f"is hung and counts as dead; 0 disables (default: {DEFAULT_ENGINE_TIMEOUT_S:.0f})")
     group = parser.add_argument_group("engine core", "passed through to the cores this server starts")
     for flag, flag_type, help_text in ENGINE_PASS_THROUGH_ARGS:
         group.add_argument(flag, type=flag_type, help=help_text)
@@ -65,6 +69,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # Tests swap the core for tests/fake_engine.py, and make it fail; not for users.
     parser.add_argument("--engine-command", help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-at-step", type=int, help=argparse.SUPPRESS)  # first start of each core only
+    parser.add_argument("--inject-fault-persistent", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -89,11 +94,15 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         raise ValueError("--data-parallel must be at least 1")
     if args.engine and args.data_parallel != 1:
         raise ValueError("--data-parallel starts local cores; with --engine, list every core's address instead")
+    if args.engine_timeout < 0:
+        raise ValueError("--engine-timeout must not be negative")
     if args.engine and args.restart_engine:
         raise ValueError("--restart-engine restarts the cores this server starts; it cannot be used with --engine")
     first_start_args = []
     if args.inject_fault_at_step is not None:
         first_start_args = ["--inject-fault-at-step", str(args.inject_fault_at_step)]
+        if args.inject_fault_persistent:
+            first_start_args.append("--inject-fault-persistent")
     return EngineClientConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -103,6 +112,7 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         engine_command=tuple(shlex.split(args.engine_command)) if args.engine_command else DEFAULT_ENGINE_COMMAND,
         ready_timeout_s=args.engine_ready_timeout,
         restart_engine=args.restart_engine,
+        engine_timeout_s=args.engine_timeout,
         first_start_args=first_start_args,
     )
 

@@ -9,13 +9,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from frontend.engine_client import AsyncEngineClient
-from frontend.errors import FrontendError, InvalidRequestError
+from frontend.errors import FrontendError
 from frontend.protocol import ChatCompletionRequest
 from frontend.request_state import RequestStream
 from frontend.serving_utils import (
     SSE_DONE, ClientDisconnected, Usage, chat_logprobs, collect, now_s, random_id, run_unless_disconnected, sse,
 )
-from frontend.tokenizer import TemplateError
 
 logger = logging.getLogger(__name__)
 
@@ -24,14 +23,11 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
                                  client: AsyncEngineClient) -> Response:
     body.check_supported()
     messages = [message.to_template_dict() for message in body.messages]
-    try:
-        prompt_token_ids = client.tokenizer.encode_chat(messages, body.add_generation_prompt)
-    except TemplateError as e:
-        raise InvalidRequestError(str(e)) from None
+    prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.to_sampling_params(max_tokens, body.num_logprobs)
     request_id = random_id("chatcmpl")
-    stream = client.generate(None, params, request_id, prompt_token_ids=prompt_token_ids, n=body.n)
+    stream = await client.generate(None, params, request_id, prompt_token_ids=prompt_token_ids, n=body.n)
     header = {"id": request_id, "created": now_s(), "model": client.model_name}
     if body.stream:
         return StreamingResponse(_stream_chat(stream, body, header, client), media_type="text/event-stream")

@@ -30,7 +30,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, clien
     prompts = body.prompts()
     params = body.to_sampling_params(body.max_tokens, body.logprobs)
     request_id = random_id("cmpl")
-    stream = client.generate_batch(prompts, params, request_id, n=body.n)
+    stream = await client.generate_batch(prompts, params, request_id, n=body.n)
     echo_texts = [_prompt_text(client, p) for p in prompts] if body.echo else None
     header = {"id": request_id, "object": "text_completion", "created": now_s(), "model": client.model_name}
     if body.stream:
@@ -90,7 +90,7 @@ def _prompt_text(client: AsyncEngineClient, prompt: str | list[int]) -> str:
 async def generate(body: GenerateBody, raw_request: Request, client: AsyncEngineClient) -> Response:
     """vLLM's `/generate`: `{"text": [prompt + output, ...]}`, streamed as one such object per step + NUL."""
     params = body.to_sampling_params(body.max_tokens, body.logprobs)
-    stream = client.generate(body.prompt, params, random_id("gen"), n=body.n)
+    stream = await client.generate(body.prompt, params, random_id("gen"), n=body.n)
     if body.stream:
         return StreamingResponse(_stream_generate(stream, body))
     try:

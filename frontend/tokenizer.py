@@ -56,6 +56,9 @@ class Tokenizer:
         eos = self.special_tokens["eos_token"]
         self.eos_token_id = self._tokenizer.token_to_id(eos) if eos else None
         self._template: jinja2.Template | None = None
+        # The most UTF-8 bytes one token can stand for (an upper bound: byte-level BPE writes
+        # a byte as a 1-2 byte character): max_model_len of them bound any prompt that fits.
+        self.max_token_bytes = max(len(token.encode("utf-8")) for token in self._tokenizer.get_vocab(True))
 
     @property
     def vocab_size(self) -> int:
@@ -65,7 +68,9 @@ class Tokenizer:
         return self.vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call releases the GIL while it works (`encode` holds it), so a
+        # tokenizing thread leaves the event loop free.
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024
+MAX_INT = 2**31 - 1  # counts and token ids: far beyond any context length, and they fit int32 tensors
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit int on the wire
+# Temperatures below this are greedy, as in vLLM: dividing logits by ~1e-40 overflows to inf/NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -32,33 +37,45 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
-    def validate(self) -> None:
-        """Raise ValueError with a message naming the bad field."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError with a message naming the bad field. With `vocab_size`, token ids
+        must also be in the model's vocabulary: they index its logits."""
         # isfinite: NaN compares False with everything and would slip past `< 0`.
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT:
+            raise ValueError(f"top_k must be -1 (disabled) or a positive integer up to {MAX_INT}, got {self.top_k!r}")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT):
+            raise ValueError(f"max_tokens must be between 1 and {MAX_INT}, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT:
+            raise ValueError(f"min_tokens must be between 0 and {MAX_INT}, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and 0 <= t <= MAX_INT for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(self.stop_token_ids)}")
+        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got "
+                             f"{max(self.stop_token_ids)}")
+        if not isinstance(self.stop, list):
+            raise ValueError("stop must be a list of strings")
         if len(self.stop) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
                 raise ValueError(f"each stop sequence must be a non-empty string of at most {MAX_STOP_STRING_LEN} characters")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

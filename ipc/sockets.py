@@ -20,6 +20,8 @@ import os
 import re
 import secrets
 import shutil
+import socket
+import stat
 import tempfile
 import threading
 from typing import Any
@@ -119,6 +121,9 @@ def bind_router(
 ) -> zmq.Socket:
     """The engine core's socket: a ROUTER bound at `address`."""
     check_bind_address(address, allow_remote)
+    scheme, path, _ = parse_address(address)
+    if scheme == "ipc" and "*" not in path:
+        _claim_ipc_path(path)
     sock = ctx.socket(zmq.ROUTER)
     try:
         _configure(sock, max_bytes)
@@ -136,6 +141,34 @@ def bind_router(
         raise
     logger.debug("ROUTER bound at %s", endpoint)
     return sock
+
+
+def _claim_ipc_path(path: str) -> None:
+    """Refuse a unix socket path that a live process listens on; remove a stale one.
+
+    zmq's bind would silently unlink a live server's socket file and take its clients.
+    """
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return  # not a socket: zmq's bind decides, as before
+    except FileNotFoundError:
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        logger.info("removing the stale socket file %s", path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    except OSError as e:  # not a socket, or not ours to probe: leave it to zmq's bind
+        logger.debug("could not probe %s: %s", path, e)
+        return
+    finally:
+        probe.close()
+    raise ValueError(f"ipc://{path} is in use by a running process; stop it or choose another path")
 
 
 def connect_dealer(ctx: zmq.Context, address: str, max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:

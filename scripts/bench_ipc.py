@@ -92,7 +92,7 @@ async def bench_client(model_folder: Path, num_requests: int, concurrency: int) 
     client = await AsyncEngineClient.start(config)
     try:
         async def one(request_id: str) -> None:
-            async for _ in client.generate(None, PARAMS, request_id, prompt_token_ids=PROMPT_TOKEN_IDS):
+            async for _ in await client.generate(None, PARAMS, request_id, prompt_token_ids=PROMPT_TOKEN_IDS):
                 pass
 
         latencies = []

@@ -48,7 +48,7 @@ def test_generate_counts_tokens_and_splits_n_by_seed(model_folder):
         client = await start_client(model_folder)
         try:
             texts, reasons, num_tokens = await read_all(
-                client.generate("Hello", SamplingParams(max_tokens=9, seed=0), "a", n=3))
+                await client.generate("Hello", SamplingParams(max_tokens=9, seed=0), "a", n=3))
             assert num_tokens == 27 and set(reasons.values()) == {FinishReason.LENGTH}
             # The fake core starts choice j at script offset seed + j: the choices differ.
             assert texts[0].startswith("The quick") and texts[1].startswith(" quick") and texts[2].startswith(" brown")
@@ -65,7 +65,7 @@ def test_stop_string_finishes_and_aborts_in_the_core(model_folder, tmp_path):
     async def main():
         client = await start_client(model_folder, 1, "--event-log", str(event_log), "--step-delay", "0.005")
         try:
-            texts, reasons, _ = await read_all(client.generate("Hi", SamplingParams(max_tokens=200, stop=["lazy"]), "s"))
+            texts, reasons, _ = await read_all(await client.generate("Hi", SamplingParams(max_tokens=200, stop=["lazy"]), "s"))
             assert texts[0] == SCRIPT[:SCRIPT.index("lazy")] and reasons[0] == FinishReason.STOP
             await asyncio.sleep(0.3)
             assert read_event_log(event_log, "abort") == ["s"]
@@ -81,11 +81,11 @@ def test_closing_the_stream_aborts_the_request(model_folder, tmp_path):
     async def main():
         client = await start_client(model_folder, 1, "--event-log", str(event_log), "--step-delay", "0.01")
         try:
-            stream = client.generate("Hi", SamplingParams(max_tokens=1000), "slow", n=2)
+            stream = await client.generate("Hi", SamplingParams(max_tokens=1000), "slow", n=2)
             async for _ in stream:
                 break
             await stream.aclose()
-            never_read = client.generate("Hi", SamplingParams(max_tokens=1000), "unread")
+            never_read = await client.generate("Hi", SamplingParams(max_tokens=1000), "unread")
             never_read.close()
             await asyncio.sleep(0.3)
             assert sorted(read_event_log(event_log, "abort")) == ["slow-0", "slow-1", "unread"]
@@ -102,7 +102,7 @@ def test_cancelling_the_consumer_aborts(model_folder, tmp_path):
     async def main():
         client = await start_client(model_folder, 1, "--event-log", str(event_log), "--step-delay", "0.01")
         try:
-            task = asyncio.create_task(read_all(client.generate("Hi", SamplingParams(max_tokens=1000), "c")))
+            task = asyncio.create_task(read_all(await client.generate("Hi", SamplingParams(max_tokens=1000), "c")))
             await asyncio.sleep(0.2)
             task.cancel()
             await asyncio.sleep(0.3)
@@ -125,9 +125,9 @@ def test_bad_requests_raise_before_streaming(model_folder, prompt, params, messa
         client = await start_client(model_folder)
         try:
             with pytest.raises(InvalidRequestError, match=message):
-                client.generate(prompt, params, "bad")
+                await client.generate(prompt, params, "bad")
             with pytest.raises(InvalidRequestError, match=r"token ids"):
-                client.generate(None, SamplingParams(), "ids", prompt_token_ids=[10**6])
+                await client.generate(None, SamplingParams(), "ids", prompt_token_ids=[10**6])
             assert client.num_in_flight == 0
         finally:
             await client.shutdown()
@@ -141,7 +141,7 @@ def test_max_tokens_none_fills_the_context(model_folder):
         try:
             prompt_ids = [5] * 30
             _, reasons, num_tokens = await read_all(
-                client.generate(None, SamplingParams(max_tokens=None), "fill", prompt_token_ids=prompt_ids))
+                await client.generate(None, SamplingParams(max_tokens=None), "fill", prompt_token_ids=prompt_ids))
             assert num_tokens == 10 and reasons[0] == FinishReason.LENGTH
         finally:
             await client.shutdown()
@@ -153,7 +153,7 @@ def test_least_loaded_routing_uses_both_engines(model_folder):
     async def main():
         client = await start_client(model_folder, 2, "--step-delay", "0.005")
         try:
-            streams = [client.generate("Hi", SamplingParams(max_tokens=20), f"r{i}") for i in range(6)]
+            streams = [await client.generate("Hi", SamplingParams(max_tokens=20), f"r{i}") for i in range(6)]
             assert [e.num_in_flight for e in client.engines] == [3, 3]
             results = await asyncio.gather(*(read_all(s) for s in streams))
             assert all(num_tokens == 20 for _, _, num_tokens in results)
@@ -168,8 +168,8 @@ def test_engine_error_fails_only_that_request(model_folder):
         client = await start_client(model_folder, 1, "--fail-max-tokens", "13")
         try:
             with pytest.raises(RequestFailedError, match="fake failure"):
-                await read_all(client.generate("Hi", SamplingParams(max_tokens=13), "f"))
-            _, _, num_tokens = await read_all(client.generate("Hi", SamplingParams(max_tokens=4), "ok"))
+                await read_all(await client.generate("Hi", SamplingParams(max_tokens=13), "f"))
+            _, _, num_tokens = await read_all(await client.generate("Hi", SamplingParams(max_tokens=4), "ok"))
             assert num_tokens == 4 and client.is_healthy
         finally:
             await client.shutdown()
@@ -181,14 +181,14 @@ def test_fatal_engine_error_kills_the_client(model_folder):
     async def main():
         client = await start_client(model_folder, 1, "--crash-max-tokens", "13", "--step-delay", "0.01")
         try:
-            slow = client.generate("Hi", SamplingParams(max_tokens=1000), "slow")
+            slow = await client.generate("Hi", SamplingParams(max_tokens=1000), "slow")
             with pytest.raises(EngineDeadError, match="fake crash"):
-                await read_all(client.generate("Hi", SamplingParams(max_tokens=13), "boom"))
+                await read_all(await client.generate("Hi", SamplingParams(max_tokens=13), "boom"))
             with pytest.raises(EngineDeadError):
                 await read_all(slow)
             assert not client.is_healthy
             with pytest.raises(EngineDeadError):
-                client.generate("Hi", SamplingParams(), "after")
+                await client.generate("Hi", SamplingParams(), "after")
         finally:
             await client.shutdown()
 
@@ -199,7 +199,7 @@ def test_killed_local_engine_fails_in_flight_requests(model_folder):
     async def main():
         client = await start_client(model_folder, 2, "--step-delay", "0.01")
         try:
-            streams = [client.generate("Hi", SamplingParams(max_tokens=100), f"k{i}") for i in range(4)]
+            streams = [await client.generate("Hi", SamplingParams(max_tokens=100), f"k{i}") for i in range(4)]
             os.kill(client.engines[0].process.pid, signal.SIGKILL)
             outcomes = await asyncio.gather(*(read_all(s) for s in streams), return_exceptions=True)
             dead = [o for o in outcomes if isinstance(o, EngineDeadError)]
@@ -218,7 +218,7 @@ def test_remote_engine_death_is_seen_as_a_disconnect(model_folder):
     async def main():
         client = await start_client(model_folder, engine_addresses=[f"tcp://127.0.0.1:{port}"])
         try:
-            stream = client.generate("Hi", SamplingParams(max_tokens=1000), "remote")
+            stream = await client.generate("Hi", SamplingParams(max_tokens=1000), "remote")
             await stream.__anext__()
             engine.kill()
             with pytest.raises(EngineDeadError, match="disconnected"):
