@@ -9,20 +9,22 @@ started under a soft open-file limit of 1024 (a common default) that it must rai
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
 import resource
 import selectors
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import requests
-from fake_engine import FrontendServer
-from reliability_helpers import health, rss_mb
+from fake_engine import FAKE_ENGINE_PATH, FrontendServer
+from reliability_helpers import health, rss_mb, run_streams
 
 pytestmark = pytest.mark.timeout(120)
 HEADER_TIMEOUT_S = 1.0
@@ -31,6 +33,7 @@ BODY_GRACE_S = 1.0  # frontend/http_protocol.py's backstop past the body timeout
 MAX_CONCURRENT = 4
 MAX_REQUEST_BYTES = 1 << 20  # the default
 MAX_HEADER_BYTES = 64 << 10  # the default
+STEP_DELAY_S = 0.01  # of the fake core: a long stream outlasts both timeouts
 GOOD = {"prompt": "Hi", "max_tokens": 3}
 # Headers announce 100 bytes of body; 10 arrive.
 HALF_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -51,7 +54,9 @@ def soft_open_file_limit(soft: int):
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    server = FrontendServer(model_folder, "--max-concurrent-requests", str(MAX_CONCURRENT),
+    engine_command = f"{sys.executable} {FAKE_ENGINE_PATH} --step-delay {STEP_DELAY_S}"
+    server = FrontendServer(model_folder, "--engine-command", engine_command,
+                            "--max-concurrent-requests", str(MAX_CONCURRENT),
                             "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S))
     with soft_open_file_limit(1024):
         server.start()
@@ -146,13 +151,32 @@ def test_idle_and_unfinished_heads_are_closed_after_the_header_timeout(server):
     for conn in (silent, partial, trickling):
         data, is_closed = read_until_closed(conn, HEADER_TIMEOUT_S + 2)
         assert is_closed and data == b""
-    assert HEADER_TIMEOUT_S - 0.2 < time.monotonic() - started < HEADER_TIMEOUT_S + 1
+    assert HEADER_TIMEOUT_S - 0.2 < time.monotonic() - started < HEADER_TIMEOUT_S + 2
     # uvicorn's own keep-alive timer is 5 s; the header timer must cut in first.
     assert read_until_closed(kept_alive, HEADER_TIMEOUT_S + 2) == (b"", True)
-    assert time.monotonic() - kept_alive_started < HEADER_TIMEOUT_S + 1
+    assert time.monotonic() - kept_alive_started < HEADER_TIMEOUT_S + 2
     for conn in (silent, partial, trickling, kept_alive):
         conn.close()
     assert health(server.url) == 200
+
+
+def test_timeouts_cut_neither_long_responses_nor_idle_kept_alive_connections(server):
+    # A stream that outlasts the header and body timeouts (and the body backstop) runs to its end.
+    num_tokens = int((BODY_TIMEOUT_S + BODY_GRACE_S + 0.5) / STEP_DELAY_S)
+    started = time.monotonic()
+    (result,) = asyncio.run(run_streams(server.url, [{"max_tokens": num_tokens, "prompt": "long"}]))
+    assert result.error is None and result.num_tokens == num_tokens
+    assert time.monotonic() - started > BODY_TIMEOUT_S + BODY_GRACE_S
+    # Idle between requests longer than the header timeout: the keep-alive timer governs, not it.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        for i in range(2):
+            time.sleep(i * (HEADER_TIMEOUT_S + 0.5))
+            conn.request("POST", "/v1/completions", body=json.dumps(GOOD), headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 3
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("size", [100 << 10, 1 << 20, 16 << 20])
@@ -178,7 +202,8 @@ def test_unterminated_heads_do_not_grow_the_server(server):
         thread.start()
     for thread in threads:
         thread.join(30)
-    assert rss_mb(server.process.pid) - before_mb < 40
+    growth_mb = rss_mb(server.process.pid) - before_mb
+    assert growth_mb < 40, f"the server grew by {growth_mb:.0f} MB"
     assert health(server.url) == 200
 
 
