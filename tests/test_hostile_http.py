@@ -26,6 +26,8 @@ import requests
 from fake_engine import FAKE_ENGINE_PATH, FrontendServer
 from reliability_helpers import health, rss_mb, run_streams
 
+from frontend.server_args import admission_config, make_parser
+
 pytestmark = pytest.mark.timeout(120)
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0
@@ -99,6 +101,17 @@ def send_head(server, head: bytes) -> bytes:
     with connect(server) as conn:
         conn.sendall(head)
         return read_until_closed(conn, 10)[0]
+
+
+def test_timeout_flags():
+    args = make_parser().parse_args([])
+    config = admission_config(args)
+    assert (config.header_timeout_s, config.body_timeout_s) == (10.0, 30.0)
+    config = admission_config(make_parser().parse_args(["--header-timeout", "2.5", "--body-timeout", "7"]))
+    assert (config.header_timeout_s, config.body_timeout_s) == (2.5, 7.0)
+    for flag in ("--header-timeout", "--body-timeout"):
+        with pytest.raises(ValueError, match="must be positive"):
+            admission_config(make_parser().parse_args([flag, "0"]))
 
 
 def test_server_raises_its_open_file_limit(server):
