@@ -4,32 +4,48 @@ A pure ASGI middleware, in this order, on the API routes (/v1/*, /generate):
 
     API key        401  `Authorization: Bearer KEY`, compared in constant time
     draining       503  the server got SIGTERM and takes no new requests
-    concurrency    429  --max-concurrent-requests are already being served (Retry-After: 1)
     body size      413  --max-request-bytes: Content-Length is checked before reading, and a
                         streamed (chunked) body is read only up to the limit
+    body time      408  the whole body must arrive within --body-timeout seconds of the
+                        headers; then the connection is closed
+    concurrency    429  --max-concurrent-requests are already being served (Retry-After: 1)
 
-A request counts against the concurrency limit from admission until its response is
-sent in full, streaming included. The body is buffered here (the handlers read it
-whole anyway) and replayed to the app; later `receive` calls pass through, so
-disconnect detection still works. /health, /metrics and /openapi.json skip the
-key and the limits, but not the Content-Length check.
+A request takes a concurrency slot only once it has arrived whole (headers and body),
+and holds it until its response is sent in full, streaming included: a client that
+sends half a body and goes idle holds a connection and a task until --body-timeout,
+never a slot. The body is buffered here (the handlers read it whole anyway) and
+replayed to the app; later `receive` calls pass through, so disconnect detection
+still works. A 413 is sent first, then up to DRAIN_MAX_BYTES / DRAIN_MAX_S of the body
+is read and dropped before the connection closes: closing on unread bytes makes the
+kernel send a reset, and most clients (still sending) then never see the 413.
+/health, /metrics and /openapi.json skip the key and the limits, but not the
+Content-Length check. Headers (size and time) are bounded earlier, in
+frontend/http_protocol.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 from dataclasses import dataclass
 
 from frontend.errors import (
-    AuthenticationError, FrontendError, RequestTooLargeError, ServerBusyError, ShuttingDownError,
+    AuthenticationError, FrontendError, RequestTimeoutError, RequestTooLargeError, ServerBusyError,
+    ShuttingDownError,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, far beyond any context length here
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # request line + headers; a real client sends them in one packet
+DEFAULT_BODY_TIMEOUT_S = 30.0  # 1 MiB in 30 s is ~35 KB/s, below any link a client should use
+DEFAULT_MAX_HEADER_BYTES = 64 << 10  # nginx allows 32 KiB by default; bearer tokens and cookies fit
+# After a 413, how much of the body is read and dropped before closing (whichever ends first).
+DRAIN_MAX_BYTES = 64 << 20
+DRAIN_MAX_S = 3.0
 
 
 @dataclass
@@ -37,6 +53,9 @@ class AdmissionConfig:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # enforced by frontend/http_protocol.py
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # enforced by frontend/http_protocol.py
 
 
 class Admission:
@@ -55,9 +74,12 @@ class Admission:
         if not hmac.compare_digest(given, self._expected_key):
             raise AuthenticationError("invalid or missing API key: send 'Authorization: Bearer <key>'")
 
-    def check_capacity(self) -> None:
+    def check_open(self) -> None:
         if self.is_draining:
             raise ShuttingDownError("the server is shutting down and takes no new requests")
+
+    def check_capacity(self) -> None:
+        self.check_open()  # again: the drain may have started while the body was read
         if self.num_active >= self.config.max_concurrent_requests:
             raise ServerBusyError(f"the server is already serving its limit of {self.config.max_concurrent_requests} "
                                   "concurrent requests; retry later")
@@ -90,38 +112,49 @@ class AdmissionMiddleware:
         try:
             if is_api:
                 admission.check_key(headers)
-                admission.check_capacity()
+                admission.check_open()
             admission.check_content_length(headers)
+        except RequestTooLargeError as e:
+            return await send_error_and_drain(send, receive, e)
         except FrontendError as e:
             return await send_error(send, e)
         if not is_api:
             return await self.app(scope, receive, send)
-        admission.num_active += 1
         try:
-            try:
-                body = await self._read_body(receive)
-            except RequestTooLargeError as e:
-                return await send_error(send, e)
+            body = await self._read_body(receive)
             if body is None:
                 return  # the client went away while sending
+            admission.check_capacity()
+        except RequestTooLargeError as e:
+            return await send_error_and_drain(send, receive, e)
+        except FrontendError as e:
+            return await send_error(send, e)
+        admission.num_active += 1
+        try:
             await self.app(scope, _replay(body, receive), send)
         finally:
             admission.num_active -= 1
 
     async def _read_body(self, receive) -> bytes | None:
-        limit = self.admission.config.max_request_bytes
+        config = self.admission.config
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise self.admission._too_large(f"over {size} bytes so far, streamed")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        try:
+            async with asyncio.timeout(config.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > config.max_request_bytes:
+                        raise self.admission._too_large(f"over {size} bytes so far, streamed")
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            logger.debug("request body not in after %.1f s (%d bytes so far)", config.body_timeout_s, size)
+            raise RequestTimeoutError(f"the request body did not arrive within {config.body_timeout_s:g} seconds "
+                                      f"({size} bytes so far)") from None
 
 
 def _replay(body: bytes, receive):
@@ -137,9 +170,31 @@ def _replay(body: bytes, receive):
     return replay_receive
 
 
-async def send_error(send, error: FrontendError) -> None:
+async def send_error(send, error: FrontendError, is_last: bool = True) -> None:
     body = json.dumps(error.to_dict()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in (error.headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": body, "more_body": not is_last})
+
+
+async def send_error_and_drain(send, receive, error: FrontendError) -> None:
+    """Send the whole answer, read and drop what the client still sends (bounded), then close.
+
+    The answer's bytes are all out (Content-Length) while uvicorn still counts the
+    response as open, so the connection stays up for the drain; the final empty
+    chunk completes it, and `connection: close` makes uvicorn close on it.
+    """
+    await send_error(send, error, is_last=False)
+    num_bytes = 0
+    try:
+        async with asyncio.timeout(DRAIN_MAX_S):
+            while num_bytes < DRAIN_MAX_BYTES:
+                message = await receive()
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    break
+                num_bytes += len(message.get("body", b""))
+    except TimeoutError:
+        pass
+    logger.debug("drained %d bytes after a %d", num_bytes, error.status_code)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -41,6 +41,7 @@ from frontend.engine_connection import EngineStartError
 from frontend.errors import (
     EngineDeadError, FrontendError, InvalidRequestError, ModelNotFoundError, ShuttingDownError,
 )
+from frontend.http_protocol import guarded_protocol, raise_open_file_limit
 from frontend.local_socket import LocalSocketServer
 from frontend.metrics import CONTENT_TYPE
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerateBody
@@ -209,9 +210,12 @@ async def run_frontend(args: argparse.Namespace) -> None:
             admission.is_draining = True
             loop.call_soon_threadsafe(start_drain, signum)
 
+        raise_open_file_limit()  # each connection is a file; thousands of idle ones must not run out
         # uvicorn's own timeout is a backstop: by then our drain has ended every request.
+        # The protocol is uvicorn's httptools one with bounded header size and time.
         config = uvicorn.Config(build_app(client, admission), host=args.host, port=args.port, loop="uvloop",
-                                http="httptools", log_level=args.log_level, timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
+                                http=guarded_protocol(admission.config), log_level=args.log_level,
+                                timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_BACKSTOP_S)
         # uvicorn re-raises the signal that stopped it once serve() returns; with these
         # handlers that is a no-op, so the finally below still shuts the cores down.

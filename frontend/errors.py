@@ -41,10 +41,26 @@ class ModelNotFoundError(FrontendError):
     code = "model_not_found"
 
 
+class RequestTimeoutError(FrontendError):
+    """The body did not arrive within --body-timeout; the connection is closed."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    headers = {"connection": "close"}
+
+
 class RequestTooLargeError(FrontendError):
-    """The body is over --max-request-bytes; the connection is closed rather than read to the end."""
+    """The body is over --max-request-bytes; a bounded part of it is read and dropped, then the connection closes."""
 
     status_code = 413
+    error_type = "invalid_request_error"
+    headers = {"connection": "close"}
+
+
+class HeadersTooLargeError(FrontendError):
+    """The request line and headers are over their limit; answered by the HTTP protocol, before any app code."""
+
+    status_code = 431
     error_type = "invalid_request_error"
     headers = {"connection": "close"}
 

@@ -6,7 +6,10 @@ import argparse
 import os
 import shlex
 
-from frontend.admission import DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, AdmissionConfig
+from frontend.admission import (
+    DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES,
+    AdmissionConfig,
+)
 from frontend.engine_client import EngineClientConfig
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
 
@@ -53,6 +56,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
     limits.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS, metavar="N",
                         help=f"API requests served at once; more get 429 (default: {DEFAULT_MAX_CONCURRENT_REQUESTS})")
+    limits.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                        help="seconds a connection gets to send a request's line and headers (from connecting, or "
+                             f"from the first byte of its next request); then it is closed (default: "
+                             f"{DEFAULT_HEADER_TIMEOUT_S:g})")
+    limits.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                        help="seconds a request gets to send its whole body after its headers; then it gets 408 and "
+                             f"the connection is closed (default: {DEFAULT_BODY_TIMEOUT_S:g})")
     limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
                         help="on SIGTERM, seconds running requests get to finish before they are aborted "
                              f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S:.0f})")
@@ -122,4 +132,7 @@ def admission_config(args: argparse.Namespace) -> AdmissionConfig:
         raise ValueError("--max-request-bytes and --max-concurrent-requests must be at least 1")
     if args.shutdown_timeout < 0:
         raise ValueError("--shutdown-timeout must not be negative")
-    return AdmissionConfig(args.api_key or None, args.max_request_bytes, args.max_concurrent_requests)
+    if args.header_timeout <= 0 or args.body_timeout <= 0:
+        raise ValueError("--header-timeout and --body-timeout must be positive")
+    return AdmissionConfig(args.api_key or None, args.max_request_bytes, args.max_concurrent_requests,
+                           header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
