@@ -4,7 +4,8 @@ It speaks what `engine.core_process` speaks (a ROUTER; Hello -> EngineReady; Add
 AbortRequests, Shutdown in; one EngineOutputs per step out) but "generates" by reading
 a fixed script: the choice with seed s emits the script's token ids from offset s, so
 output text is readable and deterministic. Every running request gets one token per
-step; steps run back to back, or `--step-delay` seconds apart.
+step; steps run back to back, or `--step-delay` seconds apart. Like the real core, it
+sends an empty EngineOutputs as a heartbeat every HEARTBEAT_S while idle.
 
     python tests/fake_engine.py --address tcp://127.0.0.1:PORT --model FOLDER
 
@@ -44,6 +45,7 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 4096
+HEARTBEAT_S = 1.0
 
 
 def write_fake_model(folder: Path) -> Path:
@@ -90,6 +92,7 @@ class FakeEngineCore:
         self.ctx = zmq.Context()
         self.socket = bind_router(self.ctx, args.address, allow_remote=args.allow_remote)
         self.running: dict[str, FakeRequest] = {}
+        self.frontend_identities: set[bytes] = set()  # every frontend that said Hello: heartbeats go to each
         self.is_shutdown = False
         self.event_log = open(args.event_log, "a", buffering=1) if args.event_log else None  # line-buffered
         self.handlers = {Hello: self.on_hello, AddRequest: self.on_add, AbortRequests: self.on_abort,
@@ -99,6 +102,7 @@ class FakeEngineCore:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         next_parent_check = 0.0
+        next_heartbeat = 0.0
         while not self.is_shutdown:
             if poller.poll(0 if self.running else 100):
                 self.drain()
@@ -110,6 +114,11 @@ class FakeEngineCore:
                 self.step()
                 if self.args.step_delay:
                     time.sleep(self.args.step_delay)
+            elif time.monotonic() > next_heartbeat:
+                next_heartbeat = time.monotonic() + HEARTBEAT_S
+                for identity in self.frontend_identities:
+                    send_message(self.socket, EngineOutputs(self.args.engine_id, [], self.stats(), time.time()),
+                                 identity)
         self.socket.close(linger=0)
 
     def drain(self) -> None:
@@ -121,6 +130,7 @@ class FakeEngineCore:
             self.handlers[type(msg)](identity, msg)
 
     def on_hello(self, identity: bytes, msg: Hello) -> None:
+        self.frontend_identities.add(identity)
         ready = EngineReady(self.args.engine_id, self.args.model, self.max_model_len, self.vocab_size,
                             NUM_KV_BLOCKS, BLOCK_SIZE, [2])
         send_message(self.socket, ready, identity)

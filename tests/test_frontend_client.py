@@ -114,3 +114,92 @@ def test_raw_protocol_example(server, model_folder):
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def collect_finals(sock, num_expected: int, timeout_s: float = 10.0) -> dict[str, list]:
+    """Read GenerateOutputs until `num_expected` finals arrived (then 0.5 s more for any extra ones)."""
+    finals: dict[str, list] = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        wait_ms = 500 if sum(map(len, finals.values())) >= num_expected else 100
+        if not sock.poll(wait_ms):
+            if sum(map(len, finals.values())) >= num_expected:
+                break
+            continue
+        record = msgpack.unpackb(sock.recv())
+        if record[4] is not None:
+            finals.setdefault(record[1], []).append(record[4])
+    return finals
+
+
+PARAMS_LONG = [0.0, 1.0, -1, 0.0, None, 1000, 0, False, [], [], None, True, False]
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.001, 0.01])
+def test_request_aborted_right_after_it_is_sent_still_gets_one_final(server, gap_s):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.client_socket)
+    try:
+        request_ids = [f"race-{gap_s}-{i}" for i in range(20)]
+        for request_id in request_ids:
+            sock.send(msgpack.packb([20, request_id, "Hi", None, PARAMS_LONG]))
+            if gap_s:
+                time.sleep(gap_s)
+            sock.send(msgpack.packb([2, [request_id]]))
+        finals = collect_finals(sock, len(request_ids))
+        assert finals == {request_id: [3] for request_id in request_ids}  # exactly one ABORT each
+        # The ids are free again: reusing one runs normally.
+        sock.send(msgpack.packb([20, request_ids[0], "Hi", None, PARAMS_LONG[:5] + [4] + PARAMS_LONG[6:]]))
+        assert collect_finals(sock, 1) == {request_ids[0]: [2]}
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_duplicate_running_id_is_ignored_and_ends_once(server):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.client_socket)
+    try:
+        params = PARAMS_LONG[:5] + [40] + PARAMS_LONG[6:]
+        sock.send(msgpack.packb([20, "dup", "Hi", None, params]))
+        sock.send(msgpack.packb([20, "dup", "Hi", None, params]))
+        assert collect_finals(sock, 1) == {"dup": [2]}  # one LENGTH final, no ERROR beside it
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_oversized_local_frame_is_refused_and_the_server_serves_on(server):
+    ctx = zmq.Context()
+    big, sock = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    big.connect(server.client_socket)
+    sock.connect(server.client_socket)
+    try:
+        # Far past what any request for a 1024-token context can need: zmq drops it unread.
+        big.send(msgpack.packb([20, "big", "x" * (8 << 20), None, PARAMS_LONG]))
+        time.sleep(0.5)
+        sock.send(msgpack.packb([20, "small", "Hi", None, PARAMS_LONG[:5] + [3] + PARAMS_LONG[6:]]))
+        assert collect_finals(sock, 1) == {"small": [2]}
+        assert not big.poll(200)  # nothing was answered to the oversized frame
+    finally:
+        big.close(linger=0)
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_second_server_refuses_a_live_client_socket(server, model_folder):
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend.api_server", "--model", str(model_folder), "--port", "1",
+         "--engine-command", f"{sys.executable} {FAKE_ENGINE_PATH}", "--client-socket", server.client_socket],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "in use by a running process" in result.stderr, result.stderr[-2000:]
+
+    async def still_served():
+        async with TokenloomClient.local(server.client_socket) as client:
+            return await client.complete("Hi", max_tokens=3)
+
+    assert asyncio.run(still_served()).num_output_tokens == 3

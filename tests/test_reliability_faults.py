@@ -129,26 +129,64 @@ def test_sigterm_aborts_what_outlives_the_grace(model_folder):
 # ---------------------------------------------------------------- the real core (slow)
 
 
+def test_sigstopped_core_is_dead_after_the_engine_timeout_and_restarted(model_folder):
+    with FrontendServer(model_folder, *fake_core("--step-delay", "0.01"), "--engine-timeout", "2",
+                        "--restart-engine") as server:
+        time.sleep(3)  # idle past the timeout: heartbeats keep an idle core alive
+        assert health(server.url) == 200
+        (first_pid,) = server.child_pids()
+
+        async def stop_mid_stream():
+            stream = asyncio.ensure_future(run_streams(server.url, [{"prompt": "Hi", "max_tokens": 1000}]))
+            await asyncio.sleep(0.5)
+            os.kill(first_pid, signal.SIGSTOP)
+            started = time.monotonic()
+            result = (await stream)[0]
+            return result, time.monotonic() - started
+
+        result, waited_s = asyncio.run(stop_mid_stream())
+        assert result.error and "hung" in result.error and waited_s < 5, (result, waited_s)
+        assert wait_for(lambda: health(server.url) == 200, 30)
+        assert server.child_pids() != [first_pid] and is_gone(first_pid)  # killed, not left stopped
+        assert post_completion(server.url, 5).json()["usage"]["completion_tokens"] == 5
+
+
+def test_sigstopped_core_without_restart_leaves_the_server_503(model_folder):
+    with FrontendServer(model_folder, *fake_core(), "--engine-timeout", "1") as server:
+        (pid,) = server.child_pids()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: health(server.url) == 503, 5)
+            refused = post_completion(server.url, 3)
+            assert refused.status_code == 503 and "hung" in refused.json()["error"]["message"]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
 @pytest.mark.slow
-def test_injected_fault_fails_in_flight_requests_and_leaves_the_server_503(default_model_path):
+def test_a_failing_step_fails_its_requests_and_the_core_serves_on(default_model_path):
     with real_server(default_model_path, "--inject-fault-at-step", "12") as server:
+        (core_pid,) = server.child_pids()
         results = asyncio.run(run_streams(server.url, [
             {"prompt": f"Count {i}:", "max_tokens": 200, "ignore_eos": True} for i in range(4)]))
-        assert all(r.error and "injected fault" in r.error for r in results), results
-        assert health(server.url) == 503
-        time.sleep(3)
-        refused = post_completion(server.url, 3)
-        assert refused.status_code == 503 and "injected fault" in refused.json()["error"]["message"]
-        assert health(server.url) == 503 and server.process.poll() is None
+        assert all(r.error == "the engine failed while running this request" for r in results), results
+        assert health(server.url) == 200 and server.child_pids() == [core_pid]
+        reply = post_completion(server.url, 20, ignore_eos=True)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 20
+        assert wait_for(lambda: metric(server.url, "kv_blocks_used") == 0)
 
 
 @pytest.mark.slow
-def test_restart_engine_recovers_from_a_fault_and_a_sigkill(default_model_path):
-    with real_server(default_model_path, "--inject-fault-at-step", "12", "--restart-engine") as server:
-        results = asyncio.run(run_streams(server.url, [
-            {"prompt": f"Count {i}:", "max_tokens": 200, "ignore_eos": True} for i in range(4)]))
-        assert all(r.error and "injected fault" in r.error for r in results), results
-        assert wait_for(lambda: health(server.url) == 200, 300)
+def test_restart_engine_recovers_from_a_broken_model_and_a_sigkill(default_model_path):
+    with real_server(default_model_path, "--inject-fault-at-step", "12", "--inject-fault-persistent",
+                     "--restart-engine") as server:
+        # Every step from the 12th fails: a few requests fail one by one, then the core gives up.
+        for _ in range(3):
+            failed = post_completion(server.url, 200, ignore_eos=True)
+            assert failed.status_code in (500, 503), failed.text
+        assert wait_for(lambda: server.child_pids() and health(server.url) == 200, 300)
+        message = failed.json()["error"]["message"]
+        assert "Traceback" not in message and "RuntimeError(" not in message, message
         for _ in range(2):  # 40 steps each: the fault (step 12) must not come back
             reply = post_completion(server.url, 40, ignore_eos=True)
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 40

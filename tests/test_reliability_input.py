@@ -80,6 +80,13 @@ BAD_BODIES = [  # (path, raw body or JSON, what the message must name)
     (C, {"prompt": "Hi", "logprobs": 21}, "logprobs"),
     (C, {"prompt": "Hi", "seed": 2**64}, "seed"),
     (GEN, {"prompt": "Hi", "model": "fake"}, "model"),  # /generate has no model field
+    # Values that would index a tensor out of bounds in the core, and counts past any int32.
+    (C, {"prompt": "Hi", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": [100000]}, "stop_token_ids must be token ids"),
+    (GEN, {"prompt": "Hi", "stop_token_ids": [2**31 - 1]}, "stop_token_ids must be token ids"),
+    (CHAT, {"messages": USER, "stop_token_ids": [2**31 - 1]}, "stop_token_ids must be token ids"),
+    (C, {"prompt": "Hi", "max_tokens": 2**64}, "max_tokens must be between 1 and"),
+    (C, {"prompt": "Hi", "top_k": 2**63}, "top_k must be -1"),
+    (C, {"prompt": "Hi", "min_tokens": 2**40}, "min_tokens must be between 0 and"),
 ]
 
 
