@@ -107,7 +107,9 @@ class LLM:
         token_ids = request.output_token_ids
         text = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+            # A last token cut mid-character (max_tokens) is dropped from the text, not shown as
+            # U+FFFD: the same rule as the server's detokenizer.
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens).rstrip("\ufffd")
         finish_reason = request.status.finish_reason
         return CompletionOutput(
             request_id=request.request_id,

@@ -17,7 +17,7 @@ The prefix window gives the decoder context (so spaces are neither dropped nor
 added) and always starts where earlier text was complete. When `delta` ends in
 U+FFFD a character is still incomplete: we send what comes before it (counting
 it in `_num_sent_chars`, SGLang's sent offset) and keep the offsets until a
-later token completes it.
+later token completes it. A sequence that ends mid-character drops it.
 
 One known gap: a Llama-style ByteFallback decoder turns a whole run of <0xXX>
 tokens into U+FFFDs if the run ends incomplete, so a stream cut mid-character
@@ -93,8 +93,10 @@ class IncrementalDetokenizer:
         return out
 
     def flush(self) -> str:
-        """Return any held-back text, e.g. a sequence that ends mid-character."""
-        out = self._send(self._pending_delta())
+        """Return any held-back text at the end of the sequence. A character left
+        incomplete (the last token was cut mid-character, e.g. by max_tokens) is
+        dropped rather than shown as U+FFFD, as vLLM does; token ids still report it."""
+        out = self._send(self._pending_delta().rstrip(REPLACEMENT_CHAR))
         if out:
             logger.debug("flushed %d held-back chars", len(out))
         self._prefix_offset = self._read_offset = len(self._ids)

@@ -25,6 +25,21 @@ def event_log(tmp_path_factory):
     return tmp_path_factory.mktemp("events") / "events.log"
 
 
+def cached_default_model():
+    """The default model's converted folder, found where engine.model_files puts it
+    ($TOKENLOOM_CACHE included). Missing, it skips the test, except under CI, where
+    `make test` converts it first and a missing model is a failure."""
+    from engine.model_files import DEFAULT_MODEL, cache_dir, find_known_model
+
+    folder = cache_dir() / "models" / find_known_model(DEFAULT_MODEL).folder_name
+    if not (folder / "tokenizer.json").is_file():
+        message = f"the default model is not converted at {folder} (make model)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     from engine.model_files import resolve_model

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import cached_default_model
 from fake_engine import write_fake_model
 
 from frontend.tokenizer import TemplateError, Tokenizer
 
-SMOLLM2_DIR = Path.home() / ".cache/tokenloom/models/SmolLM2-135M-Instruct"
 TEXTS = ["Hello world, how are you today?", "  leading spaces\nand lines\n", "你好，世界 😀 café",
          "<|im_start|>user\nhi<|im_end|>"]
 CONVERSATIONS = [
@@ -24,9 +24,7 @@ CONVERSATIONS = [
 def folder(request, tmp_path_factory) -> Path:
     if request.param == "fake":
         return write_fake_model(tmp_path_factory.mktemp("fake-model"))
-    if not (SMOLLM2_DIR / "tokenizer.json").exists():
-        pytest.skip(f"SmolLM2 not converted at {SMOLLM2_DIR}")
-    return SMOLLM2_DIR
+    return cached_default_model()
 
 
 @pytest.fixture(scope="module")
