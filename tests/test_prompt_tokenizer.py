@@ -49,8 +49,9 @@ def test_tokenizing_a_big_prompt_leaves_the_event_loop_free(model_folder):
     gap, (ids, ids_again), elapsed = asyncio.run(main())
     prompts.shutdown()
     assert ids == ids_again == tokenizer._tokenizer.encode(TEXT).ids
-    # The encode took far longer than any stall of the loop (a blocking encode stalls it throughout).
-    assert elapsed > 0.2 and gap < min(0.1, elapsed / 3), (gap, elapsed)
+    # A blocking encode would stall the loop for a whole encode, half of `elapsed`; off the loop
+    # the longest stall is scheduling noise (loose bound: other processes share these cores).
+    assert elapsed > 0.2 and gap < elapsed / 5, (gap, elapsed)
 
 
 def test_prompts_too_big_for_any_context_are_refused_before_tokenizing(model_folder):
