@@ -57,7 +57,7 @@ class EngineClientConfig:
     ready_timeout_s: float = 600.0  # model loading on a cold cache takes minutes
     restart_engine: bool = False  # replace a local core that dies instead of staying down
     # A core silent this long is hung (an idle one sends a heartbeat every second); 0: never.
-    engine_timeout_s: float = 30.0
+    engine_timeout_s: float = 60.0
     first_start_args: list[str] = field(default_factory=list)  # test hooks (fault injection): first start only
 
 

@@ -15,7 +15,7 @@ from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-DEFAULT_ENGINE_TIMEOUT_S = 30.0
+DEFAULT_ENGINE_TIMEOUT_S = 60.0  # as vLLM's engine iteration timeout: a slow step on a loaded host is not a hang
 API_KEY_ENV = "TOKENLOOM_API_KEY"
 # Engine-core flags passed through unchanged to locally started cores; the core validates them.
 ENGINE_PASS_THROUGH_ARGS = (
