@@ -49,7 +49,7 @@ def local_abort_race(target: Target, num_pairs: int) -> dict:
         for request_id in ids:
             local.generate(request_id, max_tokens=32, min_tokens=0, ignore_eos=True)
             local.abort([request_id])
-        outputs = local.collect(ids, timeout_s=60, linger_s=1.0)
+        outputs = local.collect(ids, timeout_s=30, linger_s=1.0)
     ends = {rid: finals(outputs[rid]) for rid in ids}
     no_final = [rid for rid, e in ends.items() if not e]
     several = {rid: e for rid, e in ends.items() if len(e) > 1}
@@ -104,10 +104,13 @@ def socket_takeover(target: Target, second_server: list[str], log_path: Path) ->
     """A second server on the same --client-socket must refuse to start; the first keeps serving on it."""
     with open(log_path, "wb") as log:
         second = subprocess.Popen(second_server, stdout=log, stderr=subprocess.STDOUT)
+    second_url = f"http://127.0.0.1:{second_server[second_server.index('--port') + 1]}"
+    deadline = time.monotonic() + RESTART_WAIT_S
     try:
-        exit_code = second.wait(RESTART_WAIT_S)
-    except subprocess.TimeoutExpired:
-        exit_code = None  # it took the socket over and kept running
+        # It should refuse before loading anything; serving /health means it took the socket over.
+        while second.poll() is None and time.monotonic() < deadline and not Target(second_url).health(1)[0]:
+            time.sleep(0.5)
+        exit_code = second.poll()  # None: it took the socket over and kept running
     finally:
         if second.poll() is None:
             second.terminate()
@@ -132,8 +135,8 @@ def sigstop_core(target: Target, engine_timeout_s: float) -> dict:
     in_flight: dict = {}
 
     def long_request() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
-        status, text, _ = target.post("/v1/completions", body, timeout=window_s + 60)
+        body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        status, text, _ = target.post("/v1/completions", body, timeout=window_s + 30)
         in_flight.update(status=status, body=text[:200], ended_after_stop_s=round(time.monotonic() - stopped_at, 1))
 
     stopped_at = time.monotonic()
@@ -165,7 +168,7 @@ def sigstop_core(target: Target, engine_timeout_s: float) -> dict:
         except ProcessLookupError:
             pass
     back_s = target.wait_healthy(RESTART_WAIT_S)
-    worker.join(60)
+    worker.join(30)
     after = target.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0})[0]
     return {
         "passed": bool(health_503_s is not None and in_flight_failed_in_time and new_pid and after == 200),

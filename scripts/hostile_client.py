@@ -150,7 +150,7 @@ class Target:
         if self.client_socket and not extra:
             with LocalClient(self.client_socket) as local:
                 local.generate("baseline", prompt=prompt, max_tokens=16, min_tokens=0)
-                outputs = local.collect(["baseline"], timeout_s=120)["baseline"]
+                outputs = local.collect(["baseline"], timeout_s=30)["baseline"]
                 result["token_ids"] = [t for o in outputs for t in o[2]]
         return result
 

@@ -11,6 +11,8 @@ import socket
 import time
 from urllib.parse import urlparse
 
+import requests
+
 from hostile_client import Target
 
 CHUNK = 64 * 1024
@@ -73,7 +75,18 @@ def oversized_bodies(target: Target, sizes_mib: tuple[int, ...] = (4, 16)) -> di
                 status_line = _read_status(sock)
             seen[f"{size_mib}MiB_{framing}"] = {"status": _status_code(status_line), "read": status_line,
                                                 "send_error": send_error}
+        seen[f"{size_mib}MiB_requests_library"] = _post_with_requests(target, size)
     return {"passed": all(v["status"] == 413 for v in seen.values()), "answers": seen}
+
+
+def _post_with_requests(target: Target, size: int) -> dict:
+    """What an everyday client sees: requests sends the whole body before it reads the answer."""
+    try:
+        response = requests.post(target.url + "/v1/completions", data=b"x" * size, timeout=30,
+                                 headers={"Content-Type": "application/json"})
+        return {"status": response.status_code, "read": response.text[:120], "send_error": None}
+    except requests.RequestException as e:
+        return {"status": None, "read": None, "send_error": f"{type(e).__name__}: {str(e)[:160]}"}
 
 
 def big_header(target: Target) -> dict:

@@ -2,13 +2,14 @@
 
 Each value goes into an otherwise valid, short, greedy request (two tokens, min_tokens 1 so
 stop_token_ids are also used as banned ids). An answer passes when it is a sane 2xx or a 4xx
-with a clean OpenAI-style error; on the local socket, exactly one final output whose error (if
-any) shows no exception text. A core that dies is blamed on the value just sent; the field is
+with a clean OpenAI-style error that names the field; on the local socket, exactly one final
+output whose error (if any) names the field and shows no exception text. A core that dies is blamed on the value just sent; the field is
 then skipped on the other routes (a restart costs tens of seconds) and the run waits for /health.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import Counter
@@ -77,6 +78,18 @@ def http_body(route: str, name: str, kind: str, value) -> dict:
     return body
 
 
+# Words a 4xx message about the field may use instead of its own name.
+FIELD_WORDS = {"max_completion_tokens": ("max_tokens",), "top_logprobs": ("logprobs",), "prompt[[]]": ("prompt",),
+               "prompt_token_ids": ("prompt",)}
+GENERAL_REASONS = ("context length", "not valid JSON")  # a message about the whole request or body is fine
+
+
+def misleading(name: str, message: str) -> str | None:
+    """A rejection that does not say which field is wrong (e.g. max_tokens 2**64: 'cannot encode int')."""
+    words = (name, *FIELD_WORDS.get(name, ()), *GENERAL_REASONS)
+    return None if any(w.lower() in message.lower() for w in words) else f"rejected without naming {name}: {message!r}"
+
+
 def to_wire(value):
     """The value as msgpack can carry it (NaN and inf are real floats there), or None when it cannot."""
     if isinstance(value, Raw):
@@ -100,7 +113,7 @@ def local_problem(local: LocalClient, request_id: str, name: str, kind: str, val
     reason, error = ends[0]
     if reason == "error" and (not error or EXCEPTION_TEXT.search(error) or error.startswith("internal error")):
         return f"error final shows internals: {error!r}"
-    return None
+    return misleading(name, error) if reason == "error" else None
 
 
 def show(value) -> str | int | float:
@@ -137,6 +150,8 @@ def run_fuzz(target: Target, quick: bool, budget_s: float) -> dict:
             else:
                 status, text, _ = target.post(route, http_body(route, name, kind, value))
                 problem = answer_problem(route, status, text)
+                if problem is None and 400 <= status < 500:
+                    problem = misleading(name, json.loads(text)["error"]["message"])
             num_sent += 1
             where = {"route": route, "field": name, "value": show(value)}
             if problem:
