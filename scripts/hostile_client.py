@@ -220,6 +220,17 @@ class LocalClient:
                 linger_until = time.monotonic() + linger_s
         return outputs
 
+    def drain(self, seconds: float) -> dict:
+        """Every output that arrives within `seconds`, by request id."""
+        outputs: dict = {}
+        deadline = time.monotonic() + seconds
+        while (left_ms := int(1000 * (deadline - time.monotonic()))) > 0:
+            if self.socket.poll(left_ms):
+                record = msgpack.unpackb(self.socket.recv(), strict_map_key=False)
+                if isinstance(record, list) and len(record) >= 6 and record[0] == GENERATE_OUTPUT:
+                    outputs.setdefault(record[1], []).append(record[1:])
+        return outputs
+
 
 def finals(outputs: list) -> list[tuple[str, str | None]]:
     """The final outputs of one request as (finish reason, error)."""

@@ -80,7 +80,8 @@ def http_body(route: str, name: str, kind: str, value) -> dict:
 
 # Words a 4xx message about the field may use instead of its own name.
 FIELD_WORDS = {"max_completion_tokens": ("max_tokens",), "top_logprobs": ("logprobs",), "prompt[[]]": ("prompt",),
-               "prompt_token_ids": ("prompt",)}
+               "prompt_token_ids": ("prompt",), "presence_penalty": ("presence",),
+               "frequency_penalty": ("frequency",), "repetition_penalty": ("repetition",)}
 GENERAL_REASONS = ("context length", "not valid JSON")  # a message about the whole request or body is fine
 
 
