@@ -220,15 +220,14 @@ class LocalClient:
                 linger_until = time.monotonic() + linger_s
         return outputs
 
-    def drain(self, seconds: float) -> dict:
-        """Every output that arrives within `seconds`, by request id."""
+    def drain_until_quiet(self, quiet_s: float, timeout_s: float) -> dict:
+        """Every output, by request id, until none has come for quiet_s (or timeout_s is over)."""
         outputs: dict = {}
-        deadline = time.monotonic() + seconds
-        while (left_ms := int(1000 * (deadline - time.monotonic()))) > 0:
-            if self.socket.poll(left_ms):
-                record = msgpack.unpackb(self.socket.recv(), strict_map_key=False)
-                if isinstance(record, list) and len(record) >= 6 and record[0] == GENERATE_OUTPUT:
-                    outputs.setdefault(record[1], []).append(record[1:])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.socket.poll(int(1000 * quiet_s)):
+            record = msgpack.unpackb(self.socket.recv(), strict_map_key=False)
+            if isinstance(record, list) and len(record) >= 6 and record[0] == GENERATE_OUTPUT:
+                outputs.setdefault(record[1], []).append(record[1:])
         return outputs
 
 
