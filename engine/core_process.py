@@ -116,6 +116,7 @@ class EngineCoreProcess:
                 num_kv_blocks=engine.num_kv_blocks,
                 block_size=engine.config.block_size,
                 eos_token_ids=list(engine.model_config.eos_token_ids),
+                dtype=str(engine.model_runner.dtype).removeprefix("torch."),
             )
         )
 
@@ -196,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")
     parser.add_argument("--attention-backend", choices=list(BACKEND_NAMES), default=None)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")

@@ -14,6 +14,7 @@ from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
+from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack
@@ -27,10 +28,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """cuda when present, else cpu; bf16 on CUDA and fp32 on the CPU unless told."""
+    """cuda when present, else cpu; the dtype as asked, or by engine.dtype_policy for "auto"."""
+    device, dtype, _ = resolve_device_dtype_and_reason(config)
+    return device, dtype
+
+
+def resolve_device_dtype_and_reason(config: EngineConfig) -> tuple[torch.device, torch.dtype, str]:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    default_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    return device, DTYPES[config.dtype or default_dtype]
+    cpu = detect_cpu_features() if device.type == "cpu" else CpuFeatures()
+    name, reason = choose_dtype(config.dtype, device.type, cpu)
+    return device, DTYPES[name], reason
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -42,7 +49,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int) -> None:
         self.config = config
         self.model_config = model_config
-        self.device, self.dtype = resolve_device_and_dtype(config)
+        self.device, self.dtype, reason = resolve_device_dtype_and_reason(config)
+        logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, reason)
         self.block_size = config.block_size
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)

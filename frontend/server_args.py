@@ -22,7 +22,8 @@ ENGINE_PASS_THROUGH_ARGS = (
     ("--max-model-len", int, "longest prompt + output, in tokens"),
     ("--batching", str, "batching policy of the core"),
     ("--attention-backend", str, "attention implementation of the core"),
-    ("--dtype", str, "weights and activations: float32 (CPU default), bfloat16 (CUDA default), float16"),
+    ("--dtype", str, "weights and activations: auto (default: bfloat16 on CUDA and on CPUs with AMX-BF16 or "
+                     "AVX512_BF16, else float32), float32, bfloat16, float16"),
 )
 # Engine-core switches passed through when set.
 ENGINE_PASS_THROUGH_FLAGS = (
