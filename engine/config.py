@@ -32,7 +32,9 @@ class EngineConfig:
     dtype: str | None = "auto"
     seed: int = 0  # for requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
-    enforce_eager: bool = False  # CUDA: skip CUDA graphs
+    enforce_eager: bool = False  # CUDA: skip CUDA graphs; CPU: no torch.compile even if `compile` is set
+    # CPU: torch.compile the forward (engine.compilation): faster steps, a slower first start.
+    compile: bool = False
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape, for timing
     # CPU: oneDNN-prepacked matmul weights, ~2x faster steps here; the primitive caches
     # that would grow with the variety of step sizes are capped (engine.models.cpu_packing).

@@ -200,6 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="CPU: torch.compile the forward (slower first start)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--no-cpu-prepack", action="store_true", help="CPU: plain F.linear instead of oneDNN-prepacked weights")
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -221,6 +222,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        compile=args.compile,
         load_format=args.load_format,
         cpu_prepack=not args.no_cpu_prepack,
     )

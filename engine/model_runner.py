@@ -54,8 +54,10 @@ class ModelRunner:
         self.block_size = config.block_size
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        prepack = config.cpu_prepack and can_prepack(self.device, self.dtype)
-        if prepack:
+        # Compiled, inductor prepacks the weights itself (freezing).
+        self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
+        prepack = config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
+        if prepack or self.is_compiled:
             bound_primitive_caches()
         self.model = load_model(model_config, self.dtype, self.device, config.load_format)
         # Counted before prepacking, which turns weights into opaque oneDNN buffers.
@@ -81,6 +83,13 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, enforce_eager=config.enforce_eager,
         )
         self.cuda_graphs.capture()
+        self.compiled_forward = None
+        if self.is_compiled:
+            from engine.compilation import compile_forward, inductor_cache_dir, warm_up
+
+            self.compiled_forward = compile_forward(self.model)
+            seconds = warm_up(self.compiled_forward, self)
+            logger.info("torch.compile: forward ready in %.1f s (cache: %s)", seconds, inductor_cache_dir())
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
@@ -88,6 +97,11 @@ class ModelRunner:
         input_ids, positions, metadata, sample_rows, sampled_requests = self._prepare_inputs(scheduler_output)
         if self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden_size]
+        elif self.compiled_forward is not None:
+            from engine.compilation import attention_step
+
+            with attention_step(self.backend, metadata, self.kv_caches):
+                hidden = self.compiled_forward(input_ids, positions)  # [num_tokens, hidden_size]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)  # [num_tokens, hidden_size]
         if not sampled_requests:

@@ -28,8 +28,9 @@ ENGINE_PASS_THROUGH_ARGS = (
 # Engine-core switches passed through when set.
 ENGINE_PASS_THROUGH_FLAGS = (
     ("--allow-remote", "let cores and --client-socket bind non-loopback tcp addresses"),
-    ("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA graphs"),
+    ("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA graphs; CPU: overrides --compile"),
     ("--no-cpu-prepack", "CPU: plain F.linear instead of oneDNN-prepacked matmul weights"),
+    ("--compile", "CPU: torch.compile the forward (faster steps; the first start compiles for minutes)"),
 )
 
 
