@@ -36,6 +36,10 @@ from engine.model_files import cache_dir
 logger = logging.getLogger(__name__)
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# The user's choice, read at import (the model runner imports this module): later in the
+# process torch fills the variable in with its own default (/tmp/torchinductor_$USER),
+# loading the C++ kernels among other things.
+_user_cache_dir = os.environ.get(INDUCTOR_CACHE_ENV)
 
 
 @dataclass
@@ -81,8 +85,8 @@ def _(query, key, value, layer_index, scale):
 
 
 def inductor_cache_dir() -> str:
-    """Where compiled code goes: $TORCHINDUCTOR_CACHE_DIR if set, else per CPU in tokenloom's cache."""
-    return os.environ.get(INDUCTOR_CACHE_ENV) or str(cache_dir() / "inductor" / _cpu_key())
+    """Where compiled code goes: $TORCHINDUCTOR_CACHE_DIR if the user set it, else per CPU in tokenloom's cache."""
+    return _user_cache_dir or str(cache_dir() / "inductor" / _cpu_key())
 
 
 def compile_forward(model: torch.nn.Module):

@@ -12,6 +12,7 @@ import torch
 
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
 from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
@@ -85,8 +86,6 @@ class ModelRunner:
         self.cuda_graphs.capture()
         self.compiled_forward = None
         if self.is_compiled:
-            from engine.compilation import compile_forward, inductor_cache_dir, warm_up
-
             self.compiled_forward = compile_forward(self.model)
             seconds = warm_up(self.compiled_forward, self)
             logger.info("torch.compile: forward ready in %.1f s (cache: %s)", seconds, inductor_cache_dir())
@@ -98,8 +97,6 @@ class ModelRunner:
         if self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden_size]
         elif self.compiled_forward is not None:
-            from engine.compilation import attention_step
-
             with attention_step(self.backend, metadata, self.kv_caches):
                 hidden = self.compiled_forward(input_ids, positions)  # [num_tokens, hidden_size]
         else:
