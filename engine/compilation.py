@@ -14,9 +14,17 @@ step's backend, metadata and KV pool reach it through `attention_step(...)`, set
 by the model runner around each compiled forward (vLLM's forward context does
 the same). This is the module's one piece of global state.
 
-Compiled code is cached under <tokenloom cache>/inductor/<cpu key> (the C++ is
-built for the host's instruction set), so a later start on the same machine
-reuses it instead of compiling again.
+Inductor's caches live under <tokenloom cache>/inductor/<cpu key> (its C++ is
+built for the host's instruction set). With `freezing`, though, torch 2.13's FX
+graph cache is bypassed, so every start traces and compiles again: SmolLM2's
+forward took 137 s on a first start and 133 s on the next on this project's
+shared 2-core host.
+
+Why opt-in: on that host, bench_offline with 32 requests ran at 34 and 51 total
+tok/s compiled in bf16 against 72 eager in bf16 (interleaved runs, heavily loaded
+machine), while a decode-heavy A/B (32 x 64 prompt + 64 output tokens) had
+compiled 1.4-1.8x faster than eager. Until that is understood, and the start-up
+cached, eager with prepacked matmuls stays the default.
 """
 
 from __future__ import annotations
