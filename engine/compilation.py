@@ -15,10 +15,10 @@ by the model runner around each compiled forward (vLLM's forward context does
 the same). This is the module's one piece of global state.
 
 Inductor's caches live under <tokenloom cache>/inductor/<cpu key> (its C++ is
-built for the host's instruction set). With `freezing`, though, torch 2.13's FX
-graph cache is bypassed, so every start traces and compiles again: SmolLM2's
-forward took 137 s on a first start and 133 s on the next on this project's
-shared 2-core host.
+built for the host's instruction set). They did not shorten a second start,
+though: SmolLM2's warm-up took 137 s on a first start and 133 s on the next on
+this project's shared 2-core host (not yet known which stage, dynamo tracing,
+freezing's weight packing or a cache miss, takes the time).
 
 Why opt-in: on that host, bench_offline with 32 requests ran at 34 and 51 total
 tok/s compiled in bf16 against 72 eager in bf16 (interleaved runs, heavily loaded
