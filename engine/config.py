@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from engine.dtype_policy import AUTO, DTYPE_NAMES
+
 BATCHING_MODES = ("continuous", "static")
 
 
@@ -25,10 +27,14 @@ class EngineConfig:
     batching: str = "continuous"  # or "static": the head-of-line-blocking baseline
     attention_backend: str | None = None  # None: triton on CUDA, cpu (C++ decode kernel) on CPU
     device: str | None = None  # None: cuda when available, else cpu
-    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    # "auto" (or None): bf16 on CUDA and on CPUs with native bf16 matmul (AMX-BF16,
+    # AVX512_BF16), else fp32; see engine.dtype_policy. Or float32, bfloat16, float16.
+    dtype: str | None = "auto"
     seed: int = 0  # for requests that bring no seed of their own
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
-    enforce_eager: bool = False  # CUDA: skip CUDA graphs
+    enforce_eager: bool = False  # CUDA: skip CUDA graphs; CPU: no torch.compile even if `compile` is set
+    # CPU: torch.compile the forward (engine.compilation): faster steps, a slower first start.
+    compile: bool = False
     load_format: str = "auto"  # "dummy": random weights of the checkpoint's shape, for timing
     # CPU: oneDNN-prepacked matmul weights, ~2x faster steps here; the primitive caches
     # that would grow with the variety of step sizes are capped (engine.models.cpu_packing).
@@ -40,6 +46,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.dtype not in (None, AUTO, *DTYPE_NAMES):
+            raise ValueError(f"dtype must be one of {(AUTO, *DTYPE_NAMES)}, got {self.dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
 

@@ -147,6 +147,7 @@ class EngineCoreProcess:
                 num_kv_blocks=engine.num_kv_blocks,
                 block_size=engine.config.block_size,
                 eos_token_ids=list(engine.model_config.eos_token_ids),
+                dtype=str(engine.model_runner.dtype).removeprefix("torch."),
             )
         )
 
@@ -238,9 +239,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")
     parser.add_argument("--attention-backend", choices=list(BACKEND_NAMES), default=None)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="CPU: torch.compile the forward (slower first start)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--no-cpu-prepack", action="store_true", help="CPU: plain F.linear instead of oneDNN-prepacked weights")
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
@@ -263,6 +265,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        compile=args.compile,
         load_format=args.load_format,
         cpu_prepack=not args.no_cpu_prepack,
     )

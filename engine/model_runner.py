@@ -12,8 +12,10 @@ import torch
 
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
+from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack
@@ -27,10 +29,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """cuda when present, else cpu; bf16 on CUDA and fp32 on the CPU unless told."""
+    """cuda when present, else cpu; the dtype as asked, or by engine.dtype_policy for "auto"."""
+    device, dtype, _ = resolve_device_dtype_and_reason(config)
+    return device, dtype
+
+
+def resolve_device_dtype_and_reason(config: EngineConfig) -> tuple[torch.device, torch.dtype, str]:
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    default_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    return device, DTYPES[config.dtype or default_dtype]
+    cpu = detect_cpu_features() if device.type == "cpu" else CpuFeatures()
+    name, reason = choose_dtype(config.dtype, device.type, cpu)
+    return device, DTYPES[name], reason
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -42,12 +50,15 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int) -> None:
         self.config = config
         self.model_config = model_config
-        self.device, self.dtype = resolve_device_and_dtype(config)
+        self.device, self.dtype, reason = resolve_device_dtype_and_reason(config)
+        logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, reason)
         self.block_size = config.block_size
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        prepack = config.cpu_prepack and can_prepack(self.device, self.dtype)
-        if prepack:
+        # Compiled, inductor prepacks the weights itself (freezing).
+        self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
+        prepack = config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
+        if prepack or self.is_compiled:
             bound_primitive_caches()
         self.model = load_model(model_config, self.dtype, self.device, config.load_format)
         # Counted before prepacking, which turns weights into opaque oneDNN buffers.
@@ -73,6 +84,11 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, enforce_eager=config.enforce_eager,
         )
         self.cuda_graphs.capture()
+        self.compiled_forward = None
+        if self.is_compiled:
+            self.compiled_forward = compile_forward(self.model)
+            seconds = warm_up(self.compiled_forward, self)
+            logger.info("torch.compile: forward ready in %.1f s (cache: %s)", seconds, inductor_cache_dir())
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
@@ -80,6 +96,9 @@ class ModelRunner:
         input_ids, positions, metadata, sample_rows, sampled_requests = self._prepare_inputs(scheduler_output)
         if self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden_size]
+        elif self.compiled_forward is not None:
+            with attention_step(self.backend, metadata, self.kv_caches):
+                hidden = self.compiled_forward(input_ids, positions)  # [num_tokens, hidden_size]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)  # [num_tokens, hidden_size]
         if not sampled_requests:

@@ -26,13 +26,15 @@ ENGINE_PASS_THROUGH_ARGS = (
     ("--max-model-len", int, "longest prompt + output, in tokens"),
     ("--batching", str, "batching policy of the core"),
     ("--attention-backend", str, "attention implementation of the core"),
-    ("--dtype", str, "weights and activations: float32 (CPU default), bfloat16 (CUDA default), float16"),
+    ("--dtype", str, "weights and activations: auto (default: bfloat16 on CUDA and on CPUs with AMX-BF16 or "
+                     "AVX512_BF16, else float32), float32, bfloat16, float16"),
 )
 # Engine-core switches passed through when set.
 ENGINE_PASS_THROUGH_FLAGS = (
     ("--allow-remote", "let cores and --client-socket bind non-loopback tcp addresses"),
-    ("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA graphs"),
+    ("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA graphs; CPU: overrides --compile"),
     ("--no-cpu-prepack", "CPU: plain F.linear instead of oneDNN-prepacked matmul weights"),
+    ("--compile", "CPU: torch.compile the forward (faster steps; the first start compiles for minutes)"),
 )
 
 

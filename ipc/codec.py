@@ -44,6 +44,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_PROMPT_TOKENS = 1_000_000  # also bounds any other token-id list and msgpack's array length
 MAX_REQUEST_ID_LEN = 256
 MAX_NAME_LEN = 4096  # model names may be local paths
+MAX_DTYPE_NAME_LEN = 32
 MAX_ABORT_REQUEST_IDS = 65_536  # a frontend shutting down aborts everything in flight at once
 MAX_OUTPUTS_PER_STEP = 65_536  # far above any batch size an engine step can hold
 MAX_SPECIAL_TOKEN_IDS = 1024  # eos_token_ids, stop_token_ids
@@ -307,6 +308,7 @@ _DECODERS: dict[MessageType, _Record] = {
             "num_kv_blocks": _count,
             "block_size": _count,
             "eos_token_ids": _stop_token_ids,
+            "dtype": _str(0, MAX_DTYPE_NAME_LEN),
         },
     ),
     MessageType.ENGINE_OUTPUTS: _Record(

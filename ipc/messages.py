@@ -85,6 +85,7 @@ class EngineReady:
     num_kv_blocks: int
     block_size: int
     eos_token_ids: list[int] = field(default_factory=list)
+    dtype: str = ""  # what the weights and activations run in ("bfloat16"); "" from older cores
 
 
 @dataclass

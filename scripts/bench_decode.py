@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks or batch_size * blocks_per_seq,
         max_num_batched_tokens=args.max_num_batched_tokens or max(batch_size * input_len, batch_size),
         enforce_eager=args.enforce_eager,
+        compile=args.compile,
         num_threads=args.num_threads,
     )
     engine = llm.engine
@@ -196,6 +197,7 @@ def run(args: argparse.Namespace) -> dict:
         "architecture": model_config.architecture,
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "dtype": str(engine.model_runner.dtype).removeprefix("torch."),
+        "compile_mode": "inductor" if engine.model_runner.is_compiled else "eager",
         "device": str(engine.model_runner.device),
         "attention_backend": engine.model_runner.backend.name,
         "machine": machine_info(),
@@ -219,8 +221,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="smollm2 or a local folder with config.json")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="dummy: random weights from config.json alone")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto: bfloat16 on CUDA and on CPUs with native bf16 matmul, else float32")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--attention-backend", default=None, choices=BACKEND_NAMES,
                    help="default: triton on CUDA, torch on the CPU")
@@ -232,7 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: batch size x input length, so one step prefills the whole batch")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough for every sequence at full length")
     p.add_argument("--warmup-output-len", type=int, default=4)
-    p.add_argument("--enforce-eager", action="store_true", help="skip CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true", help="skip CUDA graphs (and, on the CPU, --compile)")
+    p.add_argument("--compile", action="store_true", help="CPU: torch.compile the forward")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on the CPU")
     p.add_argument("--peak-bandwidth-gbs", type=float, default=H200_PEAK_BANDWIDTH_GBS,
                    help="peak memory bandwidth in GB/s (default: H200's 4800)")

@@ -61,6 +61,9 @@ class ModeResult:
     ttfts: list[float]
     latencies: list[float]
     step_stats: list = field(default_factory=list)  # start_time, end_time, num_seqs, num_tokens per step
+    dtype: str = ""  # what the mode actually ran in, "auto" resolved
+    compile_mode: str = "eager"  # "inductor": the engine's forward ran under torch.compile
+    startup_s: float = 0.0  # building the engine or loading the model, compilation included
 
     def summary(self) -> dict:
         return {
@@ -75,6 +78,9 @@ class ModeResult:
             "num_output_tokens": self.num_output_tokens,
             "num_computed_positions": self.num_computed_positions,
             "num_steps": len(self.step_stats),
+            "dtype": self.dtype,
+            "compile_mode": self.compile_mode,
+            "startup_s": self.startup_s,
         }
 
 
@@ -104,6 +110,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
     from engine.llm import LLM
     from ipc.sampling_params import SamplingParams
 
+    startup = time.perf_counter()
     llm = LLM(
         model=args.model,
         batching=mode,
@@ -113,7 +120,11 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
         num_kv_blocks=args.num_kv_blocks,
         dtype=args.dtype,
         cpu_prepack=not args.no_cpu_prepack,
+        compile=args.compile,
     )
+    startup_s = time.perf_counter() - startup
+    runner = llm.engine.model_runner
+    dtype, compile_mode = str(runner.dtype).removeprefix("torch."), "inductor" if runner.is_compiled else "eager"
     prompts = [r.prompt_token_ids for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
     warmup = warmup_requests(workload, args.max_num_batched_tokens, llm.engine.config.max_num_seqs)
@@ -138,6 +149,9 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
         ttfts=[o.metrics.first_token_time - o.metrics.arrival_time for o in outputs],
         latencies=[o.metrics.finish_time - o.metrics.arrival_time for o in outputs],
         step_stats=step_stats,
+        dtype=dtype,
+        compile_mode=compile_mode,
+        startup_s=startup_s,
     )
 
 
@@ -163,8 +177,10 @@ def run_hf(workload: list[WorkloadRequest], args, model_path: str) -> ModeResult
         def end(self) -> None:
             pass
 
+    startup = time.perf_counter()
     device, dtype = resolve_device_and_dtype(EngineConfig(model=args.model, dtype=args.dtype))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    startup_s = time.perf_counter() - startup
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_token_id = tokenizer.pad_token_id
     if pad_token_id is None:
@@ -226,12 +242,17 @@ def run_hf(workload: list[WorkloadRequest], args, model_path: str) -> ModeResult
         ttfts=ttfts,
         latencies=latencies,
         step_stats=step_stats,
+        dtype=str(dtype).removeprefix("torch."),
+        startup_s=startup_s,
     )
 
 
 def print_table(summaries: dict[str, dict]) -> None:
     columns = [
         ("mode", "{}", None),
+        ("dtype", "{}", "dtype"),
+        ("compile", "{}", "compile_mode"),
+        ("start s", "{:.1f}", "startup_s"),
         ("elapsed s", "{:.2f}", "elapsed_s"),
         ("req/s", "{:.2f}", "requests_per_s"),
         ("out tok/s", "{:.1f}", "output_tokens_per_s"),
@@ -292,8 +313,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from the engine's memory budget")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="every mode's weights and activations (default: the engine's, fp32 on the CPU)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="every mode's weights and activations (auto: the engine's choice, bf16 on CPUs with "
+                        "native bf16 matmul, else fp32)")
+    p.add_argument("--compile", action="store_true", help="our engine: torch.compile the forward (CPU)")
     p.add_argument("--no-cpu-prepack", action="store_true", help="our engine: plain F.linear, not oneDNN-prepacked weights")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads for every mode")
     p.add_argument("--json", default=None, metavar="PATH")

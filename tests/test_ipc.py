@@ -53,7 +53,7 @@ MESSAGES = [
     AbortRequests([]),
     Shutdown("bye"),
     Hello("frontend-0"),
-    EngineReady(1, "tiny-llama", 2048, 32000, 100, 16, eos_token_ids=[2, 32000]),
+    EngineReady(1, "tiny-llama", 2048, 32000, 100, 16, eos_token_ids=[2, 32000], dtype="bfloat16"),
     EngineOutputs(1, [FULL_OUTPUT, RequestOutput("req-2", [7])], SchedulerStats(1, 2, 3, 4, 5), timestamp=99.0),
     EngineOutputs(0, [], SchedulerStats()),
     EngineError("boom", request_id="req-1", is_fatal=True, engine_id=3),
@@ -98,6 +98,9 @@ def test_missing_trailing_fields_take_defaults():
     )
     out = decode(msgpack.packb([MessageType.ENGINE_OUTPUTS, 0, [["r", [1]]], []]))
     assert out == EngineOutputs(0, [RequestOutput("r", [1])], SchedulerStats())
+    # A core from before EngineReady had a dtype: the field is empty, not an error.
+    ready = decode(msgpack.packb([MessageType.ENGINE_READY, 0, "m", 128, 100, 10, 16, [2]]))
+    assert ready == EngineReady(0, "m", 128, 100, 10, 16, [2]) and ready.dtype == ""
 
 
 def test_float_fields_accept_ints():
@@ -131,6 +134,8 @@ REJECTS = {
     "request_id_empty": _packed(MessageType.ABORT_REQUESTS, [""]),
     "too_many_abort_ids": _packed(MessageType.ABORT_REQUESTS, ["r"] * (codec.MAX_ABORT_REQUEST_IDS + 1)),
     "too_many_fields": _packed(MessageType.HELLO, "f", "extra"),
+    "dtype_not_a_str": _packed(MessageType.ENGINE_READY, 0, "m", 128, 100, 10, 16, [2], 16),
+    "dtype_too_long": _packed(MessageType.ENGINE_READY, 0, "m", 128, 100, 10, 16, [2], "x" * (codec.MAX_DTYPE_NAME_LEN + 1)),
     "too_few_fields": _packed(MessageType.ADD_REQUEST, "r", [1]),
     "nested_too_many_fields": _packed(MessageType.ADD_REQUEST, "r", [1], [1.0] * 14),
     "nested_not_array": _packed(MessageType.ADD_REQUEST, "r", [1], None),

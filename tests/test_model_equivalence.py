@@ -65,7 +65,7 @@ STRESS_CASES = {
 @pytest.mark.parametrize("case", list(STRESS_CASES))
 def test_smollm2_matches_transformers(case, smollm2_reference, default_model_path):
     prompts, expected = smollm2_reference
-    llm = LLM(default_model_path, **STRESS_CASES[case])
+    llm = LLM(default_model_path, dtype="float32", **STRESS_CASES[case])  # exact: fp32 like the reference
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for i, (output, want) in enumerate(zip(outputs, expected)):
         assert output.token_ids == want, f"prompt {i} ({len(prompts[i])} tokens) diverged"
@@ -137,7 +137,7 @@ def test_tiny_models_match_transformers(case, tmp_path):
     expected = [hf_greedy(hf_model, p, 40) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for engine_kwargs in (dict(block_size=4), dict(block_size=4, max_num_batched_tokens=16, num_kv_blocks=50)):
-        llm = LLM(path, skip_tokenizer_init=True, **engine_kwargs)
+        llm = LLM(path, skip_tokenizer_init=True, dtype="float32", **engine_kwargs)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in outputs] == expected, engine_kwargs
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks

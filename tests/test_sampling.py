@@ -180,7 +180,8 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(tiny_llama[0], skip_tokenizer_init=True, block_size=4)
+    # fp32 like the transformers reference: tokens and logprobs are compared exactly.
+    return LLM(tiny_llama[0], skip_tokenizer_init=True, block_size=4, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +218,8 @@ def test_same_seed_same_tokens_alone_and_in_a_mixed_batch(tiny_llama, llm, promp
     assert llm.generate(prompts[1], params, use_tqdm=False)[0].token_ids == alone
 
     # chunked prefills beside decodes, and a pool small enough to preempt
-    busy = LLM(tiny_llama[0], skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16, num_kv_blocks=24)
+    busy = LLM(tiny_llama[0], skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16, num_kv_blocks=24,
+               dtype="float32")
     batch = [
         (prompts[3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
         (prompts[0], SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True)),
@@ -301,7 +303,7 @@ def eos_llama(tiny_llama, prompts, tmp_path_factory):
         config = json.loads((eos_path / name).read_text())
         config["eos_token_id"] = eos
         (eos_path / name).write_text(json.dumps(config))
-    return LLM(str(eos_path), skip_tokenizer_init=True, block_size=4), eos
+    return LLM(str(eos_path), skip_tokenizer_init=True, block_size=4, dtype="float32"), eos
 
 
 def test_eos_stops_unless_ignored_or_deferred(tiny_llama, eos_llama, prompts):

@@ -61,6 +61,15 @@ def test_seed_client_unchanged(server):
         assert text[0].startswith(prompt) and len(text[0]) > len(prompt)
 
 
+def test_models_card_reports_the_dtype_the_core_chose(server):
+    from engine.config import EngineConfig
+    from engine.model_runner import resolve_device_and_dtype
+
+    _, want = resolve_device_and_dtype(EngineConfig())  # the server passes no --dtype: "auto"
+    card = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+    assert card["dtype"] == str(want).removeprefix("torch.")
+
+
 def test_openai_chat_answers_paris(server):
     from openai import OpenAI
 

@@ -17,8 +17,9 @@ from engine.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rota
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index  # which KV cache is ours, for the compiled path's attention op
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -36,17 +37,20 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, cos_sin)
-        k_cache, v_cache = kv_cache
-        backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [num_tokens, num_heads, head_dim]
+        if backend is None:  # compiled (engine.compilation): the step's cache and backend reach the op another way
+            out = torch.ops.tokenloom.paged_attention(q, k.contiguous(), v.contiguous(), self.layer_index, self.scale)
+        else:
+            k_cache, v_cache = kv_cache
+            backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+            out = backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
@@ -60,7 +64,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -75,13 +79,13 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
-        backend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        metadata: AttentionMetadata | None,
+        backend,  # None: compiled, attention through engine.compilation's op
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
             hidden = layer(cos_sin, hidden, kv_cache, metadata, backend)
         return self.norm(hidden)
 

@@ -1,0 +1,64 @@
+"""Which dtype the engine runs in when not told: `dtype="auto"`.
+
+Like vLLM's CPU build, an fp32 checkpoint runs in bf16 wherever the hardware
+multiplies bf16 natively: it halves the bytes every matmul and every KV read
+moves, and decode steps are bound by those bytes. "Natively" means AMX-BF16
+tiles or AVX512_BF16 dot products; a CPU with neither (AVX2 only, say) would
+emulate bf16 through fp32 conversions and gain nothing, so it stays in fp32.
+CUDA GPUs run bf16.
+
+The decision is a pure function of the detected capabilities, so it is tested
+on faked ones; `detect_cpu_features` is the only part that looks at the machine.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    has_amx_bf16: bool = False  # AMX tiles with bf16 dot products (Sapphire Rapids and later)
+    has_avx512_bf16: bool = False  # AVX512_BF16's vdpbf16ps (Cooper Lake, Zen 4 and later)
+
+
+def choose_dtype(requested: str | None, device_type: str, cpu: CpuFeatures) -> tuple[str, str]:
+    """(dtype name, why): an explicit float32/bfloat16/float16 wins; None or "auto" decides by device."""
+    if requested not in (None, AUTO):
+        if requested not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {(AUTO, *DTYPE_NAMES)}, got {requested!r}")
+        return requested, "requested"
+    if device_type == "cuda":
+        return "bfloat16", "auto: CUDA"
+    if cpu.has_amx_bf16:
+        return "bfloat16", "auto: the CPU has AMX-BF16"
+    if cpu.has_avx512_bf16:
+        return "bfloat16", "auto: the CPU has AVX512_BF16"
+    return "float32", "auto: the CPU has no native bf16 matmul (neither AMX-BF16 nor AVX512_BF16)"
+
+
+@functools.cache
+def detect_cpu_features() -> CpuFeatures:
+    """The host CPU's bf16 support, from torch's cpuinfo probe, else /proc/cpuinfo's flags."""
+    try:
+        import torch
+
+        capabilities = torch.cpu.get_capabilities()
+        return CpuFeatures(
+            has_amx_bf16=bool(capabilities.get("amx_bf16")), has_avx512_bf16=bool(capabilities.get("avx512_bf16"))
+        )
+    except (AttributeError, RuntimeError):  # an older torch without the probe
+        pass
+    try:
+        flags = set()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags.update(line.split(":", 1)[1].split())
+    except OSError:
+        return CpuFeatures()
+    return CpuFeatures(has_amx_bf16="amx_bf16" in flags, has_avx512_bf16="avx512_bf16" in flags)

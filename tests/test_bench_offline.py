@@ -1,0 +1,31 @@
+"""scripts/bench_offline.py end to end on the default model: its report says what actually ran."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+pytestmark = pytest.mark.slow
+
+
+def test_report_records_the_resolved_dtype_and_compile_mode(tmp_path):
+    import bench_offline
+
+    from engine.config import EngineConfig
+    from engine.model_runner import resolve_device_and_dtype
+
+    out = tmp_path / "offline.json"
+    bench_offline.main(["--quick", "--modes", "continuous,hf", "--json", str(out)])  # --dtype auto
+    results = json.loads(out.read_text())["results"]
+    _, auto = resolve_device_and_dtype(EngineConfig())
+    for mode in ("continuous", "hf"):
+        assert results[mode]["dtype"] == str(auto).removeprefix("torch.")  # "auto" resolved, the same for both
+        assert results[mode]["compile_mode"] == "eager" and results[mode]["startup_s"] > 0
+
+    bench_offline.main(["--quick", "--modes", "continuous", "--dtype", "float32", "--json", str(out)])
+    assert json.loads(out.read_text())["results"]["continuous"]["dtype"] == "float32"

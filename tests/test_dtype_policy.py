@@ -1,0 +1,70 @@
+"""dtype="auto": the decision on faked CPU capabilities, and what the engine config accepts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
+from engine.model_runner import resolve_device_dtype_and_reason
+
+AMX = CpuFeatures(has_amx_bf16=True, has_avx512_bf16=True)  # Sapphire Rapids
+AVX512_BF16_ONLY = CpuFeatures(has_avx512_bf16=True)  # Cooper Lake, Zen 4
+AVX2_ONLY = CpuFeatures()  # no native bf16 dot product
+
+
+@pytest.mark.parametrize("requested", [None, "auto"])
+@pytest.mark.parametrize(
+    "device_type, cpu, want",
+    [
+        ("cpu", AMX, "bfloat16"),
+        ("cpu", AVX512_BF16_ONLY, "bfloat16"),
+        ("cpu", AVX2_ONLY, "float32"),
+        ("cuda", AVX2_ONLY, "bfloat16"),  # the host CPU does not matter on a GPU
+    ],
+)
+def test_auto_picks_bf16_only_where_it_is_native(requested, device_type, cpu, want):
+    dtype, reason = choose_dtype(requested, device_type, cpu)
+    assert dtype == want
+    assert reason.startswith("auto")
+
+
+def test_auto_says_why():
+    assert "AMX-BF16" in choose_dtype("auto", "cpu", AMX)[1]
+    assert "AVX512_BF16" in choose_dtype("auto", "cpu", AVX512_BF16_ONLY)[1]
+    assert "no native bf16" in choose_dtype("auto", "cpu", AVX2_ONLY)[1]
+
+
+@pytest.mark.parametrize("requested", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("device_type, cpu", [("cpu", AMX), ("cpu", AVX2_ONLY), ("cuda", AMX)])
+def test_an_explicit_dtype_overrides(requested, device_type, cpu):
+    assert choose_dtype(requested, device_type, cpu) == (requested, "requested")
+
+
+def test_unknown_dtype_is_rejected():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        choose_dtype("fp8", "cpu", AMX)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineConfig(dtype="float64")
+
+
+def test_default_config_is_auto_and_follows_this_machine():
+    assert EngineConfig().dtype == "auto"
+    features = detect_cpu_features()
+    want = torch.bfloat16 if (features.has_amx_bf16 or features.has_avx512_bf16) else torch.float32
+    device, dtype, reason = resolve_device_dtype_and_reason(EngineConfig(device="cpu"))
+    assert (device.type, dtype) == ("cpu", want) and reason.startswith("auto")
+    assert resolve_device_dtype_and_reason(EngineConfig(device="cpu", dtype="float32"))[1] == torch.float32
+
+
+def test_detected_features_agree_with_proc_cpuinfo():
+    try:
+        flags = {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if not flags:
+        pytest.skip("/proc/cpuinfo lists no flags (not x86)")
+    features = detect_cpu_features()
+    assert features.has_amx_bf16 == ("amx_bf16" in flags)
+    assert features.has_avx512_bf16 == ("avx512_bf16" in flags)
