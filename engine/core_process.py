@@ -38,6 +38,7 @@ from ipc.messages import (
     EngineOutputs,
     EngineReady,
     Hello,
+    ResetPrefixCache,
     Shutdown,
 )
 from ipc.sockets import bind_router, parse_address, send_message
@@ -73,6 +74,7 @@ class EngineCoreProcess:
             AddRequest: self._on_add_request,
             AbortRequests: self._on_abort_requests,
             Shutdown: self._on_shutdown,
+            ResetPrefixCache: self._on_reset_prefix_cache,
         }
 
     # ---- the loop ----
@@ -163,6 +165,9 @@ class EngineCoreProcess:
         if outputs:
             self._send_outputs(outputs)
 
+    def _on_reset_prefix_cache(self, identity: bytes, message: ResetPrefixCache) -> None:
+        logger.info("prefix cache reset: %d cached blocks dropped", self.engine.reset_prefix_cache())
+
     def _on_shutdown(self, identity: bytes, message: Shutdown) -> None:
         logger.info("shutdown requested: %s", message.reason or "no reason given")
         self.should_exit = True
@@ -242,6 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.enable_prefix_caching, help="reuse the KV of shared prompt prefixes")
     parser.add_argument("--no-cpu-prepack", action="store_true", help="CPU: plain F.linear instead of oneDNN-prepacked weights")
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-persistent", action="store_true", help=argparse.SUPPRESS)
@@ -265,6 +272,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
         cpu_prepack=not args.no_cpu_prepack,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
