@@ -39,6 +39,9 @@ class EngineConfig:
     # CPU: oneDNN-prepacked matmul weights, ~2x faster steps here; the primitive caches
     # that would grow with the variety of step sizes are capped (engine.models.cpu_packing).
     cpu_prepack: bool = True
+    # Reuse the KV of full blocks whose whole prefix matches an earlier request's
+    # (engine.block_manager); off recomputes every prompt, for comparison.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:

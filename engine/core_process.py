@@ -38,6 +38,7 @@ from ipc.messages import (
     EngineOutputs,
     EngineReady,
     Hello,
+    ResetPrefixCache,
     Shutdown,
 )
 from ipc.sockets import bind_router, parse_address, send_message
@@ -73,6 +74,7 @@ class EngineCoreProcess:
             AddRequest: self._on_add_request,
             AbortRequests: self._on_abort_requests,
             Shutdown: self._on_shutdown,
+            ResetPrefixCache: self._on_reset_prefix_cache,
         }
 
     # ---- the loop ----
@@ -164,6 +166,9 @@ class EngineCoreProcess:
         if outputs:
             self._send_outputs(outputs)
 
+    def _on_reset_prefix_cache(self, identity: bytes, message: ResetPrefixCache) -> None:
+        logger.info("prefix cache reset: %d cached blocks dropped", self.engine.reset_prefix_cache())
+
     def _on_shutdown(self, identity: bytes, message: Shutdown) -> None:
         logger.info("shutdown requested: %s", message.reason or "no reason given")
         self.should_exit = True
@@ -244,6 +249,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--compile", action="store_true", help="CPU: torch.compile the forward (slower first start)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.enable_prefix_caching, help="reuse the KV of shared prompt prefixes")
     parser.add_argument("--no-cpu-prepack", action="store_true", help="CPU: plain F.linear instead of oneDNN-prepacked weights")
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-persistent", action="store_true", help=argparse.SUPPRESS)
@@ -268,6 +275,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         compile=args.compile,
         load_format=args.load_format,
         cpu_prepack=not args.no_cpu_prepack,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

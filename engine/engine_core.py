@@ -73,6 +73,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
@@ -119,6 +120,9 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> int:
+        return self.scheduler.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update. If the model raises, the step's requests fail

@@ -32,6 +32,7 @@ class CompletionOutput:
     metrics: RequestMetrics
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_token_id: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 class LLM:
@@ -80,6 +81,10 @@ class LLM:
         finished = self._run(len(order), use_tqdm)
         return [self._to_output(finished[request_id], *requests[request_id]) for request_id in order]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prefix blocks that no request holds; returns how many."""
+        return self.engine.reset_prefix_cache()
+
     def _run(self, num_requests: int, use_tqdm: bool) -> dict:
         engine = self.engine
         live = dict(engine.scheduler.requests)  # the Request objects, kept after they retire
@@ -121,4 +126,5 @@ class LLM:
             metrics=RequestMetrics(request.arrival_time, request.first_token_time, request.finish_time),
             logprobs=request.logprobs,
             stop_token_id=request.stop_token_id,
+            num_cached_tokens=request.num_cached_tokens,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from engine.block_manager import ROOT_HASH, hash_block
 from ipc.messages import FinishReason, TokenLogprobs
 from ipc.sampling_params import SamplingParams
 
@@ -57,6 +58,11 @@ class Request:
         self.max_tokens = max_tokens  # resolved: never None
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # Prefix caching: the hash chain of the sequence's full blocks, extended as they
+        # are needed. Tokens never change, so it survives preemption.
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0  # leading blocks whose hash the block manager knows
+        self.num_cached_tokens = 0  # prompt tokens found in the cache at the first admission
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
         self.logprobs: list[TokenLogprobs] = []
@@ -84,6 +90,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def extend_block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """Hashes of the first `num_blocks` blocks (all full), computing only the missing ones."""
+        for i in range(len(self.block_hashes), num_blocks):
+            parent_hash = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            self.block_hashes.append(hash_block(parent_hash, self.all_token_ids[i * block_size : (i + 1) * block_size]))
+        return self.block_hashes[:num_blocks]
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -15,6 +15,21 @@ When blocks run out, the most recently admitted running request is preempted:
 its blocks are freed and it goes back to the head of the queue, to be
 recomputed later. The oldest request always makes progress, so no deadlock,
 and no request ever fails for lack of cache.
+
+With prefix caching on, each full block is registered under its prefix hash
+once its KV is computed (prompt and decode blocks alike). Admission takes the
+longest run of cached blocks and starts `num_computed_tokens` after them, so
+the model runner sees a resumed chunked prefill. The block holding the last
+token is never taken from the cache: that token is recomputed so there are
+logits to sample from.
+
+    prompt (block_size 4):  [a b c d][e f g h][i j k l]      all three cached
+    lookup covers (12 - 1) // 4 = 2 blocks -> num_computed_tokens = 8,
+    [i j k l] is recomputed into a fresh block
+
+A waiting request whose next block is still being prefilled by a running one
+(the other choices of an n > 1 request, a burst of prompts sharing a system
+prompt) waits for it instead of computing it a second time.
 """
 
 from __future__ import annotations
@@ -70,6 +85,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -80,6 +96,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_prefix_cache_queries = 0  # tokens looked up at admission, cumulative
+        self.num_prefix_cache_hits = 0  # of those, tokens found cached
 
     # ---- requests in and out ----
 
@@ -120,7 +139,14 @@ class Scheduler:
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_kv_blocks_free=self.block_manager.num_free_blocks,
             num_preemptions=self.num_preemptions,
+            num_prefix_cache_queries=self.num_prefix_cache_queries,
+            num_prefix_cache_hits=self.num_prefix_cache_hits,
+            num_cached_blocks=self.block_manager.num_cached_blocks,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block nobody holds (for benchmarks); returns how many."""
+        return self.block_manager.reset_prefix_cache()
 
     # ---- schedule ----
 
@@ -159,24 +185,73 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        pending_hashes = self._pending_block_hashes()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_needed = self.block_manager.num_new_blocks(0, num_new_tokens)
-            if not self.block_manager.can_allocate(num_needed):
+            cached_block_ids, next_hash = self._lookup(request)
+            if next_hash is not None and next_hash in pending_hashes:
+                break  # a running request is computing that block: wait a step and reuse it
+            num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
+            num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+            num_needed = self.block_manager.num_new_blocks(len(cached_block_ids), num_cached_tokens + num_new_tokens)
+            if not self.block_manager.can_allocate(num_needed, cached_block_ids):
                 break
             self.waiting.popleft()
-            request.block_ids = self.block_manager.allocate(num_needed)
-            request.status = RequestStatus.RUNNING
+            self._start(request, self.block_manager.allocate(num_needed, cached_block_ids), len(cached_block_ids))
+            pending_hashes.update(request.block_hashes[request.num_registered_blocks :])
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new_tokens))
             budget -= num_new_tokens
+
+    # ---- prefix caching ----
+
+    def _lookup(self, request: Request) -> tuple[list[int], bytes | None]:
+        """The cached blocks `request` can start from, and the hash of the first block
+        it would compute itself (None when there is none to share or caching is off)."""
+        if not self.enable_prefix_caching:
+            return [], None
+        # Stop before the block holding the last token: it must be recomputed for its logits.
+        num_lookup_blocks = (request.num_tokens - 1) // self.block_manager.block_size
+        block_hashes = request.extend_block_hashes(num_lookup_blocks, self.block_manager.block_size)
+        cached_block_ids = self.block_manager.lookup(block_hashes)
+        num_cached = len(cached_block_ids)
+        return cached_block_ids, block_hashes[num_cached] if num_cached < num_lookup_blocks else None
+
+    def _start(self, request: Request, block_ids: list[int], num_cached_blocks: int) -> None:
+        """Running from now on, holding `block_ids`, the first `num_cached_blocks` of them found cached."""
+        request.block_ids = block_ids
+        request.num_computed_tokens = num_cached_blocks * self.block_manager.block_size
+        request.num_registered_blocks = num_cached_blocks
+        request.status = RequestStatus.RUNNING
+        if self.enable_prefix_caching:
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            self.num_prefix_cache_queries += request.num_tokens
+            self.num_prefix_cache_hits += request.num_computed_tokens
+
+    def _pending_block_hashes(self) -> set[bytes]:
+        """Hashes of blocks that running requests have looked up but not computed yet."""
+        if not self.enable_prefix_caching or not self.waiting:
+            return set()
+        return {h for r in self.running for h in r.block_hashes[r.num_registered_blocks :]}
+
+    def _register_computed_blocks(self, request: Request) -> None:
+        """Make the request's newly completed full blocks findable by later requests."""
+        block_size = self.block_manager.block_size
+        num_full_blocks = request.num_computed_tokens // block_size
+        if not self.enable_prefix_caching or num_full_blocks <= request.num_registered_blocks:
+            return
+        block_hashes = request.extend_block_hashes(num_full_blocks, block_size)
+        for i in range(request.num_registered_blocks, num_full_blocks):
+            self.block_manager.register(request.block_ids[i], block_hashes[i])
+        request.num_registered_blocks = num_full_blocks
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s", request.request_id)
         self.block_manager.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -190,6 +265,7 @@ class Scheduler:
         for scheduled in output.scheduled:
             request = scheduled.request
             request.num_computed_tokens += scheduled.num_new_tokens
+            self._register_computed_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the sequence
@@ -208,6 +284,7 @@ class Scheduler:
                     new_logprobs=[token.logprobs] if token.logprobs is not None else None,
                     num_prompt_tokens=request.num_prompt_tokens,
                     stop_token_id=request.stop_token_id,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return outputs

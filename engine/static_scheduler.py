@@ -9,7 +9,6 @@ of the two isolates scheduling.
 
 from __future__ import annotations
 
-from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 
 
@@ -19,8 +18,10 @@ class StaticScheduler(Scheduler):
             return  # the current batch runs until its last sequence ends
         # Form the whole batch now; its prompts are prefilled over as many
         # steps as the token budget needs, through the running path.
+        # Cached prefixes are taken now; the rest is allocated as it is scheduled.
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
+            cached_block_ids, _ = self._lookup(request)
+            self._start(request, self.block_manager.allocate(0, cached_block_ids), len(cached_block_ids))
             self.running.append(request)
         self._schedule_running(output, budget)

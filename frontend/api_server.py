@@ -6,6 +6,7 @@
     GET  /v1/models              the served model
     GET  /health                 200; 503 while an engine core is dead or the server is draining
     GET  /metrics                Prometheus text
+    POST /reset_prefix_cache     drop the cores' cached prefix blocks that no request holds (benchmarks)
     GET  /openapi.json           the schema
 
 Errors are always `{"error": {"message", "type", "code"}}`: 400 bad input, 401 bad
@@ -75,6 +76,11 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None) -> 
     @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(client.metrics.render(client.stats(), client.is_healthy), media_type=CONTENT_TYPE)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        client.reset_prefix_cache()
+        return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict:

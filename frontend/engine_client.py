@@ -36,7 +36,15 @@ from frontend.request_checks import check_request
 from frontend.request_state import RequestState, RequestStream
 from frontend.tokenizer import Tokenizer, resolve_model_folder
 from ipc.codec import DecodeError
-from ipc.messages import AbortRequests, AddRequest, EngineError, EngineOutputs, FinishReason, SchedulerStats
+from ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineError,
+    EngineOutputs,
+    FinishReason,
+    ResetPrefixCache,
+    SchedulerStats,
+)
 from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -196,6 +204,12 @@ class AsyncEngineClient:
             if engine.is_alive:
                 logger.debug("aborting %s on engine %d", request_ids, engine_index)
                 engine.send(AbortRequests(request_ids))
+
+    def reset_prefix_cache(self) -> None:
+        """Ask every live core to forget its free cached blocks (fire and forget: cores apply it in order)."""
+        for engine in self.engines:
+            if engine.is_alive:
+                engine.send(ResetPrefixCache())
 
     def _finish(self, state: RequestState, reason: FinishReason) -> None:
         state.is_finished = True

@@ -31,6 +31,7 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative, for usage
     stop_str: str | None = None  # the stop string that ended the choice, if any
+    num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
 class RequestState:
@@ -55,6 +56,7 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
         self.is_finished = False
         self.arrival_time = time.monotonic()
         self.last_token_time: float | None = None  # None until the first token: TTFT vs ITL
@@ -63,6 +65,8 @@ class RequestState:
         """Turn one engine output into a text delta; a stop-string hit finishes the request."""
         token_ids = output.new_token_ids
         self.num_output_tokens += len(token_ids)
+        # Kept from the first output on: a later one (an abort) may not carry it.
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         text_ids = token_ids
         if (
             output.stop_token_id is not None
@@ -90,6 +94,7 @@ class RequestState:
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
             stop_str=self.stop_checker.stop_str,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 

@@ -36,6 +36,10 @@ ENGINE_PASS_THROUGH_FLAGS = (
     ("--no-cpu-prepack", "CPU: plain F.linear instead of oneDNN-prepacked matmul weights"),
     ("--compile", "CPU: torch.compile the forward (faster steps; the first start compiles for minutes)"),
 )
+# Engine-core on/off switches (--x / --no-x) passed through when given; unset keeps the core's default.
+ENGINE_PASS_THROUGH_SWITCHES = (
+    ("--enable-prefix-caching", "reuse the KV of shared prompt prefixes (default: on)"),
+)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -78,6 +82,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group.add_argument(flag, type=flag_type, help=help_text)
     for flag, help_text in ENGINE_PASS_THROUGH_FLAGS:
         group.add_argument(flag, action="store_true", help=help_text)
+    for flag, help_text in ENGINE_PASS_THROUGH_SWITCHES:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     # Tests swap the core for tests/fake_engine.py, and make it fail; not for users.
     parser.add_argument("--engine-command", help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-at-step", type=int, help=argparse.SUPPRESS)  # first start of each core only
@@ -98,6 +104,10 @@ def engine_args_from(args: argparse.Namespace) -> list[str]:
     for flag, _ in ENGINE_PASS_THROUGH_FLAGS:
         if getattr(args, flag[2:].replace("-", "_")):
             engine_args.append(flag)
+    for flag, _ in ENGINE_PASS_THROUGH_SWITCHES:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            engine_args.append(flag if value else "--no-" + flag[2:])
     return engine_args
 
 

@@ -59,16 +59,23 @@ class Usage:
         self.n = n
         self.num_prompt_tokens_by_prompt: dict[int, int] = {}
         self.num_output_tokens_by_choice: dict[int, int] = {}
+        self.num_cached_tokens_by_prompt: dict[int, int] = {}
 
     def add(self, delta: RequestDelta) -> None:
         self.num_prompt_tokens_by_prompt[delta.index // self.n] = delta.num_prompt_tokens
         self.num_output_tokens_by_choice[delta.index] = delta.num_output_tokens
+        # The n choices of a prompt count it once; the best-cached choice speaks for it.
+        prompt_index = delta.index // self.n
+        self.num_cached_tokens_by_prompt[prompt_index] = max(
+            self.num_cached_tokens_by_prompt.get(prompt_index, 0), delta.num_cached_tokens
+        )
 
     def to_dict(self) -> dict:
         num_prompt_tokens = sum(self.num_prompt_tokens_by_prompt.values())
         num_completion_tokens = sum(self.num_output_tokens_by_choice.values())
         return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-                "total_tokens": num_prompt_tokens + num_completion_tokens}
+                "total_tokens": num_prompt_tokens + num_completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens_by_prompt.values())}}
 
 
 async def collect(stream: RequestStream, usage: Usage) -> list[ChoiceResult]:

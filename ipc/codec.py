@@ -32,6 +32,7 @@ from ipc.messages import (
     Hello,
     MessageType,
     RequestOutput,
+    ResetPrefixCache,
     SchedulerStats,
     Shutdown,
     TokenLogprobs,
@@ -56,6 +57,7 @@ MESSAGE_CLASSES: dict[MessageType, type] = {
     MessageType.ABORT_REQUESTS: AbortRequests,
     MessageType.SHUTDOWN: Shutdown,
     MessageType.HELLO: Hello,
+    MessageType.RESET_PREFIX_CACHE: ResetPrefixCache,
     MessageType.ENGINE_READY: EngineReady,
     MessageType.ENGINE_OUTPUTS: EngineOutputs,
     MessageType.ENGINE_ERROR: EngineError,
@@ -281,6 +283,7 @@ _request_output = _Record(
         "new_logprobs": _optional(_list(_token_logprobs, MAX_PROMPT_TOKENS)),
         "num_prompt_tokens": _int(0, MAX_PROMPT_TOKENS),
         "stop_token_id": _optional(_int(0, MAX_TOKEN_ID)),
+        "num_cached_tokens": _int(0, MAX_PROMPT_TOKENS),
     },
 )
 _scheduler_stats = _Record(SchedulerStats, {name: _count for name in _FIELD_NAMES[SchedulerStats]})
@@ -298,6 +301,7 @@ _DECODERS: dict[MessageType, _Record] = {
     MessageType.ABORT_REQUESTS: _Record(AbortRequests, {"request_ids": _list(_request_id, MAX_ABORT_REQUEST_IDS)}),
     MessageType.SHUTDOWN: _Record(Shutdown, {"reason": _str(0, MAX_NAME_LEN)}),
     MessageType.HELLO: _Record(Hello, {"frontend_id": _str(0, MAX_NAME_LEN)}),
+    MessageType.RESET_PREFIX_CACHE: _Record(ResetPrefixCache, {}),
     MessageType.ENGINE_READY: _Record(
         EngineReady,
         {

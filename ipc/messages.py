@@ -27,6 +27,7 @@ class MessageType(enum.IntEnum):
     ABORT_REQUESTS = 2
     SHUTDOWN = 3
     HELLO = 4
+    RESET_PREFIX_CACHE = 5
     # engine core -> frontend
     ENGINE_READY = 10
     ENGINE_OUTPUTS = 11
@@ -75,6 +76,11 @@ class Hello:
 
 
 @dataclass
+class ResetPrefixCache:
+    """Forget every cached prefix block that no request holds (benchmarks start cold)."""
+
+
+@dataclass
 class EngineReady:
     """The core's handshake once its model is loaded: the facts the frontend needs."""
 
@@ -109,6 +115,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     # The stop token id that ended the request, when finish_reason is STOP.
     stop_token_id: int | None = None
+    # Prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -118,6 +126,9 @@ class SchedulerStats:
     num_kv_blocks_used: int = 0
     num_kv_blocks_free: int = 0
     num_preemptions: int = 0  # cumulative
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
+    num_prefix_cache_hits: int = 0  # of those, tokens found cached, cumulative
+    num_cached_blocks: int = 0  # blocks findable in the prefix cache now, held or free
 
 
 @dataclass

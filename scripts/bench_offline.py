@@ -21,6 +21,16 @@ preemption recomputes. A position is useful if it is a prompt token or an output
 that feeds the next one, so a request contributes prompt + output - 1. In the occupancy
 picture, hf's "running sequences" are the rows that still need their own tokens; the
 finished rows it keeps computing show up only in the useful share.
+
+Prefix caching (our engine's modes): `--prefix-caching on,off` runs each mode both ways
+("continuous" is on, "continuous_no_prefix_caching" off); the warm-up's cached blocks are
+dropped before the measured run, so it starts cold. Two workloads share prefixes:
+
+    python scripts/bench_offline.py --workload shared_prefix --modes continuous --prefix-caching on,off
+        64 requests in 4 groups, each a 1,024-token system prompt + its own 32-token question, 32 out
+    python scripts/bench_offline.py --workload multi_turn --modes continuous --prefix-caching on,off
+        16 conversations x 6 turns; turn t resends the whole history (earlier turns and the
+        model's own replies) plus a new 64-token turn; the 16 turn-t requests go in together
 """
 
 from __future__ import annotations
@@ -41,11 +51,19 @@ import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
-from workload import DISTRIBUTIONS, WorkloadRequest, make_workload  # noqa: E402
+from workload import (  # noqa: E402
+    DISTRIBUTIONS,
+    WorkloadRequest,
+    make_multi_turn_workload,
+    make_shared_prefix_workload,
+    make_workload,
+)
 
 logger = logging.getLogger("bench_offline")
 
 MODES = ("continuous", "static", "hf")
+WORKLOADS = ("random", "shared_prefix", "multi_turn")
+PREFIX_CACHING = {"on": True, "off": False}
 QUICK = dict(num_requests=8, input_len=(8, 32), output_len=(4, 24), static_batch_size=4, hf_batch_size=4)
 
 
@@ -64,6 +82,9 @@ class ModeResult:
     dtype: str = ""  # what the mode actually ran in, "auto" resolved
     compile_mode: str = "eager"  # "inductor": the engine's forward ran under torch.compile
     startup_s: float = 0.0  # building the engine or loading the model, compilation included
+    prefix_caching: bool | None = None  # None: not our engine
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up, measured run only
+    num_prefix_cache_hits: int = 0
 
     def summary(self) -> dict:
         return {
@@ -81,6 +102,9 @@ class ModeResult:
             "dtype": self.dtype,
             "compile_mode": self.compile_mode,
             "startup_s": self.startup_s,
+            "prefix_caching": self.prefix_caching,
+            "prefix_cache_hit_rate": self.num_prefix_cache_hits / max(1, self.num_prefix_cache_queries),
+            "num_prefix_cache_hit_tokens": self.num_prefix_cache_hits,
         }
 
 
@@ -106,7 +130,29 @@ def check_lengths(workload: list[WorkloadRequest], output_lens: list[int], mode:
         raise RuntimeError(f"{mode}: {len(bad)} requests got the wrong output length (index, wanted, got): {bad[:5]}")
 
 
-def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
+def result_name(mode: str, prefix_caching: bool) -> str:
+    return mode if prefix_caching else f"{mode}_no_prefix_caching"
+
+
+def generate_conversations(llm, conversations) -> tuple[list, list[WorkloadRequest]]:
+    """Each round sends every conversation's next turn: its history so far plus the new user turn."""
+    from ipc.sampling_params import SamplingParams
+
+    histories = [[] for _ in conversations]
+    outputs, sent = [], []
+    for turn in range(len(conversations[0].user_turns)):
+        requests = [WorkloadRequest(h + c.user_turns[turn], c.max_tokens) for h, c in zip(histories, conversations)]
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+        round_outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+        histories = [r.prompt_token_ids + o.token_ids for r, o in zip(requests, round_outputs)]
+        outputs += round_outputs
+        sent += requests
+    return outputs, sent
+
+
+def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching: bool = True,
+               conversations: list | None = None) -> ModeResult:
+    """`conversations` (multi_turn): run those turn by turn; `workload` is then only the warm-up's source."""
     from engine.llm import LLM
     from ipc.sampling_params import SamplingParams
 
@@ -121,6 +167,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
         dtype=args.dtype,
         cpu_prepack=not args.no_cpu_prepack,
         compile=args.compile,
+        enable_prefix_caching=prefix_caching,
     )
     startup_s = time.perf_counter() - startup
     runner = llm.engine.model_runner
@@ -130,11 +177,17 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
     warmup = warmup_requests(workload, args.max_num_batched_tokens, llm.engine.config.max_num_seqs)
     llm.generate([r.prompt_token_ids for r in warmup], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
+    llm.reset_prefix_cache()  # the warm-up's prompts are the workload's own: start the measured run cold
+    stats_before = llm.engine.stats()
     llm.engine.step_stats.clear()
     llm.engine.record_step_stats = True
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if conversations:
+        outputs, workload = generate_conversations(llm, conversations)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    stats = llm.engine.stats()
     check_lengths(workload, [len(o.token_ids) for o in outputs], mode)
     step_stats = list(llm.engine.step_stats)
     del llm
@@ -152,6 +205,9 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args) -> ModeResult:
         dtype=dtype,
         compile_mode=compile_mode,
         startup_s=startup_s,
+        prefix_caching=prefix_caching,
+        num_prefix_cache_queries=stats.num_prefix_cache_queries - stats_before.num_prefix_cache_queries,
+        num_prefix_cache_hits=stats.num_prefix_cache_hits - stats_before.num_prefix_cache_hits,
     )
 
 
@@ -260,6 +316,7 @@ def print_table(summaries: dict[str, dict]) -> None:
         ("useful", "{:.3f}", "useful_share"),
         ("mean TTFT s", "{:.3f}", "mean_ttft_s"),
         ("mean lat s", "{:.3f}", "mean_latency_s"),
+        ("hit rate", "{:.3f}", "prefix_cache_hit_rate"),
         ("vs cont.", "{:.2f}x", "total_tokens_per_s_vs_continuous"),
     ]
     rows = [[name for name, _, _ in columns]]
@@ -319,6 +376,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="our engine: torch.compile the forward (CPU)")
     p.add_argument("--no-cpu-prepack", action="store_true", help="our engine: plain F.linear, not oneDNN-prepacked weights")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads for every mode")
+    p.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="random: --num-requests with --input-len/--output-len; the others share prefixes")
+    p.add_argument("--prefix-caching", default="on", help="our engine: on, off or on,off (each mode both ways)")
+    p.add_argument("--num-groups", type=int, default=4, help="shared_prefix: system prompts")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared_prefix: tokens per system prompt")
+    p.add_argument("--question-len", type=int, default=32, help="shared_prefix: tokens per question")
+    p.add_argument("--num-conversations", type=int, default=16, help="multi_turn")
+    p.add_argument("--num-turns", type=int, default=6, help="multi_turn")
+    p.add_argument("--turn-len", type=int, default=64, help="multi_turn: tokens per user turn")
+    p.add_argument("--shared-output-len", type=int, default=32, help="shared_prefix, multi_turn: tokens out")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="writes PREFIX_occupancy.png and PREFIX_latency.png")
     p.add_argument("--quick", action="store_true", help="a tiny workload for smoke tests (overrides sizes)")
@@ -331,6 +398,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.modes) - set(MODES)
     if unknown or not args.modes:
         p.error(f"--modes takes a subset of {MODES}, got {args.modes}")
+    args.prefix_caching = [s.strip() for s in args.prefix_caching.split(",") if s.strip()]
+    if not args.prefix_caching or set(args.prefix_caching) - set(PREFIX_CACHING):
+        p.error(f"--prefix-caching takes on, off or on,off, got {args.prefix_caching}")
+    if args.workload == "multi_turn" and "hf" in args.modes:
+        p.error("--workload multi_turn runs our engine only: drop hf from --modes")
     return args
 
 
@@ -347,17 +419,33 @@ def main(argv: list[str] | None = None) -> dict:
     model_path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-    workload = make_workload(
-        args.num_requests, args.input_len, args.output_len, args.distribution, args.seed,
-        vocab_size=vocab_size, real_prompts=args.real_prompts, tokenizer=tokenizer,
-    )
+    conversations = None
+    if args.workload == "shared_prefix":
+        workload = make_shared_prefix_workload(args.num_requests, args.num_groups, args.prefix_len, args.question_len,
+                                               args.shared_output_len, args.seed, vocab_size)
+    elif args.workload == "multi_turn":
+        conversations = make_multi_turn_workload(args.num_conversations, args.num_turns, args.turn_len,
+                                                 args.shared_output_len, args.seed, vocab_size)
+        workload = [WorkloadRequest(c.user_turns[0], c.max_tokens) for c in conversations]  # the warm-up's source
+    else:
+        workload = make_workload(
+            args.num_requests, args.input_len, args.output_len, args.distribution, args.seed,
+            vocab_size=vocab_size, real_prompts=args.real_prompts, tokenizer=tokenizer,
+        )
     logger.info("%d requests, %d prompt + %d output tokens", len(workload),
                 sum(r.num_prompt_tokens for r in workload), sum(r.max_tokens for r in workload))
 
     results: dict[str, ModeResult] = {}
-    for mode in args.modes:
-        logger.info("running %s", mode)
-        results[mode] = run_hf(workload, args, model_path) if mode == "hf" else run_engine(mode, workload, args)
+    runs = [(mode, None) for mode in args.modes if mode == "hf"]
+    runs = [(mode, PREFIX_CACHING[s]) for mode in args.modes if mode != "hf" for s in args.prefix_caching] + runs
+    runs.sort(key=lambda run: args.modes.index(run[0]))
+    for mode, prefix_caching in runs:
+        name = mode if prefix_caching is None else result_name(mode, prefix_caching)
+        logger.info("running %s", name)
+        if mode == "hf":
+            results[name] = run_hf(workload, args, model_path)
+        else:
+            results[name] = run_engine(mode, workload, args, prefix_caching, conversations)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -110,3 +110,54 @@ def _text_token_ids(tokenizer, min_len: int) -> list[int]:
     sentence_ids = tokenizer.encode(" ".join(SENTENCES) + " ", add_special_tokens=False)
     num_copies = 2 * min_len // len(sentence_ids) + 1
     return sentence_ids * num_copies
+
+
+# ---- prefix-sharing workloads (prefix caching) ----
+
+
+def make_shared_prefix_workload(
+    num_requests: int = 64,
+    num_groups: int = 4,
+    prefix_len: int = 1024,
+    question_len: int = 32,
+    output_len: int = 32,
+    seed: int = 0,
+    vocab_size: int = 49152,
+) -> list[WorkloadRequest]:
+    """`num_groups` system prompts of `prefix_len` tokens; each request is one of them
+    (round-robin) followed by its own `question_len`-token question. Random token ids;
+    the order is shuffled by `seed`, as requests from different users would interleave."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(FIRST_SAFE_TOKEN_ID, vocab_size) for _ in range(n)]
+
+    prefixes = [tokens(prefix_len) for _ in range(num_groups)]
+    requests = [WorkloadRequest(prefixes[i % num_groups] + tokens(question_len), output_len) for i in range(num_requests)]
+    rng.shuffle(requests)
+    return requests
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat of several turns: turn t's prompt is the whole history (every earlier user
+    turn and the model's own replies) plus `user_turns[t]`, built as the replies come in."""
+
+    user_turns: list[list[int]]
+    max_tokens: int
+
+
+def make_multi_turn_workload(
+    num_conversations: int = 16,
+    num_turns: int = 6,
+    turn_len: int = 64,
+    output_len: int = 32,
+    seed: int = 0,
+    vocab_size: int = 49152,
+) -> list[Conversation]:
+    rng = random.Random(seed)
+    return [
+        Conversation([[rng.randrange(FIRST_SAFE_TOKEN_ID, vocab_size) for _ in range(turn_len)] for _ in range(num_turns)],
+                     output_len)
+        for _ in range(num_conversations)
+    ]  # fmt: skip

@@ -32,7 +32,7 @@ import zmq  # noqa: E402
 
 from ipc.messages import (  # noqa: E402
     AbortRequests, AddRequest, EngineError, EngineOutputs, EngineReady, FinishReason, Hello, RequestOutput,
-    SchedulerStats, Shutdown, TokenLogprobs,
+    ResetPrefixCache, SchedulerStats, Shutdown, TokenLogprobs,
 )
 from ipc.sockets import bind_router, recv_routed_message, send_message  # noqa: E402
 
@@ -96,7 +96,7 @@ class FakeEngineCore:
         self.is_shutdown = False
         self.event_log = open(args.event_log, "a", buffering=1) if args.event_log else None  # line-buffered
         self.handlers = {Hello: self.on_hello, AddRequest: self.on_add, AbortRequests: self.on_abort,
-                         Shutdown: self.on_shutdown}
+                         Shutdown: self.on_shutdown, ResetPrefixCache: self.on_reset_prefix_cache}
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -156,6 +156,9 @@ class FakeEngineCore:
             self.log_event("abort", req.request_id)
         outputs = [RequestOutput(req.request_id, [], FinishReason.ABORT, None, req.num_prompt_tokens) for req in aborted]
         send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, self.stats(), time.time()), identity)
+
+    def on_reset_prefix_cache(self, identity: bytes, msg: ResetPrefixCache) -> None:
+        self.log_event("reset_prefix_cache", str(self.args.engine_id))
 
     def on_shutdown(self, identity: bytes, msg: Shutdown) -> None:
         self.is_shutdown = True

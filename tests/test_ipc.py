@@ -25,6 +25,7 @@ from ipc.messages import (
     Hello,
     MessageType,
     RequestOutput,
+    ResetPrefixCache,
     SchedulerStats,
     Shutdown,
     TokenLogprobs,
@@ -43,6 +44,7 @@ FULL_OUTPUT = RequestOutput(
     new_logprobs=[TokenLogprobs(5, -0.25, [5, 9], [-0.25, -1.5]), TokenLogprobs(6, -0.5)],
     num_prompt_tokens=3,
     stop_token_id=6,
+    num_cached_tokens=16,
 )
 
 # One message per type with every field set, plus ones exercising None and defaults.
@@ -53,8 +55,9 @@ MESSAGES = [
     AbortRequests([]),
     Shutdown("bye"),
     Hello("frontend-0"),
+    ResetPrefixCache(),
     EngineReady(1, "tiny-llama", 2048, 32000, 100, 16, eos_token_ids=[2, 32000], dtype="bfloat16"),
-    EngineOutputs(1, [FULL_OUTPUT, RequestOutput("req-2", [7])], SchedulerStats(1, 2, 3, 4, 5), timestamp=99.0),
+    EngineOutputs(1, [FULL_OUTPUT, RequestOutput("req-2", [7])], SchedulerStats(1, 2, 3, 4, 5, 6, 7, 8), timestamp=99.0),
     EngineOutputs(0, [], SchedulerStats()),
     EngineError("boom", request_id="req-1", is_fatal=True, engine_id=3),
     EngineError("boom"),
@@ -79,7 +82,7 @@ def test_round_trip(msg):
 def test_wire_layout_is_positional_with_int_enums():
     raw = msgpack.unpackb(encode(EngineOutputs(1, [FULL_OUTPUT], SchedulerStats(1, 2, 3, 4, 5), 9.0)))
     assert raw[0] == int(MessageType.ENGINE_OUTPUTS) and type(raw[0]) is int
-    assert raw[1] == 1 and raw[3] == [1, 2, 3, 4, 5] and raw[4] == 9.0
+    assert raw[1] == 1 and raw[3] == [1, 2, 3, 4, 5, 0, 0, 0] and raw[4] == 9.0
     assert raw[2][0][:3] == ["req-1", [5, 6], int(FinishReason.STOP)]
     assert raw[2][0][3][0] == [5, -0.25, [5, 9], [-0.25, -1.5]]
 
@@ -91,6 +94,9 @@ def test_enums_come_back_as_enums():
 
 
 def test_missing_trailing_fields_take_defaults():
+    # An older core's stats (no prefix-cache counters) and outputs (no cached-token count) still decode.
+    old = decode(msgpack.packb([MessageType.ENGINE_OUTPUTS, 0, [["r", [1], None, None, 3, None]], [1, 2, 3, 4, 5], 0.0]))
+    assert old.stats == SchedulerStats(1, 2, 3, 4, 5) and old.outputs[0].num_cached_tokens == 0
     assert decode(msgpack.packb([MessageType.HELLO])) == Hello()
     assert decode(msgpack.packb([MessageType.ADD_REQUEST, "r", [1], []])) == AddRequest("r", [1], SamplingParams())
     assert decode(msgpack.packb([MessageType.ADD_REQUEST, "r", [1], [0.0, 1.0, 5]])).sampling_params == SamplingParams(
