@@ -84,7 +84,7 @@ def paged_attention(
         raise RuntimeError("tokenloom::paged_attention called outside attention_step()")
     k_cache, v_cache = _step.kv_caches[layer_index]
     _step.backend.store_kv(key, value, k_cache, v_cache, _step.metadata.slot_mapping)
-    return _step.backend.forward(query, k_cache, v_cache, _step.metadata, scale).contiguous()
+    return _step.backend.forward(query, k_cache, v_cache, _step.metadata, scale, key, value).contiguous()
 
 
 @paged_attention.register_fake

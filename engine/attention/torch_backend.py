@@ -9,7 +9,10 @@ as PagedAttention does: each block's scores come from one batched matmul
 against its owner's query, and the softmax is combined across a sequence's
 blocks with a segment max and sum. Work is proportional to the blocks actually
 held, never to the longest sequence in the batch. Sequences with several query
-tokens (prefill chunks) gather their blocks and run causal SDPA, one call each.
+tokens (prefill chunks) run causal SDPA, one call each: a prompt computed whole
+in this step attends to the step's own keys and values, as they came out of the
+projection; only a chunk that follows earlier context (chunked prefill, a cached
+prefix) gathers its blocks from the cache.
 """
 
 from __future__ import annotations
@@ -105,8 +108,9 @@ class TorchAttentionBackend:
             valid=valid,
         )
 
-    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, key=None, value=None) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape
+        # key, value: [num_tokens, num_kv_heads, head_dim], the step's own (already in the cache), or None
         if metadata is not self._metadata:
             self.prepare(metadata, k_cache.shape[2])
         if not self._prefills:  # decode-only: query row i is sequence i
@@ -115,9 +119,12 @@ class TorchAttentionBackend:
         if self._decode is not None:
             out[self._decode.rows] = self._decode_attention(query[self._decode.rows], k_cache, v_cache, scale)
         for seq in self._prefills:
-            out[seq.query_start : seq.query_end] = self._prefill_attention(
-                query[seq.query_start : seq.query_end], k_cache, v_cache, seq, scale
-            )
+            rows = slice(seq.query_start, seq.query_end)
+            if key is not None and seq.query_end - seq.query_start == seq.seq_len:  # the whole context is new
+                k, v = key[rows].transpose(0, 1), value[rows].transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
+            else:
+                k, v = self._gather(k_cache, seq.block_ids, seq.seq_len), self._gather(v_cache, seq.block_ids, seq.seq_len)
+            out[rows] = self._prefill_attention(query[rows], k, v, seq, scale)
         return out
 
     @staticmethod
@@ -126,11 +133,13 @@ class TorchAttentionBackend:
         blocks = cache[block_ids].transpose(0, 1)  # [num_kv_heads, num_blocks, block_size, head_dim]
         return blocks.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]  # [num_kv_heads, seq_len, head_dim]
 
-    def _prefill_attention(self, query, k_cache, v_cache, seq: _PrefillSeq, scale: float) -> torch.Tensor:
+    @staticmethod
+    def _prefill_attention(query, key, value, seq: _PrefillSeq, scale: float) -> torch.Tensor:
+        # key, value: [num_kv_heads, seq_len, head_dim]
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0),  # [1, num_heads, query_len, head_dim]
-            self._gather(k_cache, seq.block_ids, seq.seq_len).unsqueeze(0),  # [1, num_kv_heads, seq_len, head_dim]
-            self._gather(v_cache, seq.block_ids, seq.seq_len).unsqueeze(0),
+            key.unsqueeze(0),  # [1, num_kv_heads, seq_len, head_dim]
+            value.unsqueeze(0),
             attn_mask=seq.mask,
             is_causal=seq.mask is None,
             scale=scale,

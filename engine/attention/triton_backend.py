@@ -46,6 +46,8 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        key: torch.Tensor | None = None,  # unused: the kernels read the context from the cache
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if metadata.is_decode_only:
             # One query token per sequence, so token i belongs to sequence i.

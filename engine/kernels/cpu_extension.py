@@ -24,6 +24,7 @@ from engine.model_files import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / "paged_decode_attention.cpp"]
+HEADERS = [Path(__file__).parent / "cpu" / "vec_capability.h"]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 _module: ModuleType | None = None
@@ -38,6 +39,13 @@ def _cpu_key() -> str:
     return platform.machine() + "-" + hashlib.sha256(description.encode()).hexdigest()[:12]
 
 
+def _headers_flag() -> str:
+    """torch rebuilds when a source or a flag changes, but does not read headers: their
+    hash goes in as a flag, so editing a header rebuilds too."""
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
+    return f"-DTOKENLOOM_HEADERS_HASH={digest}"
+
+
 def load_cpu_kernels() -> ModuleType:
     """The compiled module; raises if this machine cannot build it (no compiler, say)."""
     global _module
@@ -50,7 +58,7 @@ def load_cpu_kernels() -> ModuleType:
         _module = load(
             name="tokenloom_cpu_kernels",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=CFLAGS + [_headers_flag()],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
         )

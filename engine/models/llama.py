@@ -42,7 +42,7 @@ class Attention(nn.Module):
         else:
             k_cache, v_cache = kv_cache
             backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = backend.forward(q, k_cache, v_cache, metadata, self.scale)  # [num_tokens, num_heads, head_dim]
+            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

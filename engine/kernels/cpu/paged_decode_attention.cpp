@@ -7,69 +7,184 @@
 // so each K/V row is read from memory once per group. Two passes per task:
 // scores for the whole context (then an exact softmax in fp32), then the
 // probability-weighted sum of V rows. Accumulation is fp32 for every dtype.
+//
+// Decode attention is bound by the KV read (every context token's K and V, each
+// step), so the kernel's job is to keep up with memory: each row is converted
+// to fp32 in vector registers once and used by the whole GQA group, the next
+// block is prefetched while this one is used (blocks lie anywhere in the pool,
+// so the hardware prefetcher cannot guess them), and tasks are handed out
+// dynamically because context lengths differ a lot within one batch.
+#include "vec_capability.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
 
+using Vec = at::vec::Vectorized<float>;
+// Query heads per KV head that the vector path keeps in registers; larger groups take the plain loops.
+constexpr int64_t kMaxGroup = 8;
+
+// Reads `Vec::size()` elements at `ptr` as fp32.
 template <typename scalar_t>
-inline float to_float(scalar_t x) {
-  return static_cast<float>(x);
+inline Vec load_float(const scalar_t* ptr) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return Vec::loadu(ptr);
+  } else {
+    Vec out;
+    at::vec::load_to_float<scalar_t>(ptr, out);
+    return out;
+  }
 }
 
-// Walks one sequence's cached rows of one KV head in position order through its
-// block table: rows of a block are contiguous, blocks lie anywhere in the pool.
-struct RowWalk {
-  const int32_t* block_table;
-  int64_t seq_len, block_size, block_stride, head_offset, head_dim;
+inline float reduce_add(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(x);
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+#endif
+}
 
-  template <typename scalar_t, typename RowFn>
-  void for_each_row(const scalar_t* cache, RowFn row_fn) const {
-    for (int64_t start = 0; start < seq_len; start += block_size) {
-      const scalar_t* block = cache + block_table[start / block_size] * block_stride + head_offset;
-      const int64_t num_tokens = std::min(block_size, seq_len - start);
-      for (int64_t t = 0; t < num_tokens; ++t) row_fn(start + t, block + t * head_dim);
-    }
-  }
+inline void prefetch_rows(const void* start, int64_t num_bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(p + offset);
+}
+
+struct TaskShape {
+  int64_t group, head_dim, block_size, block_stride, head_offset;
 };
 
-template <typename scalar_t>
-void decode_task(
-    const scalar_t* query,         // [group, head_dim] of this (sequence, KV head)
-    const scalar_t* k_cache,       // base of the cache
-    const scalar_t* v_cache,
-    const int32_t* block_table,    // this sequence's row
-    int64_t seq_len, int64_t kv_head, int64_t group, int64_t head_dim,
-    int64_t num_kv_heads, int64_t block_size, float scale,
-    float* q_buf,                  // [group, head_dim] scratch
-    float* scores,                 // [group, seq_len] scratch
-    float* acc,                    // [group, head_dim] scratch
-    scalar_t* out) {               // [group, head_dim]
-  for (int64_t i = 0; i < group * head_dim; ++i) q_buf[i] = to_float(query[i]) * scale;
-  const int64_t block_stride = num_kv_heads * block_size * head_dim;
-  const int64_t head_offset = kv_head * block_size * head_dim;
-
-  const RowWalk walk{block_table, seq_len, block_size, block_stride, head_offset, head_dim};
-  walk.for_each_row(k_cache, [=](int64_t pos, const scalar_t* k) {
-    for (int64_t g = 0; g < group; ++g) {
-      const float* q = q_buf + g * head_dim;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * to_float(k[d]);
-      scores[g * seq_len + pos] = dot;
+// scores[g * seq_len + pos] = scale * q[g] . k[pos] for every cached row of this KV head.
+template <typename scalar_t, int kGroup>
+void score_rows(const float* q_buf, const scalar_t* k_cache, const int32_t* block_table, int64_t seq_len,
+                const TaskShape& s, float* scores) {
+  const int64_t num_chunks = s.head_dim / Vec::size();
+  const int64_t row_bytes = s.head_dim * sizeof(scalar_t);
+  for (int64_t start = 0; start < seq_len; start += s.block_size) {
+    const int64_t block_index = start / s.block_size;
+    const scalar_t* block = k_cache + block_table[block_index] * s.block_stride + s.head_offset;
+    const int64_t num_tokens = std::min(s.block_size, seq_len - start);
+    if (start + s.block_size < seq_len) {
+      prefetch_rows(k_cache + block_table[block_index + 1] * s.block_stride + s.head_offset, s.block_size * row_bytes);
     }
-  });
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      // Each K chunk is converted once and used by the whole group.
+      const scalar_t* k = block + t * s.head_dim;
+      Vec dots[kGroup];
+      for (int64_t g = 0; g < kGroup; ++g) dots[g] = Vec(0.f);
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const Vec kc = load_float(k + c * Vec::size());
+        for (int64_t g = 0; g < kGroup; ++g) {
+          dots[g] = at::vec::fmadd(Vec::loadu(q_buf + g * s.head_dim + c * Vec::size()), kc, dots[g]);
+        }
+      }
+      for (int64_t g = 0; g < kGroup; ++g) scores[g * seq_len + start + t] = reduce_add(dots[g]);
+    }
+  }
+}
 
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+// bf16 scores with the CPU's bf16 dot-product instruction: 32 products of a K row with
+// the (unscaled, still bf16) query per instruction, summed in fp32, with no conversion
+// of K to fp32 first. The scale is applied to each fp32 sum.
+template <int kGroup>
+void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16* k_cache, const int32_t* block_table,
+                     int64_t seq_len, const TaskShape& s, float* scores) {
+  const int64_t num_chunks = s.head_dim / 32;
+  const int64_t row_bytes = s.head_dim * sizeof(at::BFloat16);
+  for (int64_t start = 0; start < seq_len; start += s.block_size) {
+    const int64_t block_index = start / s.block_size;
+    const at::BFloat16* block = k_cache + block_table[block_index] * s.block_stride + s.head_offset;
+    const int64_t num_tokens = std::min(s.block_size, seq_len - start);
+    if (start + s.block_size < seq_len) {
+      prefetch_rows(k_cache + block_table[block_index + 1] * s.block_stride + s.head_offset, s.block_size * row_bytes);
+    }
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const at::BFloat16* k = block + t * s.head_dim;
+      __m512 dots[kGroup];
+      for (int g = 0; g < kGroup; ++g) dots[g] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < num_chunks; ++c) {
+        const __m512bh kc = (__m512bh)_mm512_loadu_si512(k + c * 32);
+        for (int g = 0; g < kGroup; ++g) {
+          const __m512bh qc = (__m512bh)_mm512_loadu_si512(query + g * s.head_dim + c * 32);
+          dots[g] = _mm512_dpbf16_ps(dots[g], qc, kc);
+        }
+      }
+      for (int g = 0; g < kGroup; ++g) scores[g * seq_len + start + t] = _mm512_reduce_add_ps(dots[g]) * scale;
+    }
+  }
+}
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+// acc[g] = sum over pos of probs[g * seq_len + pos] * v[pos].
+template <typename scalar_t, int kGroup>
+void weigh_rows(const float* probs, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
+                const TaskShape& s, float* acc) {
+  const int64_t num_chunks = s.head_dim / Vec::size();
+  const int64_t row_bytes = s.head_dim * sizeof(scalar_t);
+  std::fill(acc, acc + s.group * s.head_dim, 0.f);
+  for (int64_t start = 0; start < seq_len; start += s.block_size) {
+    const int64_t block_index = start / s.block_size;
+    const scalar_t* block = v_cache + block_table[block_index] * s.block_stride + s.head_offset;
+    const int64_t num_tokens = std::min(s.block_size, seq_len - start);
+    if (start + s.block_size < seq_len) {
+      prefetch_rows(v_cache + block_table[block_index + 1] * s.block_stride + s.head_offset, s.block_size * row_bytes);
+    }
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      // Each V chunk is converted once and used by the whole group; the group's
+      // partial sums stay in registers across the block's rows.
+      Vec sums[kGroup];
+      for (int64_t g = 0; g < kGroup; ++g) sums[g] = Vec::loadu(acc + g * s.head_dim + c * Vec::size());
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        const Vec v = load_float(block + t * s.head_dim + c * Vec::size());
+        for (int64_t g = 0; g < kGroup; ++g) sums[g] = at::vec::fmadd(Vec(probs[g * seq_len + start + t]), v, sums[g]);
+      }
+      for (int64_t g = 0; g < kGroup; ++g) sums[g].store(acc + g * s.head_dim + c * Vec::size());
+    }
+  }
+}
+
+// The same two passes without vectors, for head sizes that are not a multiple of the vector width.
+template <typename scalar_t>
+void score_and_weigh_scalar(const float* q_buf, const scalar_t* k_cache, const scalar_t* v_cache,
+                            const int32_t* block_table, int64_t seq_len, const TaskShape& s, float* scores,
+                            float* acc, bool weigh) {
+  if (!weigh) std::fill(scores, scores + s.group * seq_len, 0.f);
+  else std::fill(acc, acc + s.group * s.head_dim, 0.f);
+  for (int64_t pos = 0; pos < seq_len; ++pos) {
+    const int64_t offset = block_table[pos / s.block_size] * s.block_stride + s.head_offset +
+                           (pos % s.block_size) * s.head_dim;
+    for (int64_t g = 0; g < s.group; ++g) {
+      if (!weigh) {
+        const float* q = q_buf + g * s.head_dim;
+        float dot = 0.f;
+        for (int64_t d = 0; d < s.head_dim; ++d) dot += q[d] * static_cast<float>(k_cache[offset + d]);
+        scores[g * seq_len + pos] = dot;
+      } else {
+        const float p = scores[g * seq_len + pos];
+        for (int64_t d = 0; d < s.head_dim; ++d) acc[g * s.head_dim + d] += p * static_cast<float>(v_cache[offset + d]);
+      }
+    }
+  }
+}
+
+// Exact softmax of each of the group's score rows, in place.
+void softmax_rows(float* scores, int64_t group, int64_t seq_len) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * seq_len;
-    float max_score = s[0];
-#pragma omp simd reduction(max : max_score)
-    for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, s[t]);
+    const float max_score = *std::max_element(s, s + seq_len);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < seq_len; ++t) {
@@ -80,17 +195,62 @@ void decode_task(
 #pragma omp simd
     for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv_sum;
   }
+}
 
-  std::fill(acc, acc + group * head_dim, 0.f);
-  walk.for_each_row(v_cache, [=](int64_t pos, const scalar_t* v) {
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * seq_len + pos];
-      float* a = acc + g * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+// Calls fn with std::integral_constant<int, group> for group in 1..kMaxGroup.
+template <typename Fn>
+void with_group(int64_t group, Fn fn) {
+  switch (group) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    case 8: return fn(std::integral_constant<int, 8>{});
+    default: TORCH_CHECK(false, "group size outside 1..", kMaxGroup);
+  }
+}
+
+template <typename scalar_t>
+void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence, KV head)
+                 const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
+                 const TaskShape& shape, float scale,
+                 float* q_buf,   // [group, head_dim] scratch
+                 float* scores,  // [group, seq_len] scratch
+                 float* acc,     // [group, head_dim] scratch
+                 scalar_t* out) {  // [group, head_dim]
+  const int64_t num_values = shape.group * shape.head_dim;
+  for (int64_t i = 0; i < num_values; ++i) q_buf[i] = static_cast<float>(query[i]) * scale;
+  if constexpr (std::is_same_v<scalar_t, double>) {  // no fp32 vectors for it: the plain loops
+    score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, false);
+    softmax_rows(scores, shape.group, seq_len);
+    score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, true);
+  } else {
+    const bool vectorized = shape.head_dim % Vec::size() == 0 && shape.group <= kMaxGroup;
+    if (vectorized) {
+      // The group size is a template argument so the group's sums live in registers.
+      with_group(shape.group, [&](auto group) {
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHasBf16Dot) {
+          if (shape.head_dim % 32 == 0) {
+            score_rows_bf16<group()>(query, scale, k_cache, block_table, seq_len, shape, scores);
+          } else {
+            score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, shape, scores);
+          }
+        } else {
+          score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, shape, scores);
+        }
+        softmax_rows(scores, shape.group, seq_len);
+        weigh_rows<scalar_t, group()>(scores, v_cache, block_table, seq_len, shape, acc);
+      });
+    } else {
+      score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, false);
+      softmax_rows(scores, shape.group, seq_len);
+      score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, true);
     }
-  });
-  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+  }
+  for (int64_t i = 0; i < num_values; ++i) out[i] = static_cast<scalar_t>(acc[i]);
 }
 
 }  // namespace
@@ -130,23 +290,30 @@ torch::Tensor paged_decode_attention(
     }
   }
   auto out = torch::empty_like(query);
+  const int64_t num_tasks = num_seqs * num_kv_heads;
+  if (num_tasks == 0) return out;
+  const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_tasks));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* k = k_cache.data_ptr<scalar_t>();
     const scalar_t* v = v_cache.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      // Scratch per thread, sized for the longest context in the batch.
+    const int64_t block_stride = num_kv_heads * block_size * head_dim;
+    // Tasks go out one at a time from a shared counter: contexts of 20 and 2,000 tokens
+    // share a batch, and equal static slices would leave one core idle.
+    std::atomic<int64_t> next_task{0};
+#pragma omp parallel num_threads(num_threads)
+    {
       std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_seq_len);
-      for (int64_t task = begin; task < end; ++task) {
+      for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
         const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
-        decode_task<scalar_t>(q + offset, k, v, tables + seq * max_num_blocks, lens[seq], kv_head, group,
-                              head_dim, num_kv_heads, block_size, static_cast<float>(scale),
-                              q_buf.data(), scores.data(), acc.data(), o + offset);
+        const TaskShape shape{group, head_dim, block_size, block_stride, kv_head * block_size * head_dim};
+        decode_task<scalar_t>(q + offset, k, v, tables + seq * max_num_blocks, lens[seq], shape,
+                              static_cast<float>(scale), q_buf.data(), scores.data(), acc.data(), o + offset);
       }
-    });
+    }
   });
   return out;
 }
