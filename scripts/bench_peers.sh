@@ -24,7 +24,7 @@
 # prefix caching on (the V1 default); ours with caching on and off (--prefix-caching on,off).
 #
 # Environment knobs: CONFIGS ("defaults fp32-eager"), WORKLOADS ("random shared_prefix"),
-# RATES ("2 inf": Poisson request rates of the serving runs), PORT (vllm serve, default 8100),
+# RATES ("2 inf": Poisson request rates of the serving runs; RATES= skips serving), PORT (vllm serve, default 8100),
 # OURS_PORT (default 8101), SERVER_START_TIMEOUT_S (900), STEP_TIMEOUT_S (1800, per benchmark step).
 set -euo pipefail
 
@@ -43,7 +43,7 @@ PORT="${PORT:-8100}"
 OURS_PORT="${OURS_PORT:-8101}"
 CONFIGS="${CONFIGS:-defaults fp32-eager}"
 WORKLOADS="${WORKLOADS:-random shared_prefix}"
-RATES="${RATES:-2 inf}"
+RATES="${RATES-2 inf}"  # set but empty (RATES=): no serving runs
 SERVER_START_TIMEOUT_S="${SERVER_START_TIMEOUT_S:-900}"
 STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-1800}"
 # The shared workloads: bench_offline's reference workload offline; the serving load
@@ -182,6 +182,7 @@ fail() { log "FAILED: $1"; FAILED+=("$1"); }
 serve_and_bench() {
   local name="$1" config="$2" port="$3"
   shift 3
+  [[ -n "$RATES" ]] || return 0
   log "$name serving ($config)"
   if start_server "$LOG_DIR/${name}_serve_$config.log" "$port" "$@"; then
     for rate in $RATES; do

@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--configs", nargs="+", default=["defaults", "fp32-eager"])
-    parser.add_argument("--rates", nargs="+", default=["2", "inf"])
+    parser.add_argument("--rates", nargs="*", default=["2", "inf"])
     parser.add_argument("--workloads", nargs="+", default=["random", "shared_prefix"])
     args = parser.parse_args()
     rows = []
