@@ -28,6 +28,8 @@ class RequestTrace:
     num_prompt_tokens: int = 0
     is_success: bool = True
     error: str = ""
+    num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
+    text: str = ""  # the completion, for clients that send it back (multi-turn chat)
 
 
 @dataclass
@@ -76,12 +78,16 @@ def summarize_traces(traces: list[RequestTrace], duration: float) -> dict:
     metrics = [request_metrics(t) for t in ok]
     num_output_tokens = sum(m.num_output_tokens for m in metrics)
     num_prompt_tokens = sum(t.num_prompt_tokens for t in ok)
+    cached = [t.num_cached_tokens for t in ok if t.num_cached_tokens is not None]
+    num_cached_tokens = sum(cached) if cached else None  # None: the server reports no cached tokens
     return {
         "num_successful": len(ok),
         "num_failed": len(traces) - len(ok),
         "duration_s": duration,
         "num_prompt_tokens": num_prompt_tokens,
         "num_output_tokens": num_output_tokens,
+        "num_cached_tokens": num_cached_tokens,
+        "cached_share": num_cached_tokens / num_prompt_tokens if cached and num_prompt_tokens else None,
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": num_output_tokens / duration if duration > 0 else 0.0,
         "total_token_throughput": (num_prompt_tokens + num_output_tokens) / duration if duration > 0 else 0.0,

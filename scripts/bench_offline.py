@@ -51,6 +51,7 @@ import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+from bench_metrics import percentile  # noqa: E402
 from workload import (  # noqa: E402
     DISTRIBUTIONS,
     WorkloadRequest,
@@ -94,6 +95,8 @@ class ModeResult:
             "total_tokens_per_s": (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s,
             "useful_share": self.num_useful_positions / self.num_computed_positions,
             "mean_ttft_s": sum(self.ttfts) / len(self.ttfts),
+            "median_ttft_s": percentile(self.ttfts, 50),
+            "p99_ttft_s": percentile(self.ttfts, 99),
             "mean_latency_s": sum(self.latencies) / len(self.latencies),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": self.num_output_tokens,

