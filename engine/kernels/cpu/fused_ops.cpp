@@ -37,8 +37,11 @@
 namespace {
 
 // Element-wise work per task below this many elements stays on one thread: a
-// parallel region costs a few microseconds, as much as a small step's whole op.
-constexpr int64_t kMinElementsPerTask = 16384;
+// parallel region costs a few microseconds, as much as a small step's whole op,
+// and far more on a busy host, where a barrier can wait out another process's
+// time slice. ATen's own grain (at::internal::GRAIN_SIZE), so these ops fork no
+// more often than the torch ops they replace.
+constexpr int64_t kMinElementsPerTask = at::internal::GRAIN_SIZE;
 
 int64_t grain_size(int64_t row_elements) {
   return std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(1, row_elements));
