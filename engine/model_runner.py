@@ -19,6 +19,7 @@ from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack
+from engine.models.fused import select_fused_ops
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -67,6 +68,9 @@ class ModelRunner:
         if prepack:
             self.model.prepack_for_cpu(batch_size_hint=config.max_num_seqs)
         self.backend = get_attention_backend(config.attention_backend, self.device.type)
+        fused_ops = select_fused_ops(self.device, self.backend.name, self.is_compiled)
+        if fused_ops is not None:
+            self.model.use_fused_ops(fused_ops)
         # One K and one V tensor per layer, in the backend's block layout.
         shape = self.backend.kv_cache_shape(
             num_kv_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim

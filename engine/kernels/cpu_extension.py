@@ -8,7 +8,8 @@ folder is keyed by the CPU's model and flags: a cache shared with another kind
 of machine never hands it an incompatible binary.
 
 -ffast-math lets the compiler vectorize exp (glibc's libmvec) and reassociate
-fp32 sums; every sum still accumulates in fp32.
+fp32 sums; every sum still accumulates in fp32. fused_ops.cpp turns it off for
+itself with a pragma: its ops must give the torch code's exact bits.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from engine.model_files import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "cpu" / "paged_decode_attention.cpp"]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "vec_capability.h"]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 

@@ -1,4 +1,7 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, SwiGLU MLP.
+
+The torch code here is the reference; on the eager CPU path the modules call the
+fused C++ kernels instead (engine/models/fused.py), which give the same bits."""
 
 from __future__ import annotations
 
@@ -9,18 +12,40 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [num_tokens, hidden_size]. Normalise in fp32 like the reference, then cast back before the weight.
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)  # [num_tokens, intermediate_size] each
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm in vLLM's shape: given the residual stream too, it first adds x into it
+    (`residual + x`, the decoder's residual add) and returns (normed, residual), so the
+    fused kernel does the add and the norm in one pass."""
+
+    fused = None  # engine.models.fused.CpuFusedOps, when the eager CPU path uses the C++ kernels
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference, then cast back before the weight.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            if self.fused is not None:
+                return self.fused.rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
+        if self.fused is not None:
+            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)  # in place
+        residual = residual + x
+        return rms_norm(residual, self.weight, self.eps), residual
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -76,6 +101,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLUMLP(nn.Module):
+    fused = None  # engine.models.fused.CpuFusedOps, when the eager CPU path uses the C++ kernels
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         # gate and up in one matmul: one weight read instead of two.
@@ -83,5 +110,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate_size] each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up))

@@ -30,12 +30,23 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
+    fused = None  # engine.models.fused.CpuFusedOps, when the eager CPU path uses the C++ kernels
+
     def forward(self, cos_sin, hidden, kv_cache, metadata, backend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.fused is not None and backend is not None:
+            # Rotary and the KV store in one pass; k is rotated in place inside qkv.
+            k_cache, v_cache = kv_cache
+            q = self.fused.rotary_store_kv(
+                qkv, cos_sin, metadata.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads
+            )  # [num_tokens, num_heads, head_dim]
+            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         q, k = apply_rotary(q, k, cos_sin)
         if backend is None:  # compiled (engine.compilation): the step's cache and backend reach the op another way
             out = torch.ops.tokenloom.paged_attention(q, k.contiguous(), v.contiguous(), self.layer_index, self.scale)
@@ -54,9 +65,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, cos_sin, hidden, kv_cache, metadata, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache, metadata, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, cos_sin, hidden, residual, kv_cache, metadata, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's layout: the residual stream travels beside the hidden state, and each
+        residual add happens inside the next norm (one fused pass on the CPU). Returns
+        (the MLP's output, the residual stream before it is added)."""
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(cos_sin, hidden, kv_cache, metadata, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -85,15 +105,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
-            hidden = layer(cos_sin, hidden, kv_cache, metadata, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata, backend)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_head is not None:
             return self.logits_head(hidden)  # [num_sampled, vocab_size]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()  # [num_sampled, vocab_size]
+
+    def use_fused_ops(self, ops) -> None:
+        """Run the element-wise work between the matmuls through `ops` (engine.models.fused.CpuFusedOps)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SwiGLUMLP, Attention)):
+                module.fused = ops
 
     def prepack_for_cpu(self, batch_size_hint: int) -> None:
         """Move every matmul, the logits' too, onto oneDNN-prepacked weights."""

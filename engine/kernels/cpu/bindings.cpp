@@ -1,0 +1,25 @@
+// The Python module `tokenloom_cpu_kernels`: one binding per kernel, declared here
+// so each kernel file holds only its kernel (engine/kernels/cpu_extension.py builds
+// every file in engine/kernels/cpu/ into this one module).
+#include <torch/extension.h>
+
+// paged_decode_attention.cpp
+torch::Tensor paged_decode_attention(
+    torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+    torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+
+// fused_ops.cpp
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, int64_t lanes);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, int64_t lanes);
+torch::Tensor silu_and_mul(torch::Tensor gate_up, int64_t lanes);
+torch::Tensor rotary_store_kv(
+    torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+    torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads, int64_t num_kv_heads);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rmsnorm(residual) * weight, in place (CPU)");
+  m.def("rms_norm", &rms_norm, "rmsnorm(x) * weight (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from [T, 2I] gate|up (CPU)");
+  m.def("rotary_store_kv", &rotary_store_kv, "rotary on q and k, k and v into the paged cache; returns q (CPU)");
+}
