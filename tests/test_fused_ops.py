@@ -117,6 +117,10 @@ def test_rotary_store_kv_matches_torch_bitwise(ops, dtype, num_tokens):
     # The whole pool: the written slots hold the same bits, every other slot is untouched.
     assert torch.equal(k_cache, expected_k)
     assert torch.equal(v_cache, expected_v)
+    # Rotated k also replaces k inside qkv, for prompts that attend to their own keys.
+    k_rows = qkv[:, NUM_HEADS * HEAD_DIM : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    blocks, offsets = slot_mapping // BLOCK_SIZE, slot_mapping % BLOCK_SIZE
+    assert torch.equal(k_rows, expected_k[blocks, :, offsets])
 
 
 def test_rotary_store_kv_writes_only_its_slots(ops):
