@@ -17,7 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RequestMetrics:
+class RequestTimes:
+    """When an offline request arrived, got its first token and finished (time.time())."""
+
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
@@ -31,7 +33,7 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None  # "stop", "length", "abort", "error"
-    metrics: RequestMetrics
+    metrics: RequestTimes  # named as vLLM's RequestOutput.metrics
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_token_id: int | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
@@ -127,7 +129,7 @@ class LLM:
             token_ids=request.output_token_ids,
             text="".join(offline.text_parts),
             finish_reason=offline.finish_reason.openai_name if offline.finish_reason is not None else None,
-            metrics=RequestMetrics(request.arrival_time, request.first_token_time, request.finish_time),
+            metrics=RequestTimes(request.arrival_time, request.first_token_time, request.finish_time),
             logprobs=request.logprobs,
             stop_token_id=request.stop_token_id,
             num_cached_tokens=request.num_cached_tokens,

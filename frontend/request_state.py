@@ -29,7 +29,6 @@ class RequestDelta:
     logprobs: list[TokenLogprobs] | None
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative, for usage
-    stop_str: str | None = None  # the stop string that ended the choice, if any
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
@@ -79,7 +78,6 @@ class RequestState:
             logprobs=output.new_logprobs,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
-            stop_str=self.text_stream.stop_checker.stop_str,
             num_cached_tokens=self.num_cached_tokens,
         )
 
