@@ -7,7 +7,9 @@ There are no maps anywhere, so field names never cross the wire.
 
 Decoding trusts nothing: the size is bounded before unpacking, msgpack's own
 length limits are set, every field is type- and bounds-checked by a per-type
-decoder from `_DECODERS`, and every problem surfaces as `DecodeError`. Fields
+decoder from `_DECODERS`, and every problem surfaces as `DecodeError`. Sampling
+values' ranges and the model's limits are not the codec's: `ipc.request_checks`
+runs them where a request is handled, so a bad one fails that request by its id. Fields
 are append-only: an older peer may send fewer trailing fields (defaults fill
 in), but never more than this side knows.
 """
@@ -206,7 +208,7 @@ def _token_ids(max_len: int) -> Check:
 class _Record:
     """Decoder for one dataclass: positional fields, trailing ones optional when they have defaults."""
 
-    def __init__(self, cls: type, checks: dict[str, Check], validate: bool = False):
+    def __init__(self, cls: type, checks: dict[str, Check]):
         fields = dataclasses.fields(cls)
         # The check table must mirror the dataclass exactly, so a new field cannot be forgotten.
         assert tuple(checks) == tuple(f.name for f in fields), f"{cls.__name__}: checks do not match fields"
@@ -215,7 +217,6 @@ class _Record:
         self.num_required = sum(
             1 for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         )
-        self.validate = validate
 
     def __call__(self, values: Any) -> Any:
         if type(values) is not list:
@@ -231,13 +232,7 @@ class _Record:
             except _FieldError as e:
                 e.path.append(f".{name}")
                 raise
-        record = self.cls(**kwargs)
-        if self.validate:
-            try:
-                record.validate()
-            except (ValueError, TypeError) as e:
-                raise _FieldError(str(e)) from None
-        return record
+        return self.cls(**kwargs)
 
 
 # ---------------------------------------------------------------- per-type decoders
@@ -262,8 +257,7 @@ _sampling_params = _Record(
         "logprobs": _optional(_int()),
         "skip_special_tokens": _bool,
         "include_stop_str_in_output": _bool,
-    },
-    validate=True,  # semantic limits live in SamplingParams.validate; reuse them
+    },  # ranges and the model's limits: ipc.request_checks, run where the request is handled
 )
 _token_logprobs = _Record(
     TokenLogprobs,

@@ -1,7 +1,8 @@
 """Sampling parameters: one record shared by the offline API, the wire and the engine.
 
 Kept in `ipc` (no torch) so the frontend can validate requests and the engine can
-re-export it as `engine.SamplingParams`.
+re-export it as `engine.SamplingParams`. `validate` is at least as strict as the codec's
+field checks, so params it accepts always encode and decode.
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ class SamplingParams:
         """Raise ValueError with a message naming the bad field. With `vocab_size`, token ids
         must also be in the model's vocabulary: they index its logits."""
         # isfinite: NaN compares False with everything and would slip past `< 0`.
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer up to {MAX_INT}, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
@@ -75,7 +76,14 @@ class SamplingParams:
                 raise ValueError(f"each stop sequence must be a non-empty string of at most {MAX_STOP_STRING_LEN} characters")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
