@@ -24,9 +24,11 @@ import logging
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
 import zmq
 import zmq.asyncio
+from msgspec.structs import replace
 
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection, EngineStartError
 from frontend.errors import EngineDeadError, FrontendError, InvalidRequestError, RequestFailedError
@@ -334,7 +336,7 @@ class AsyncEngineClient:
         """The engines' latest scheduler stats, summed."""
         total = SchedulerStats()
         for engine in self.engines:
-            for name in vars(total):
+            for name in total.__struct_fields__:
                 setattr(total, name, getattr(total, name) + getattr(engine.stats, name))
         return total
 

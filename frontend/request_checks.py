@@ -8,7 +8,7 @@ n choices, is checked here.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from msgspec.structs import replace
 
 from frontend.errors import InvalidRequestError
 from ipc import request_checks

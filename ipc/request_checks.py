@@ -9,7 +9,7 @@ The codec only types and bounds sizes; ranges and the model's own limits are her
 
 from __future__ import annotations
 
-from dataclasses import replace
+from msgspec.structs import replace
 
 from ipc.sampling_params import SamplingParams
 
