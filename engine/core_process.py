@@ -30,7 +30,7 @@ import zmq
 from engine.attention import BACKEND_NAMES
 from engine.config import EngineConfig
 from engine.engine_core import StepError
-from ipc.codec import DecodeError, decode
+from ipc.codec import DecodeError
 from ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -41,7 +41,7 @@ from ipc.messages import (
     ResetPrefixCache,
     Shutdown,
 )
-from ipc.sockets import bind_router, parse_address, send_message
+from ipc.sockets import bind_router, drain_messages, parse_address, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -93,26 +93,12 @@ class EngineCoreProcess:
                 self._check_parent()
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                logger.error("dropped a message of %d frames (expected identity + payload)", len(frames))
-                continue
-            identity, payload = frames
-            try:
-                message = decode(payload)
-            except DecodeError as e:
-                logger.error("dropped a malformed message: %s", e)
-                self._send(EngineError(f"malformed message: {e}", engine_id=self.engine_id), identity)
-                continue
-            handler = self.handlers.get(type(message))
-            if handler is None:
-                logger.error("dropped a %s: not a message for the engine", type(message).__name__)
-                continue
-            handler(identity, message)
+        drain_messages(self.sock, self.handlers, self._on_malformed)
+
+    def _on_malformed(self, identity: bytes | None, payload: bytes | None, error: DecodeError) -> None:
+        logger.error("dropped a malformed message: %s", error)
+        if identity is not None:
+            self._send(EngineError(f"malformed message: {error}", engine_id=self.engine_id), identity)
 
     def _step(self) -> None:
         self.num_steps += 1

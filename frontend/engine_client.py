@@ -20,6 +20,7 @@ once it is ready.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -48,6 +49,7 @@ from ipc.messages import (
     SchedulerStats,
 )
 from ipc.sampling_params import SamplingParams
+from ipc.sockets import serve_messages
 
 logger = logging.getLogger(__name__)
 
@@ -226,21 +228,13 @@ class AsyncEngineClient:
     # ------------------------------------------------------------ engine outputs
 
     async def _pump_outputs(self, engine: EngineConnection) -> None:
-        handlers = {EngineOutputs: self._on_outputs, EngineError: self._on_error}
-        while True:
-            try:
-                msg = await engine.recv()
-            except DecodeError as e:
-                logger.error("engine %d sent a malformed message, dropped: %s", engine.index, e)
-                continue
-            handler = handlers.get(type(msg))
-            if handler is None:
-                logger.warning("engine %d sent an unexpected %s; ignored", engine.index, type(msg).__name__)
-                continue
-            try:
-                handler(engine, msg)
-            except Exception:  # a bug here must not stop the pump: every request on the core would hang
-                logger.exception("handling %s from engine %d failed", type(msg).__name__, engine.index)
+        handlers = {EngineOutputs: functools.partial(self._on_outputs, engine),
+                    EngineError: functools.partial(self._on_error, engine)}
+
+        def on_malformed(identity: bytes | None, payload: bytes | None, error: DecodeError) -> None:
+            logger.error("engine %d sent a malformed message, dropped: %s", engine.index, error)
+
+        await serve_messages(engine.socket, handlers, on_malformed, on_receive=engine.mark_alive)
 
     def _on_outputs(self, engine: EngineConnection, msg: EngineOutputs) -> None:
         engine.stats = msg.stats
