@@ -6,7 +6,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine_core import EngineCore, StepError
 from engine.request import Request
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
@@ -40,7 +40,7 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", skip_tokenizer_init: bool = False, **engine_kwargs) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, skip_tokenizer_init: bool = False, **engine_kwargs) -> None:
         """`skip_tokenizer_init`: token ids in and out only (no text), for folders without a tokenizer."""
         self.engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
         self.tokenizer = None
