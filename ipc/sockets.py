@@ -273,7 +273,7 @@ def _dispatch(frames: list[bytes], is_routed: bool, handlers: Handlers, on_malfo
         return
     handler = handlers.get(type(message))
     if handler is None:
-        logger.warning("dropped a %s: not expected on this socket", type(message).__name__)
+        logger.warning("dropped an unexpected %s on this socket", type(message).__name__)
     elif is_routed:
         handler(identity, message)
     else:
