@@ -113,13 +113,6 @@ class BlockManager:
         self.block_hashes[block_id] = block_hash
         self.cached_block_ids[block_hash] = block_id
 
-    def share(self, block_ids: list[int]) -> None:
-        """Another holder takes these blocks."""
-        for block_id in block_ids:
-            if self.ref_counts[block_id] < 1:
-                raise RuntimeError(f"block {block_id} is free, cannot be shared")
-            self.ref_counts[block_id] += 1
-
     def free(self, block_ids: list[int]) -> None:
         # Checked whole before anything changes, so a bad call leaves the pool as it was.
         for block_id in set(block_ids):

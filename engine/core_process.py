@@ -27,10 +27,10 @@ import time
 
 import zmq
 
-from engine.attention import BACKEND_NAMES
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MODEL
 from engine.engine_core import StepError
-from ipc.codec import DecodeError, decode
+from ipc.codec import DecodeError
+from ipc.engine_config import add_engine_args, engine_config_from_args
 from ipc.messages import (
     AbortRequests,
     AddRequest,
@@ -41,7 +41,7 @@ from ipc.messages import (
     ResetPrefixCache,
     Shutdown,
 )
-from ipc.sockets import bind_router, parse_address, send_message
+from ipc.sockets import bind_router, drain_messages, parse_address, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -93,26 +93,12 @@ class EngineCoreProcess:
                 self._check_parent()
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                logger.error("dropped a message of %d frames (expected identity + payload)", len(frames))
-                continue
-            identity, payload = frames
-            try:
-                message = decode(payload)
-            except DecodeError as e:
-                logger.error("dropped a malformed message: %s", e)
-                self._send(EngineError(f"malformed message: {e}", engine_id=self.engine_id), identity)
-                continue
-            handler = self.handlers.get(type(message))
-            if handler is None:
-                logger.error("dropped a %s: not a message for the engine", type(message).__name__)
-                continue
-            handler(identity, message)
+        drain_messages(self.sock, self.handlers, self._on_malformed)
+
+    def _on_malformed(self, identity: bytes | None, payload: bytes | None, error: DecodeError) -> None:
+        logger.error("dropped a malformed message: %s", error)
+        if identity is not None:
+            self._send(EngineError(f"malformed message: {error}", engine_id=self.engine_id), identity)
 
     def _step(self) -> None:
         self.num_steps += 1
@@ -229,54 +215,18 @@ def _die_with_parent() -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="tokenloom engine core")
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"known model name or local folder (default: {DEFAULT_MODEL})")
     parser.add_argument("--address", required=True, help="ipc://PATH or tcp://HOST:PORT to bind")
     parser.add_argument("--engine-id", type=int, default=0)
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (0: never)")
     parser.add_argument("--allow-remote", action="store_true", help="allow binding a non-loopback tcp address")
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=EngineConfig.kv_cache_memory_bytes, help="bytes")
-    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--batching", choices=["continuous", "static"], default="continuous")
-    parser.add_argument("--attention-backend", choices=list(BACKEND_NAMES), default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--compile", action="store_true", help="CPU: torch.compile the forward (slower first start)")
-    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=EngineConfig.enable_prefix_caching, help="reuse the KV of shared prompt prefixes")
-    parser.add_argument("--no-cpu-prepack", action="store_true", help="CPU: plain F.linear instead of oneDNN-prepacked weights")
+    parser.add_argument("--log-level", default=os.environ.get("TOKENLOOM_LOG_LEVEL", "info"),
+                        type=str.lower, choices=["debug", "info", "warning", "error"])
+    add_engine_args(parser.add_argument_group("engine"))
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-persistent", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        batching=args.batching,
-        attention_backend=args.attention_backend,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
-        compile=args.compile,
-        load_format=args.load_format,
-        cpu_prepack=not args.no_cpu_prepack,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
 
 
 def _remove_ipc_socket(address: str, parent_pid: int) -> None:
@@ -311,7 +261,7 @@ def run_engine_core(args: argparse.Namespace) -> int:
     sock = bind_router(zmq.Context(), args.address, allow_remote=args.allow_remote)
     try:
         try:
-            engine = EngineCore(_engine_config(args))
+            engine = EngineCore(engine_config_from_args(args))
         except Exception as e:
             logger.exception("engine core failed to start")
             sock.setsockopt(zmq.LINGER, FINAL_MESSAGE_LINGER_MS)
@@ -338,11 +288,12 @@ def run_engine_core(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("TOKENLOOM_LOG_LEVEL", "INFO"),
+        level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s",
     )
-    sys.exit(run_engine_core(parse_args(argv)))
+    sys.exit(run_engine_core(args))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-AUTO = "auto"
+from ipc.engine_config import AUTO_DTYPE as AUTO, DTYPE_NAMES  # declared with the engine flags
 
 
 @dataclass(frozen=True)

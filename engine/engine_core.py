@@ -19,6 +19,7 @@ from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.static_scheduler import StaticScheduler
 from ipc.messages import RequestOutput, SchedulerStats
+from ipc.request_checks import check_request
 from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -89,24 +90,14 @@ class EngineCore:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        """Validate and queue a request; raises ValueError (and changes nothing) on bad input.
+        """Check and queue a request; raises ValueError (and changes nothing) on bad input.
 
-        Everything that reaches a tensor is checked here, against this model: a bad
-        value fails this request alone, never a step."""
-        sampling_params.validate(vocab_size=self.vocab_size)
-        num_prompt_tokens = len(prompt_token_ids)
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt_tokens} tokens; the model's maximum context is {self.max_model_len}"
-            )
-        if not all(type(t) is int and 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        max_tokens = self.max_model_len - num_prompt_tokens
-        if sampling_params.max_tokens is not None:
-            max_tokens = min(max_tokens, sampling_params.max_tokens)
-        request = Request(request_id, prompt_token_ids, sampling_params, max_tokens, arrival_time)
+        Everything that reaches a tensor is checked here, against this model, by the same
+        `check_request` the frontend runs: the offline API and the core's socket both come
+        through here, so a bad value fails this request alone, never a step."""
+        params = check_request(prompt_token_ids, sampling_params, vocab_size=self.vocab_size,
+                               max_model_len=self.max_model_len, cap_max_tokens=True)
+        request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:

@@ -37,9 +37,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ipc.engine_config import DEFAULT_MODEL
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2"
 
 
 @dataclass(frozen=True)

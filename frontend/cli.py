@@ -15,7 +15,8 @@ import argparse
 import os
 import sys
 
-from frontend.server_args import DEFAULT_MODEL, add_server_args
+from frontend.server_args import add_server_args
+from ipc.engine_config import DEFAULT_MODEL
 from ipc.sockets import check_bind_address
 
 ENGINE_MODULE = "engine.core_process"

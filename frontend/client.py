@@ -26,10 +26,9 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from ipc.codec import decode
 from ipc.messages import AbortRequests, GenerateOutput, GenerateRequest
 from ipc.sampling_params import SamplingParams
-from ipc.sockets import connect_dealer, send_message
+from ipc.sockets import connect_dealer, send_message, serve_messages
 
 
 class TokenloomError(RuntimeError):
@@ -173,12 +172,12 @@ class LocalTransport:
                 send_message(self.socket, AbortRequests([request_id]))
 
     async def _receive(self) -> None:
-        while True:
-            frames = await self.socket.recv_multipart()
-            output = decode(frames[-1])
-            queue = self._queues.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
+        await serve_messages(self.socket, {GenerateOutput: self._on_output})
+
+    def _on_output(self, output: GenerateOutput) -> None:
+        queue = self._queues.get(output.request_id)
+        if queue is not None:
+            queue.put_nowait(output)
 
     async def close(self) -> None:
         if self._receiver is not None:

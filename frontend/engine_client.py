@@ -12,23 +12,26 @@ Closing it, or cancelling a read from it, aborts whatever is still running. A co
 dies fails every request on it with `EngineDeadError` and marks the client unhealthy:
 nothing waits on a dead core. A core that sends nothing for `engine_timeout_s` (an idle
 one sends a heartbeat every second) counts as dead too: it is hung. With
-`restart_engine`, a dead local core (a hung one is killed first) is replaced by a fresh
-one (without the first start's test-only fault flags) and the client is healthy again
-once it is ready.
+`restart_engine`, a dead local core is replaced by a fresh one (`frontend.engine_restarter`)
+and the client is healthy again once it is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
 import zmq
 import zmq.asyncio
+from msgspec.structs import replace
 
-from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection, EngineStartError
+from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection
+from frontend.engine_restarter import EngineRestarter
 from frontend.errors import EngineDeadError, FrontendError, InvalidRequestError, RequestFailedError
 from frontend.metrics import FrontendMetrics
 from frontend.prompt_tokenizer import PromptTokenizer
@@ -46,12 +49,11 @@ from ipc.messages import (
     SchedulerStats,
 )
 from ipc.sampling_params import SamplingParams
+from ipc.sockets import serve_messages
 
 logger = logging.getLogger(__name__)
 
 MAX_CHOICES = 1024  # prompts x n in one request: bounds what one HTTP body can put in the cores
-# A dead core's restarts: the wait before each try; once every try has failed it stays dead.
-RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)
 
 
 @dataclass
@@ -88,7 +90,8 @@ class AsyncEngineClient:
         self.dead_reason: str | None = "the engines are not ready yet"
         self._states: dict[str, RequestState] = {}
         self._engine_tasks: dict[int, list[asyncio.Task]] = {}  # per core: its output pump and death watch
-        self._restart_tasks: set[asyncio.Task] = set()
+        self.restarter = EngineRestarter(self.ctx, model_folder, self.frontend_id, config.engine_args,
+                                         config.engine_command, config.ready_timeout_s)
         self._is_shutting_down = False
         self._num_routed = 0  # rotates ties between equally loaded cores
 
@@ -224,21 +227,13 @@ class AsyncEngineClient:
     # ------------------------------------------------------------ engine outputs
 
     async def _pump_outputs(self, engine: EngineConnection) -> None:
-        handlers = {EngineOutputs: self._on_outputs, EngineError: self._on_error}
-        while True:
-            try:
-                msg = await engine.recv()
-            except DecodeError as e:
-                logger.error("engine %d sent a malformed message, dropped: %s", engine.index, e)
-                continue
-            handler = handlers.get(type(msg))
-            if handler is None:
-                logger.warning("engine %d sent an unexpected %s; ignored", engine.index, type(msg).__name__)
-                continue
-            try:
-                handler(engine, msg)
-            except Exception:  # a bug here must not stop the pump: every request on the core would hang
-                logger.exception("handling %s from engine %d failed", type(msg).__name__, engine.index)
+        handlers = {EngineOutputs: functools.partial(self._on_outputs, engine),
+                    EngineError: functools.partial(self._on_error, engine)}
+
+        def on_malformed(identity: bytes | None, payload: bytes | None, error: DecodeError) -> None:
+            logger.error("engine %d sent a malformed message, dropped: %s", engine.index, error)
+
+        await serve_messages(engine.socket, handlers, on_malformed, on_receive=engine.mark_alive)
 
     def _on_outputs(self, engine: EngineConnection, msg: EngineOutputs) -> None:
         engine.stats = msg.stats
@@ -291,42 +286,19 @@ class AsyncEngineClient:
         for request_id in list(engine.request_ids):
             self._fail(self._states[request_id], EngineDeadError(reason))
         if self.config.restart_engine and engine.process is not None and not self._is_shutting_down:
-            task = asyncio.create_task(self._restart(engine), name=f"restart-{engine.index}")
-            self._restart_tasks.add(task)
-            task.add_done_callback(self._restart_tasks.discard)
+            self.restarter.restart(engine, self._stop_engine_tasks, self._on_restarted)
 
-    async def _restart(self, dead: EngineConnection) -> None:
-        """Replace a dead local core with a fresh one in the same slot; healthy again once every core is."""
-        index = dead.index
+    async def _stop_engine_tasks(self, index: int) -> None:
         tasks = self._engine_tasks.pop(index, [])
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await dead.close()
-        for attempt, backoff_s in enumerate(RESTART_BACKOFF_S, 1):
-            await asyncio.sleep(backoff_s)
-            logger.warning("restarting engine %d (try %d of %d)", index, attempt, len(RESTART_BACKOFF_S))
-            engine = None
-            try:
-                engine = await EngineConnection.start_local(index, self.ctx, self.model_folder, self.config.engine_args,
-                                                            self.config.engine_command)
-                await engine.handshake(self.frontend_id, self.config.ready_timeout_s)
-            except (EngineStartError, OSError) as e:
-                logger.error("engine %d did not restart: %s", index, e)
-                if engine is not None:
-                    await engine.close()
-                continue
-            except BaseException:  # cancelled by shutdown: do not leave the new core behind
-                if engine is not None:
-                    await engine.close()
-                raise
-            self.engines[index] = engine
-            self._start_engine_tasks(engine)
-            if all(e.is_alive for e in self.engines):
-                self.is_healthy, self.dead_reason = True, None
-            logger.warning("engine %d restarted; serving again", index)
-            return
-        logger.error("engine %d failed to restart %d times; staying down", index, len(RESTART_BACKOFF_S))
+
+    def _on_restarted(self, engine: EngineConnection) -> None:
+        self.engines[engine.index] = engine
+        self._start_engine_tasks(engine)
+        if all(e.is_alive for e in self.engines):
+            self.is_healthy, self.dead_reason = True, None
 
     # ------------------------------------------------------------ state and shutdown
 
@@ -334,7 +306,7 @@ class AsyncEngineClient:
         """The engines' latest scheduler stats, summed."""
         total = SchedulerStats()
         for engine in self.engines:
-            for name in vars(total):
+            for name in total.__struct_fields__:
                 setattr(total, name, getattr(total, name) + getattr(engine.stats, name))
         return total
 
@@ -356,7 +328,8 @@ class AsyncEngineClient:
         """Stop the pumps and restarts, shut local cores down, fail whatever is still waiting."""
         self._is_shutting_down = True
         self.is_healthy, self.dead_reason = False, "the server is shutting down"
-        tasks = [*self._restart_tasks, *(t for engine_tasks in self._engine_tasks.values() for t in engine_tasks)]
+        await self.restarter.cancel()
+        tasks = [t for engine_tasks in self._engine_tasks.values() for t in engine_tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -20,9 +20,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ipc.codec import DecodeError, decode
 from ipc.messages import AbortRequests, EngineError, EngineReady, Hello, SchedulerStats, Shutdown
-from ipc.sockets import connect_dealer, new_ipc_address, send_message
+from ipc.sockets import connect_dealer, new_ipc_address, send_message, unpack_frames
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +74,15 @@ class EngineConnection:
         # The DEALER's queue is unbounded (SNDHWM 0), so this never waits.
         send_message(self.socket, msg)
 
+    def mark_alive(self) -> None:
+        """The core sent something: it is not hung."""
+        self.last_recv_time = time.monotonic()
+
     async def recv(self):
         """The next record from the core; raises DecodeError for a malformed one."""
         frames = await self.socket.recv_multipart()
-        self.last_recv_time = time.monotonic()
-        if len(frames) != 1:
-            raise DecodeError(f"expected 1 frame, got {len(frames)}")
-        return decode(frames[0])
+        self.mark_alive()
+        return unpack_frames(frames, is_routed=False)[1]
 
     async def handshake(self, frontend_id: str, timeout_s: float) -> EngineReady:
         """Send Hello and wait for EngineReady, failing early if a local core exits."""

@@ -25,10 +25,10 @@ import zmq
 
 from frontend.engine_client import AsyncEngineClient
 from frontend.errors import FrontendError
-from ipc.codec import MAX_REQUEST_ID_LEN, DecodeError, decode
+from ipc.codec import MAX_REQUEST_ID_LEN, DecodeError
 from ipc.sampling_params import MAX_STOP_SEQUENCES, MAX_STOP_STRING_LEN
 from ipc.messages import AbortRequests, FinishReason, GenerateOutput, GenerateRequest, MessageType
-from ipc.sockets import bind_router, send_message
+from ipc.sockets import bind_router, send_message, serve_messages
 
 logger = logging.getLogger(__name__)
 
@@ -63,26 +63,13 @@ class LocalSocketServer:
         logger.info("serving GenerateRequest on %s", address)
 
     async def _serve(self) -> None:
-        while True:
-            frames = await self.socket.recv_multipart()
-            if len(frames) != 2:
-                logger.warning("dropped a local-socket message of %d frames", len(frames))
-                continue
-            identity, payload = frames
-            try:
-                msg = decode(payload)
-            except DecodeError as e:
-                self._reject(identity, payload, e)
-                continue
-            handler = self._handlers.get(type(msg))
-            if handler is None:
-                logger.warning("local socket got an unexpected %s; ignored", type(msg).__name__)
-                continue
-            handler(identity, msg)
+        await serve_messages(self.socket, self._handlers, self._reject)
 
-    def _reject(self, identity: bytes, payload: bytes, error: DecodeError) -> None:
-        """Answer a GenerateRequest that does not decode (e.g. temperature -1), so its client is not left waiting."""
+    def _reject(self, identity: bytes | None, payload: bytes | None, error: DecodeError) -> None:
+        """Answer a GenerateRequest that does not decode (e.g. a string temperature), so its client is not left waiting."""
         logger.warning("rejected a malformed local-socket message: %s", error)
+        if identity is None or payload is None:
+            return  # the wrong number of frames: nobody to answer
         # Read only the head, [type, request_id, ...]: the rest is what failed to decode.
         unpacker = msgpack.Unpacker(max_str_len=MAX_REQUEST_ID_LEN, max_bin_len=0, max_array_len=0, max_map_len=0)
         unpacker.feed(payload)

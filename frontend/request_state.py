@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.stop_checker import StopChecker
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
 from ipc.sampling_params import SamplingParams
+from textstream.text_stream import TextStream
 
 
 @dataclass
@@ -30,7 +29,6 @@ class RequestDelta:
     logprobs: list[TokenLogprobs] | None
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative, for usage
-    stop_str: str | None = None  # the stop string that ended the choice, if any
     num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
@@ -53,8 +51,7 @@ class RequestState:
         self.params = params
         self.queue = queue
         self.engine_index = engine_index
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        self.text_stream = TextStream(tokenizer, prompt_token_ids, params)
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.is_finished = False
@@ -67,23 +64,11 @@ class RequestState:
         self.num_output_tokens += len(token_ids)
         # Kept from the first output on: a later one (an abort) may not carry it.
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
-        text_ids = token_ids
-        if (
-            output.stop_token_id is not None
-            and token_ids
-            and token_ids[-1] == output.stop_token_id
-            and not self.params.include_stop_str_in_output
-        ):
-            text_ids = token_ids[:-1]  # like vLLM: a stop token ends the text, it is not part of it
         finish_reason = output.finish_reason
-        text = self.detokenizer.add_tokens(text_ids)
-        if finish_reason is not None:
-            text += self.detokenizer.flush()
-        text, hit_stop = self.stop_checker.process(text)
+        text, hit_stop = self.text_stream.add_tokens(token_ids, is_last=finish_reason is not None,
+                                                     stop_token_id=output.stop_token_id)
         if hit_stop:
             finish_reason = FinishReason.STOP
-        elif finish_reason is not None:
-            text += self.stop_checker.flush()
         self.is_finished = finish_reason is not None
         return RequestDelta(
             index=self.index,
@@ -93,7 +78,6 @@ class RequestState:
             logprobs=output.new_logprobs,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
-            stop_str=self.stop_checker.stop_str,
             num_cached_tokens=self.num_cached_tokens,
         )
 

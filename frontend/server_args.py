@@ -12,34 +12,11 @@ from frontend.admission import (
 )
 from frontend.engine_client import EngineClientConfig
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
+from ipc.engine_config import DEFAULT_MODEL, add_engine_args, engine_argv
 
-DEFAULT_MODEL = "smollm2"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_ENGINE_TIMEOUT_S = 60.0  # as vLLM's engine iteration timeout: a slow step on a loaded host is not a hang
 API_KEY_ENV = "TOKENLOOM_API_KEY"
-# Engine-core flags passed through unchanged to locally started cores; the core validates them.
-ENGINE_PASS_THROUGH_ARGS = (
-    ("--max-num-seqs", int, "most requests in one batch"),
-    ("--max-num-batched-tokens", int, "most tokens in one engine step"),
-    ("--num-kv-blocks", int, "KV-cache blocks to allocate"),
-    ("--block-size", int, "tokens per KV-cache block"),
-    ("--max-model-len", int, "longest prompt + output, in tokens"),
-    ("--batching", str, "batching policy of the core"),
-    ("--attention-backend", str, "attention implementation of the core"),
-    ("--dtype", str, "weights and activations: auto (default: bfloat16 on CUDA and on CPUs with AMX-BF16 or "
-                     "AVX512_BF16, else float32), float32, bfloat16, float16"),
-)
-# Engine-core switches passed through when set.
-ENGINE_PASS_THROUGH_FLAGS = (
-    ("--allow-remote", "let cores and --client-socket bind non-loopback tcp addresses"),
-    ("--enforce-eager", "CUDA: run decode steps eagerly instead of replaying CUDA graphs; CPU: overrides --compile"),
-    ("--no-cpu-prepack", "CPU: plain F.linear instead of oneDNN-prepacked matmul weights"),
-    ("--compile", "CPU: torch.compile the forward (faster steps; the first start compiles for minutes)"),
-)
-# Engine-core on/off switches (--x / --no-x) passed through when given; unset keeps the core's default.
-ENGINE_PASS_THROUGH_SWITCHES = (
-    ("--enable-prefix-caching", "reuse the KV of shared prompt prefixes (default: on)"),
-)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -77,13 +54,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     limits.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S, metavar="S",
                         help="a core that sends nothing for S seconds (an idle one sends a heartbeat every second) "
                              f"is hung and counts as dead; 0 disables (default: {DEFAULT_ENGINE_TIMEOUT_S:.0f})")
-    group = parser.add_argument_group("engine core", "passed through to the cores this server starts")
-    for flag, flag_type, help_text in ENGINE_PASS_THROUGH_ARGS:
-        group.add_argument(flag, type=flag_type, help=help_text)
-    for flag, help_text in ENGINE_PASS_THROUGH_FLAGS:
-        group.add_argument(flag, action="store_true", help=help_text)
-    for flag, help_text in ENGINE_PASS_THROUGH_SWITCHES:
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="let cores and --client-socket bind non-loopback tcp addresses")
+    add_engine_args(parser.add_argument_group(
+        "engine core", "passed to the cores this server starts; unset flags keep the core's defaults"),
+        unset_by_default=True)
     # Tests swap the core for tests/fake_engine.py, and make it fail; not for users.
     parser.add_argument("--engine-command", help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-at-step", type=int, help=argparse.SUPPRESS)  # first start of each core only
@@ -96,19 +71,8 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def engine_args_from(args: argparse.Namespace) -> list[str]:
-    engine_args = []
-    for flag, _, _ in ENGINE_PASS_THROUGH_ARGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            engine_args += [flag, str(value)]
-    for flag, _ in ENGINE_PASS_THROUGH_FLAGS:
-        if getattr(args, flag[2:].replace("-", "_")):
-            engine_args.append(flag)
-    for flag, _ in ENGINE_PASS_THROUGH_SWITCHES:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            engine_args.append(flag if value else "--no-" + flag[2:])
-    return engine_args
+    """The flags a local core gets: the engine flags given, --allow-remote, and the log level."""
+    return [*engine_argv(args), *(["--allow-remote"] if args.allow_remote else []), "--log-level", args.log_level]
 
 
 def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:

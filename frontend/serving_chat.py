@@ -9,11 +9,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from frontend.engine_client import AsyncEngineClient
-from frontend.errors import FrontendError
 from frontend.protocol import ChatCompletionRequest
-from frontend.request_state import RequestStream
+from frontend.request_state import RequestDelta, RequestStream
 from frontend.serving_utils import (
-    SSE_DONE, ClientDisconnected, Usage, chat_logprobs, collect, now_s, random_id, run_unless_disconnected, sse,
+    ClientDisconnected, Usage, chat_logprobs, collect, now_s, random_id, run_unless_disconnected, sse_stream,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,32 +45,21 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     return JSONResponse({**header, "object": "chat.completion", "choices": choices, "usage": usage.to_dict()})
 
 
-async def _stream_chat(stream: RequestStream, body: ChatCompletionRequest, header: dict,
-                       client: AsyncEngineClient) -> AsyncIterator[str]:
-    header = {**header, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if body.include_usage else {}
-    usage = Usage(body.n)
-    try:
-        async with stream:
-            # OpenAI opens every choice with a role-only delta.
-            for index in range(body.n):
-                choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}
-                yield sse({**header, "choices": [choice], **extra})
-            async for delta in stream:
-                usage.add(delta)
-                finish_reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
-                if not delta.text and finish_reason is None and not (body.logprobs and delta.logprobs):
-                    continue
-                choice = {
-                    "index": delta.index,
-                    "delta": {"content": delta.text} if delta.text else {},
-                    "logprobs": chat_logprobs(client.tokenizer, delta.logprobs or []) if body.logprobs else None,
-                    "finish_reason": finish_reason,
-                }
-                yield sse({**header, "choices": [choice], **extra})
-        if body.include_usage:
-            yield sse({**header, "choices": [], "usage": usage.to_dict()})
-    except FrontendError as e:
-        yield sse(e.to_dict())
-    yield SSE_DONE
+def _stream_chat(stream: RequestStream, body: ChatCompletionRequest, header: dict,
+                 client: AsyncEngineClient) -> AsyncIterator[str]:
+    def make_choice(delta: RequestDelta) -> dict | None:
+        finish_reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
+        if not delta.text and finish_reason is None and not (body.logprobs and delta.logprobs):
+            return None
+        return {
+            "index": delta.index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": chat_logprobs(client.tokenizer, delta.logprobs or []) if body.logprobs else None,
+            "finish_reason": finish_reason,
+        }
+
+    # OpenAI opens every choice with a role-only delta.
+    opening_choices = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None} for index in range(body.n)]
+    return sse_stream(stream, {**header, "object": "chat.completion.chunk"}, body.n, body.include_usage,
+                      make_choice, opening_choices)

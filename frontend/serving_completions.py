@@ -16,10 +16,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from frontend.engine_client import AsyncEngineClient
 from frontend.errors import FrontendError
 from frontend.protocol import CompletionRequest, GenerateBody
-from frontend.request_state import RequestStream
+from frontend.request_state import RequestDelta, RequestStream
 from frontend.serving_utils import (
-    SSE_DONE, ClientDisconnected, Usage, collect, completion_logprobs, now_s, random_id, run_unless_disconnected,
-    sse,
+    ClientDisconnected, Usage, collect, completion_logprobs, now_s, random_id, run_unless_disconnected, sse_stream,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,35 +51,27 @@ async def create_completion(body: CompletionRequest, raw_request: Request, clien
     return JSONResponse({**header, "choices": choices, "usage": usage.to_dict()})
 
 
-async def _stream_completion(stream: RequestStream, body: CompletionRequest, header: dict,
-                             client: AsyncEngineClient, echo_texts: list[str] | None) -> AsyncIterator[str]:
-    usage = Usage(body.n)
+def _stream_completion(stream: RequestStream, body: CompletionRequest, header: dict,
+                       client: AsyncEngineClient, echo_texts: list[str] | None) -> AsyncIterator[str]:
     is_echoed: set[int] = set()
     text_offsets: dict[int, int] = {}
-    extra = {"usage": None} if body.include_usage else {}
-    try:
-        async with stream:
-            async for delta in stream:
-                usage.add(delta)
-                text = delta.text
-                if echo_texts and delta.index not in is_echoed:
-                    is_echoed.add(delta.index)
-                    text = echo_texts[delta.index // body.n] + text
-                logprobs = None
-                if body.logprobs is not None:
-                    offset = text_offsets.get(delta.index, 0)
-                    logprobs = completion_logprobs(client.tokenizer, delta.logprobs or [], offset)
-                    text_offsets[delta.index] = offset + len(text)
-                finish_reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
-                if not text and finish_reason is None and logprobs is None:
-                    continue  # nothing a client could see
-                choice = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-                yield sse({**header, "choices": [choice], **extra})
-        if body.include_usage:
-            yield sse({**header, "choices": [], "usage": usage.to_dict()})
-    except FrontendError as e:
-        yield sse(e.to_dict())
-    yield SSE_DONE
+
+    def make_choice(delta: RequestDelta) -> dict | None:
+        text = delta.text
+        if echo_texts and delta.index not in is_echoed:
+            is_echoed.add(delta.index)
+            text = echo_texts[delta.index // body.n] + text
+        logprobs = None
+        if body.logprobs is not None:
+            offset = text_offsets.get(delta.index, 0)
+            logprobs = completion_logprobs(client.tokenizer, delta.logprobs or [], offset)
+            text_offsets[delta.index] = offset + len(text)
+        finish_reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
+        if not text and finish_reason is None and logprobs is None:
+            return None  # nothing a client could see
+        return {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    return sse_stream(stream, header, body.n, body.include_usage, make_choice)
 
 
 def _prompt_text(client: AsyncEngineClient, prompt: str | list[int]) -> str:

@@ -8,10 +8,11 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 
 from fastapi import Request
 
+from frontend.errors import FrontendError
 from frontend.request_state import RequestDelta, RequestStream
 from ipc.messages import TokenLogprobs
 
@@ -35,6 +36,30 @@ def now_s() -> int:
 
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def sse_stream(stream: RequestStream, header: dict, n: int, include_usage: bool,
+                     make_choice: Callable[[RequestDelta], dict | None],
+                     opening_choices: Iterable[dict] = ()) -> AsyncIterator[str]:
+    """The SSE body of both OpenAI routes: a chunk per choice `make_choice` returns (None:
+    nothing a client could see), the usage chunk when asked for, an error event if the
+    request fails, and always `[DONE]` last."""
+    extra = {"usage": None} if include_usage else {}
+    usage = Usage(n)
+    try:
+        async with stream:
+            for choice in opening_choices:
+                yield sse({**header, "choices": [choice], **extra})
+            async for delta in stream:
+                usage.add(delta)
+                choice = make_choice(delta)
+                if choice is not None:
+                    yield sse({**header, "choices": [choice], **extra})
+        if include_usage:
+            yield sse({**header, "choices": [], "usage": usage.to_dict()})
+    except FrontendError as e:
+        yield sse(e.to_dict())
+    yield SSE_DONE
 
 
 @dataclass

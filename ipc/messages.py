@@ -1,12 +1,13 @@
 """Inter-process message records: the contract between frontend and engine core.
 
-This file holds only message types and int enums, no logic beyond field
-validation helpers in `ipc.codec`. It imports neither torch nor transformers.
+This file holds only message types and int enums, declared once as msgspec
+Structs: their field types are the wire schema, decoded and bounded in C by
+`ipc.codec`. It imports neither torch nor transformers.
 
 Every record travels as a msgpack array whose first element is its
-`MessageType`; the remaining elements are the record's fields in declaration
-order. Fields are append-only: a new field goes at the end with a default, so
-an older peer that sends fewer elements still decodes.
+`MessageType` (the Struct's int tag); the remaining elements are the record's
+fields in declaration order. Fields are append-only: a new field goes at the end
+with a default, so an older peer that sends fewer elements still decodes.
 
 A request is sent once in full (`AddRequest`); afterwards only per-step deltas
 flow back (`EngineOutputs`, one per engine step, holding a `RequestOutput` for
@@ -16,9 +17,33 @@ each request that produced tokens or finished in that step).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from typing import Annotated
 
-from ipc.sampling_params import SamplingParams
+from msgspec import Meta, Struct, field
+
+from ipc.sampling_params import MAX_STOP_TOKEN_IDS, Int64, SamplingParams, TokenId
+
+MAX_PROMPT_TOKENS = 1_000_000  # also bounds any other token-id list
+MAX_REQUEST_ID_LEN = 256
+MAX_NAME_LEN = 4096  # model names may be local paths
+MAX_DTYPE_NAME_LEN = 32
+MAX_ABORT_REQUEST_IDS = 65_536  # a frontend shutting down aborts everything in flight at once
+MAX_OUTPUTS_PER_STEP = 65_536  # far above any batch size an engine step can hold
+MAX_LOGPROBS_PER_TOKEN = 21  # the sampled token and its top 20
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
+Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+NumTokens = Annotated[int, Meta(ge=0, le=MAX_PROMPT_TOKENS)]
+TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
+
+
+class _Message(Struct, array_like=True, forbid_unknown_fields=True):
+    """A top-level record: `[tag, *fields]`. Subclasses set `tag=int(MessageType.X)`."""
+
+
+class _Record(Struct, array_like=True, forbid_unknown_fields=True):
+    """A nested record: `[*fields]`, no tag."""
 
 
 class MessageType(enum.IntEnum):
@@ -50,123 +75,110 @@ class FinishReason(enum.IntEnum):
         return {1: "stop", 2: "length", 3: "abort", 4: "error"}[int(self)]
 
 
-@dataclass
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
+class AddRequest(_Message, tag=int(MessageType.ADD_REQUEST)):
+    request_id: RequestId
+    prompt_token_ids: TokenIds
     sampling_params: SamplingParams
     arrival_time: float = 0.0
 
 
-@dataclass
-class AbortRequests:
-    request_ids: list[str]
+class AbortRequests(_Message, tag=int(MessageType.ABORT_REQUESTS)):
+    request_ids: Annotated[list[RequestId], Meta(max_length=MAX_ABORT_REQUEST_IDS)]
 
 
-@dataclass
-class Shutdown:
-    reason: str = ""
+class Shutdown(_Message, tag=int(MessageType.SHUTDOWN)):
+    reason: Name = ""
 
 
-@dataclass
-class Hello:
+class Hello(_Message, tag=int(MessageType.HELLO)):
     """The frontend's first message on a fresh connection; the core answers EngineReady."""
 
-    frontend_id: str = ""
+    frontend_id: Name = ""
 
 
-@dataclass
-class ResetPrefixCache:
+class ResetPrefixCache(_Message, tag=int(MessageType.RESET_PREFIX_CACHE)):
     """Forget every cached prefix block that no request holds (benchmarks start cold)."""
 
 
-@dataclass
-class EngineReady:
+class EngineReady(_Message, tag=int(MessageType.ENGINE_READY)):
     """The core's handshake once its model is loaded: the facts the frontend needs."""
 
-    engine_id: int
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    num_kv_blocks: int
-    block_size: int
-    eos_token_ids: list[int] = field(default_factory=list)
-    dtype: str = ""  # what the weights and activations run in ("bfloat16"); "" from older cores
+    engine_id: Count
+    model_name: Name
+    max_model_len: Count
+    vocab_size: Annotated[int, Meta(ge=0, le=2**31)]
+    num_kv_blocks: Count
+    block_size: Count
+    eos_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = field(default_factory=list)
+    dtype: Annotated[str, Meta(max_length=MAX_DTYPE_NAME_LEN)] = ""  # what the weights and activations run in ("bfloat16"); "" from older cores
 
 
-@dataclass
-class TokenLogprobs:
+class TokenLogprobs(_Record):
     """Log-probability of one sampled token and the top-N alternatives."""
 
-    token_id: int
+    token_id: TokenId
     logprob: float
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
+    top_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_LOGPROBS_PER_TOKEN)] = field(default_factory=list)
+    top_logprobs: Annotated[list[float], Meta(max_length=MAX_LOGPROBS_PER_TOKEN)] = field(default_factory=list)
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(_Record):
     """One request's delta for one engine step."""
 
-    request_id: str
-    new_token_ids: list[int]
+    request_id: RequestId
+    new_token_ids: TokenIds
     finish_reason: FinishReason | None = None
-    new_logprobs: list[TokenLogprobs] | None = None
-    num_prompt_tokens: int = 0
+    new_logprobs: Annotated[list[TokenLogprobs], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
+    num_prompt_tokens: NumTokens = 0
     # The stop token id that ended the request, when finish_reason is STOP.
-    stop_token_id: int | None = None
+    stop_token_id: TokenId | None = None
     # Prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
-    num_cached_tokens: int = 0
+    num_cached_tokens: NumTokens = 0
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_kv_blocks_used: int = 0
-    num_kv_blocks_free: int = 0
-    num_preemptions: int = 0  # cumulative
-    num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
-    num_prefix_cache_hits: int = 0  # of those, tokens found cached, cumulative
-    num_cached_blocks: int = 0  # blocks findable in the prefix cache now, held or free
+class SchedulerStats(_Record):
+    num_running: Count = 0
+    num_waiting: Count = 0
+    num_kv_blocks_used: Count = 0
+    num_kv_blocks_free: Count = 0
+    num_preemptions: Count = 0  # cumulative
+    num_prefix_cache_queries: Count = 0  # prompt tokens looked up in the prefix cache, cumulative
+    num_prefix_cache_hits: Count = 0  # of those, tokens found cached, cumulative
+    num_cached_blocks: Count = 0  # blocks findable in the prefix cache now, held or free
 
 
-@dataclass
-class EngineOutputs:
+class EngineOutputs(_Message, tag=int(MessageType.ENGINE_OUTPUTS)):
     """Everything one engine step produced, sent as one message."""
 
-    engine_id: int
-    outputs: list[RequestOutput]
+    engine_id: Count
+    outputs: Annotated[list[RequestOutput], Meta(max_length=MAX_OUTPUTS_PER_STEP)]
     stats: SchedulerStats
     timestamp: float = 0.0
 
 
-@dataclass
-class EngineError:
+class EngineError(_Message, tag=int(MessageType.ENGINE_ERROR)):
     """A failure report. With request_id, only that request failed; is_fatal means the core is going down."""
 
     message: str
-    request_id: str | None = None
+    request_id: RequestId | None = None
     is_fatal: bool = False
-    engine_id: int = 0
+    engine_id: Count = 0
 
 
-@dataclass
-class GenerateRequest:
+class GenerateRequest(_Message, tag=int(MessageType.GENERATE_REQUEST)):
     """A local-socket client's request to the frontend: text in, text deltas out."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int] | None
+    request_id: RequestId
+    prompt: str | None  # bounded by the message size
+    prompt_token_ids: TokenIds | None
     sampling_params: SamplingParams
 
 
-@dataclass
-class GenerateOutput:
+class GenerateOutput(_Message, tag=int(MessageType.GENERATE_OUTPUT)):
     """A text delta for a local-socket client; `error` set means the request failed."""
 
-    request_id: str
+    request_id: RequestId
     text: str
-    token_ids: list[int]
+    token_ids: TokenIds
     finish_reason: FinishReason | None = None
     error: str | None = None

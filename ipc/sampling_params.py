@@ -1,13 +1,17 @@
 """Sampling parameters: one record shared by the offline API, the wire and the engine.
 
 Kept in `ipc` (no torch) so the frontend can validate requests and the engine can
-re-export it as `engine.SamplingParams`.
+re-export it as `engine.SamplingParams`. A msgspec Struct: the field types bound
+what decodes off the wire (typed, sizes capped); `validate` checks the ranges,
+also on params built in Python, which msgspec does not check.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from typing import Annotated
+
+from msgspec import Meta, Struct, field
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_STRING_LEN = 256
@@ -18,20 +22,26 @@ MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit int on the wire
 # Temperatures below this are greedy, as in vLLM: dividing logits by ~1e-40 overflows to inf/NaN.
 GREEDY_TEMPERATURE = 1e-5
 
+# Wire types, shared with ipc.messages: what a decoded value can be at most.
+MAX_TOKEN_ID = 2**31 - 1  # token ids index int32 tensors on the engine side
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+Int64 = Annotated[int, Meta(ge=MIN_SEED, le=MAX_SEED)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 
-@dataclass
-class SamplingParams:
+
+class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # in (0, 1]
-    top_k: int = -1  # -1 (or 0) means all tokens
+    top_k: Int64 = -1  # -1 (or 0) means all tokens
     min_p: float = 0.0
-    seed: int | None = None  # per-request generator: same seed, same tokens, in any batch
-    max_tokens: int | None = 16  # None: up to the model's max length
-    min_tokens: int = 0
+    seed: Int64 | None = None  # per-request generator: same seed, same tokens, in any batch
+    max_tokens: Int64 | None = 16  # None: up to the model's max length
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)  # stop strings: the frontend checks them
-    logprobs: int | None = None  # None: no log-probs; N: chosen token plus top-N
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = field(default_factory=list)
+    # stop strings: the text is cut at the first (textstream.StopChecker)
+    stop: Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)] = field(default_factory=list)
+    logprobs: Int64 | None = None  # None: no log-probs; N: chosen token plus top-N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -43,13 +53,13 @@ class SamplingParams:
         """Raise ValueError with a message naming the bad field. With `vocab_size`, token ids
         must also be in the model's vocabulary: they index its logits."""
         # isfinite: NaN compares False with everything and would slip past `< 0`.
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer up to {MAX_INT}, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
@@ -75,7 +85,14 @@ class SamplingParams:
                 raise ValueError(f"each stop sequence must be a non-empty string of at most {MAX_STOP_STRING_LEN} characters")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

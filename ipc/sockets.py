@@ -24,9 +24,10 @@ import socket
 import stat
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Callable, Optional
 
 import zmq
+import zmq.asyncio
 
 from ipc.codec import MAX_MESSAGE_BYTES, DecodeError, decode, encode
 
@@ -195,16 +196,85 @@ def send_message(sock: zmq.Socket, msg: Any, identity: bytes | None = None, flag
 
 def recv_message(sock: zmq.Socket, flags: int = 0, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
     """Receive one record on a DEALER. zmq.NOBLOCK raises zmq.Again when nothing is queued."""
-    frames = sock.recv_multipart(flags)
-    if len(frames) != 1:
-        raise DecodeError(f"expected 1 frame, got {len(frames)}")
-    return decode(frames[0], max_bytes)
+    return unpack_frames(sock.recv_multipart(flags), is_routed=False, max_bytes=max_bytes)[1]
 
 
 def recv_routed_message(sock: zmq.Socket, flags: int = 0, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[bytes, Any]:
     """Receive one (identity, record) on a ROUTER; answer with send_message(sock, reply, identity)."""
-    frames = sock.recv_multipart(flags)
-    if len(frames) != 2:
-        # The whole multipart message has been consumed, so the next call starts clean.
-        raise DecodeError(f"expected [identity, payload], got {len(frames)} frames")
-    return frames[0], decode(frames[1], max_bytes)
+    return unpack_frames(sock.recv_multipart(flags), is_routed=True, max_bytes=max_bytes)
+
+
+def unpack_frames(frames: list[bytes], is_routed: bool,
+                  max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[bytes | None, Any]:
+    """(identity or None, record) from one multipart message: [payload] on a DEALER,
+    [identity, payload] on a ROUTER; anything else is a DecodeError. The whole multipart
+    message has been consumed either way, so the next receive starts clean."""
+    num_frames = 2 if is_routed else 1
+    if len(frames) != num_frames:
+        raise DecodeError(f"expected {num_frames} frame{'s' if is_routed else ''}, got {len(frames)}")
+    identity = frames[0] if is_routed else None
+    return identity, decode(frames[-1], max_bytes)
+
+
+# ---------------------------------------------------------------- receive, decode, dispatch
+# Every loop that reads a socket does the same: check the frame count, decode, pick the
+# handler by the record's type (a `{type: handler}` table), and drop what is malformed or
+# unexpected with a log line. A ROUTER's handlers get (identity, record), a DEALER's (record).
+
+Handlers = dict[type, Callable[..., None]]
+# (identity or None, the raw payload or None, the error): reply to a sender, or just log.
+OnMalformed = Callable[[Optional[bytes], Optional[bytes], DecodeError], None]
+
+
+def drain_messages(sock: zmq.Socket, handlers: Handlers, on_malformed: OnMalformed | None = None,
+                   max_bytes: int = MAX_MESSAGE_BYTES) -> int:
+    """Dispatch every message already queued on `sock`, without blocking; return how many.
+
+    For the engine core's busy loop: a handler's exception propagates (outside a model call
+    it is a bug, and the core reports it and exits)."""
+    is_routed = sock.socket_type == zmq.ROUTER
+    num_messages = 0
+    while True:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return num_messages
+        num_messages += 1
+        _dispatch(frames, is_routed, handlers, on_malformed, max_bytes)
+
+
+async def serve_messages(sock: zmq.asyncio.Socket, handlers: Handlers, on_malformed: OnMalformed | None = None,
+                         on_receive: Callable[[], None] | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    """Receive and dispatch messages until cancelled. `on_receive` runs for every message,
+    even a malformed one (a sign of life). A handler's exception is logged, never ends the
+    loop: every request waiting on this socket would hang."""
+    is_routed = sock.socket_type == zmq.ROUTER
+    while True:
+        frames = await sock.recv_multipart()
+        if on_receive is not None:
+            on_receive()
+        try:
+            _dispatch(frames, is_routed, handlers, on_malformed, max_bytes)
+        except Exception:
+            logger.exception("handling a message failed")
+
+
+def _dispatch(frames: list[bytes], is_routed: bool, handlers: Handlers, on_malformed: OnMalformed | None,
+              max_bytes: int) -> None:
+    try:
+        identity, message = unpack_frames(frames, is_routed, max_bytes)
+    except DecodeError as e:
+        identity = frames[0] if is_routed and len(frames) == 2 else None
+        payload = frames[-1] if len(frames) == (2 if is_routed else 1) else None
+        if on_malformed is None:
+            logger.warning("dropped a malformed message: %s", e)
+        else:
+            on_malformed(identity, payload, e)
+        return
+    handler = handlers.get(type(message))
+    if handler is None:
+        logger.warning("dropped an unexpected %s on this socket", type(message).__name__)
+    elif is_routed:
+        handler(identity, message)
+    else:
+        handler(message)

@@ -15,6 +15,8 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
 
+from ipc.engine_config import DEFAULT_MODEL  # noqa: E402
+
 QUESTIONS = (
     "What is the capital of France?",
     "Name three primary colors.",
@@ -25,7 +27,7 @@ QUESTIONS = (
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -42,9 +42,9 @@ def cached_default_model():
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from engine.model_files import resolve_model
+    from engine.model_files import DEFAULT_MODEL, resolve_model
 
-    return resolve_model("smollm2")
+    return resolve_model(DEFAULT_MODEL)
 
 
 def hf_greedy(model, prompt_token_ids: list[int], num_new_tokens: int) -> list[int]:

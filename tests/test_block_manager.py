@@ -70,26 +70,18 @@ def test_no_block_owned_twice_across_many_allocations():
 def test_shared_block_is_freed_only_by_its_last_holder():
     manager = BlockManager(num_blocks=4, block_size=4)
     a = manager.allocate(2)  # [0, 1]
-    manager.share([0])  # b shares a's first block
-    b = [0] + manager.allocate(1)  # [0, 2]
+    b = manager.allocate(1, cached_block_ids=[0])  # b shares a's first block (a prefix-cache hit): [0, 2]
     assert manager.ref_counts == [2, 1, 1, 0]
     manager.free(a)
     assert manager.ref_counts == [1, 0, 1, 0]
     assert list(manager.free_block_ids) == [3, 1]  # block 0 is still b's
-    manager.share([0])  # a third holder
+    assert manager.allocate(0, cached_block_ids=[0]) == [0]  # a third holder
     manager.free(b)
     assert manager.ref_counts == [1, 0, 0, 0]
     assert 0 not in manager.free_block_ids
     manager.free([0])
     assert manager.ref_counts == [0, 0, 0, 0]
     assert list(manager.free_block_ids) == [3, 1, 2, 0]
-
-
-def test_sharing_a_free_block_raises():
-    manager = BlockManager(num_blocks=4, block_size=4)
-    with pytest.raises(RuntimeError, match="free"):
-        manager.share([1])
-    assert manager.ref_counts == [0, 0, 0, 0]
 
 
 def test_double_free_raises():

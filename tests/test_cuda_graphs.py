@@ -32,10 +32,9 @@ from engine.cuda_graphs import (  # noqa: E402
     capture_sizes,
     decode_forward,
     disabled_reason,
-    make_validation_batch,
-    max_row_error,
     pad_decode_inputs,
 )
+from engine.cuda_graph_check import make_validation_batch, max_row_error  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

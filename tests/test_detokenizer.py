@@ -19,8 +19,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from conftest import cached_default_model
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.stop_checker import StopChecker
+from textstream.detokenizer import IncrementalDetokenizer
+from textstream.stop_checker import StopChecker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CORPUS = [
@@ -86,7 +86,7 @@ def tokenizer(request):
 
 
 def _stream(tokenizer, ids, chunk_sizes=None, skip_special_tokens=True, prompt=None):
-    """Feed `ids` in chunks; return (deltas, flushed text, detokenizer)."""
+    """Feed `ids` in chunks; return (deltas, flushed text)."""
     detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens)
     deltas, i = [], 0
     sizes = iter(chunk_sizes or [])
@@ -94,7 +94,7 @@ def _stream(tokenizer, ids, chunk_sizes=None, skip_special_tokens=True, prompt=N
         n = next(sizes, 1)
         deltas.append(detok.add_tokens(ids[i:i + n]))
         i += n
-    return deltas, detok.flush(), detok
+    return deltas, detok.flush()
 
 
 def _has_byte_fallback(tokenizer):
@@ -111,10 +111,9 @@ def test_stream_matches_full_decode(tokenizer, text):
     expected = tokenizer.decode(ids, skip_special_tokens=True)
     rng = random.Random(0)
     for chunk_sizes in [None] + [_random_chunks(rng, len(ids)) for _ in range(5)]:
-        deltas, flushed, detok = _stream(tokenizer, ids, chunk_sizes)
+        deltas, flushed = _stream(tokenizer, ids, chunk_sizes)
         assert "".join(deltas) + flushed == expected
         assert not any("\ufffd" in d for d in deltas + [flushed])
-        assert detok.text == expected and detok.token_ids == ids
 
 
 def test_multibyte_chars_really_split_across_tokens():
@@ -129,7 +128,7 @@ def test_incomplete_char_held_then_flushed(tokenizer):
     ids = tokenizer.encode("ab 你好", add_special_tokens=False)
     for cut in range(1, len(ids)):
         partial = tokenizer.decode(ids[:cut])
-        deltas, flushed, _ = _stream(tokenizer, ids[:cut])
+        deltas, flushed = _stream(tokenizer, ids[:cut])
         assert not any("\ufffd" in d for d in deltas)
         # A sequence cut mid-character ends before that character, never in U+FFFD (as in vLLM).
         assert "\ufffd" not in flushed
@@ -147,7 +146,7 @@ def test_special_tokens(tokenizer, skip_special_tokens):
     ids = (tokenizer.encode("Hello", add_special_tokens=False) + special_ids
            + tokenizer.encode(" world 你好", add_special_tokens=False)[1:] + special_ids[:1])
     expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-    deltas, flushed, _ = _stream(tokenizer, ids, skip_special_tokens=skip_special_tokens)
+    deltas, flushed = _stream(tokenizer, ids, skip_special_tokens=skip_special_tokens)
     assert "".join(deltas) + flushed == expected
     assert (tokenizer.eos_token in expected) != skip_special_tokens
 
@@ -156,9 +155,8 @@ def test_prompt_gives_context_for_first_token(tokenizer):
     ids = tokenizer.encode("Hello world 你好 there", add_special_tokens=False)
     prompt, output = ids[:1], ids[1:]
     full, prompt_text = tokenizer.decode(ids), tokenizer.decode(prompt)
-    deltas, flushed, detok = _stream(tokenizer, output, prompt=prompt)
+    deltas, flushed = _stream(tokenizer, output, prompt=prompt)
     assert "".join(deltas) + flushed == full[len(prompt_text):]
-    assert detok.token_ids == output
 
 
 def test_cost_per_token_is_bounded():
@@ -171,7 +169,7 @@ def test_cost_per_token_is_bounded():
             return tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     ids = tok.encode((CHINESE + MIXED) * 10, add_special_tokens=False)
-    deltas, flushed, _ = _stream(CountingTokenizer(), ids)
+    deltas, flushed = _stream(CountingTokenizer(), ids)
     assert "".join(deltas) + flushed == tok.decode(ids)
     assert len(ids) > 500 and max(window_sizes) <= 8
 
@@ -182,13 +180,13 @@ def test_cost_per_token_is_bounded():
 def test_random_text_random_chunks(text, seed):
     tok = _get_tokenizer("byte_level")
     ids = tok.encode(text, add_special_tokens=False)
-    deltas, flushed, _ = _stream(tok, ids, _random_chunks(random.Random(seed), len(ids)))
+    deltas, flushed = _stream(tok, ids, _random_chunks(random.Random(seed), len(ids)))
     assert "".join(deltas) + flushed == tok.decode(ids)
     assert not any("\ufffd" in d for d in deltas + [flushed])
 
 
 def test_frontend_does_not_import_torch():
-    code = "import sys, frontend.detokenizer, frontend.stop_checker; print('torch' in sys.modules)"
+    code = "import sys, textstream; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
@@ -216,7 +214,7 @@ def test_stop_split_across_deltas_is_never_streamed():
     assert checker.process("Hi <|e") == ("Hi ", False)
     assert checker.process("nd") == ("", False)
     assert checker.process("|> more") == ("", True)
-    assert checker.stop_str == "<|end|>" and checker.process("x") == ("", True)
+    assert checker.process("x") == ("", True) and checker.flush() == ""
 
 
 def test_stop_at_start_and_include():

@@ -134,3 +134,51 @@ def test_offline_generate_reports_a_failed_step_as_error(tiny_path):
     assert [o.finish_reason for o in outputs] == ["error", "error"]
     again = llm.generate([PROMPT], greedy(max_tokens=4), use_tqdm=False)
     assert again[0].finish_reason == "length" and len(again[0].token_ids) == 4
+
+
+def test_a_raw_request_on_the_core_socket_fails_alone(engine):
+    """A hostile peer skips the frontend: out-of-vocabulary ids and bad ranges in raw msgpack
+    get an EngineError for that request id, and the core serves the next request."""
+    import threading
+
+    import msgpack
+    import zmq
+
+    from engine.core_process import EngineCoreProcess
+    from ipc.messages import EngineError, EngineOutputs, EngineReady, Hello, MessageType, Shutdown
+    from ipc.sockets import bind_router, connect_dealer, new_ipc_address, recv_message, send_message
+
+    ctx = zmq.Context()
+    address = new_ipc_address("core")
+    process = EngineCoreProcess(engine, bind_router(ctx, address), engine_id=0, model_name="tiny")
+    thread = threading.Thread(target=process.run, daemon=True)
+    thread.start()
+    dealer = connect_dealer(ctx, address)
+    try:
+        send_message(dealer, Hello("hostile"))
+        assert isinstance(recv_message(dealer), EngineReady)
+        params = [0.0, 1.0, -1, 0.0, None, 4, 0, True]
+        bad = {"oov-prompt": ([1, VOCAB_SIZE], params), "oov-stop": (PROMPT, [*params, [2**31 - 1]]),
+               "nan": (PROMPT, [float("nan"), *params[1:]]), "long": (list(range(40)), params)}
+        for request_id, (prompt, raw_params) in bad.items():
+            dealer.send(msgpack.packb([MessageType.ADD_REQUEST, request_id, prompt, raw_params]))
+        dealer.send(msgpack.packb([MessageType.ADD_REQUEST, "good", PROMPT, params]))
+        errors, finished = {}, None
+        while finished is None:
+            assert dealer.poll(60_000), "the core went silent"
+            msg = recv_message(dealer)
+            if isinstance(msg, EngineError):
+                assert not msg.is_fatal
+                errors[msg.request_id] = msg.message
+            elif isinstance(msg, EngineOutputs):
+                finished = next((o for o in msg.outputs if o.request_id == "good" and o.finish_reason), None)
+        assert set(errors) == set(bad), errors
+        assert "prompt token ids" in errors["oov-prompt"] and "stop_token_ids" in errors["oov-stop"]
+        assert "temperature" in errors["nan"] and "maximum context length" in errors["long"]
+    finally:
+        send_message(dealer, Shutdown("test over"))
+        thread.join(30)
+        dealer.close()
+        process.sock.close()
+        ctx.term()
+    assert not thread.is_alive() and engine.block_manager.num_used_blocks == 0

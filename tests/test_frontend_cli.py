@@ -16,7 +16,8 @@ def test_serve_flags_build_the_engine_client_config():
                                      "--batching", "static", "--allow-remote", "--served-model-name", "m"])
     config = engine_client_config(args)
     assert (config.model, config.served_model_name, config.num_local_engines) == ("smollm2", "m", 2)
-    assert config.engine_args == ["--max-num-seqs", "8", "--batching", "static", "--allow-remote"]
+    assert config.engine_args == ["--max-num-seqs", "8", "--batching", "static", "--allow-remote",
+                                  "--log-level", "info"]
     assert config.engine_command == DEFAULT_ENGINE_COMMAND and config.engine_addresses == []
     assert (args.host, args.port) == ("127.0.0.1", 8000)
 
@@ -50,3 +51,24 @@ def test_engine_execs_the_core_with_pass_through_flags(monkeypatch):
     assert path == sys.executable
     assert argv == [sys.executable, "-m", "engine.core_process", "--model", "smollm2", "--address",
                     "tcp://127.0.0.1:5555", "--engine-id", "0", "--max-num-seqs", "4"]
+
+
+def test_every_engine_flag_reaches_the_core_as_given():
+    """serve declares no engine flag of its own: each EngineConfig field is a flag (--seed,
+    --device and --load-format included), and what serve passes on parses in the core to
+    the same config; --log-level reaches the cores too."""
+    from engine.core_process import parse_args
+    from ipc.engine_config import EngineConfig, engine_config_from_args
+
+    given = ["--seed", "7", "--device", "cpu", "--load-format", "dummy", "--num-threads", "2", "--compile",
+             "--no-cpu-prepack", "--kv-cache-memory", "1000", "--dtype", "float32", "--attention-backend", "torch",
+             "--log-level", "debug"]
+    config = engine_client_config(make_parser().parse_args(["--model", "m", *given]))
+    core_args = parse_args(["--model", "m", "--address", "ipc:///tmp/x", *config.engine_args])
+    assert core_args.log_level == "debug"
+    assert engine_config_from_args(core_args) == EngineConfig(
+        model="m", seed=7, device="cpu", load_format="dummy", num_threads=2, compile=True, cpu_prepack=False,
+        kv_cache_memory_bytes=1000, dtype="float32", attention_backend="torch")
+    # Nothing given: the core keeps every default of EngineConfig.
+    unset = engine_client_config(make_parser().parse_args([]))
+    assert engine_config_from_args(parse_args(["--address", "ipc:///tmp/x", *unset.engine_args])) == EngineConfig()

@@ -203,3 +203,36 @@ def test_second_server_refuses_a_live_client_socket(server, model_folder):
             return await client.complete("Hi", max_tokens=3)
 
     assert asyncio.run(still_served()).num_output_tokens == 3
+
+
+def test_local_client_drops_malformed_and_multi_frame_messages(tmp_path):
+    """The client's receiver checks the frame count and survives garbage: only the one
+    well-formed output of its request reaches the caller."""
+    import zmq.asyncio
+
+    from ipc.codec import encode
+    from ipc.messages import FinishReason, GenerateOutput
+    from ipc.sockets import bind_router, unpack_frames
+
+    address = f"ipc://{tmp_path}/fake-frontend.sock"
+
+    async def run():
+        ctx = zmq.asyncio.Context()
+        router = bind_router(ctx, address)
+        client = TokenloomClient.local(address)
+        try:
+            completion = asyncio.ensure_future(client.complete([1, 2], max_tokens=2))
+            identity, request = unpack_frames(await asyncio.wait_for(router.recv_multipart(), 10), is_routed=True)
+            wrong = encode(GenerateOutput(request.request_id, "wrong", [9], FinishReason.STOP))
+            await router.send_multipart([identity, b"\xc1garbage"])
+            await router.send_multipart([identity, b"extra frame", wrong])
+            await router.send_multipart([identity, encode(GenerateOutput(request.request_id, "hi", [1, 2],
+                                                                         FinishReason.LENGTH))])
+            return await asyncio.wait_for(completion, 10)
+        finally:
+            await client.close()
+            router.close()
+            ctx.term()
+
+    completion = asyncio.run(run())
+    assert (completion.text, completion.finish_reason) == ("hi", "length")

@@ -1,4 +1,5 @@
-"""The frontend must never import torch, not even through transformers: check in fresh interpreters."""
+"""The frontend, and the text logic it shares with the offline API, must never import torch,
+not even through transformers: check in fresh interpreters."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TORCH_FREE_MODULES = ["frontend", "frontend.api_server", "frontend.client", "frontend.cli", "frontend.engine_client",
-                      "frontend.local_socket", "frontend.tokenizer"]
+                      "frontend.local_socket", "frontend.tokenizer", "textstream.text_stream"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE_MODULES)

@@ -146,8 +146,8 @@ REJECTS = {
     "nested_too_many_fields": _packed(MessageType.ADD_REQUEST, "r", [1], [1.0] * 14),
     "nested_not_array": _packed(MessageType.ADD_REQUEST, "r", [1], None),
     "bad_enum_value": _packed(MessageType.GENERATE_OUTPUT, "r", "", [], 42),
-    "invalid_sampling_params": _packed(MessageType.ADD_REQUEST, "r", [1], [-1.0]),
-    "nan_temperature": _packed(MessageType.ADD_REQUEST, "r", [1], [float("nan")]),
+    "bool_temperature": _packed(MessageType.ADD_REQUEST, "r", [1], [True]),
+    "str_stop_token_id": _packed(MessageType.ADD_REQUEST, "r", [1], [1.0, 1.0, -1, 0.0, None, 16, 0, False, ["2"]]),
     "bytes_where_str": _packed(MessageType.HELLO, b"frontend"),
     "ext_type": _packed(MessageType.HELLO, msgpack.ExtType(5, b"abc")),
     "timestamp_ext": _packed(MessageType.HELLO, msgpack.Timestamp(1, 0)),
@@ -162,6 +162,16 @@ REJECTS = {
 def test_rejects(data):
     with pytest.raises(DecodeError):
         decode(data)
+
+
+@pytest.mark.parametrize("temperature", [-1.0, float("nan")])
+def test_ranges_are_left_to_the_request_check(temperature):
+    """The codec types and bounds; ranges fail the request by its id where it is handled."""
+    from ipc.request_checks import check_request
+
+    msg = decode(_packed(MessageType.ADD_REQUEST, "r", [1], [temperature]))
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        check_request(msg.prompt_token_ids, msg.sampling_params, vocab_size=10, max_model_len=100)
 
 
 def test_rejects_oversized_bytes_before_unpacking():

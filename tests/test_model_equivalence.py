@@ -85,18 +85,18 @@ def make_tiny_model(tmp_path, architecture: str, **overrides) -> str:
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "LlamaForCausalLM": transformers.LlamaConfig,
     }[architecture]
-    config = config_class(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        initializer_range=0.1,  # peaky logits: no near-ties for greedy to trip on
+    config = config_class(**{
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.1,  # peaky logits: no near-ties for greedy to trip on
         **overrides,
-    )
+    })
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).eval()
     with torch.no_grad():

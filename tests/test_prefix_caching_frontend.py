@@ -8,7 +8,8 @@ import sys
 import pytest
 from fake_engine import FAKE_ENGINE_PATH, read_event_log
 
-from engine.core_process import _engine_config, parse_args
+from engine.core_process import parse_args
+from ipc.engine_config import engine_config_from_args
 from frontend.engine_client import AsyncEngineClient, EngineClientConfig
 from frontend.metrics import FrontendMetrics
 from frontend.request_state import RequestDelta
@@ -48,8 +49,8 @@ def test_metrics_show_prefix_cache_counters():
     (["--no-enable-prefix-caching"], ["--no-enable-prefix-caching"], False),
 ])  # fmt: skip
 def test_the_switch_passes_through_to_the_core(argv, engine_argv, is_on):
-    assert engine_args_from(make_parser().parse_args(argv)) == engine_argv
-    assert _engine_config(parse_args(["--address", "ipc:///tmp/x", *engine_argv])).enable_prefix_caching is is_on
+    assert engine_args_from(make_parser().parse_args(argv))[:-2] == engine_argv  # then --log-level info
+    assert engine_config_from_args(parse_args(["--address", "ipc:///tmp/x", *engine_argv])).enable_prefix_caching is is_on
 
 
 def test_reset_reaches_every_core(model_folder, tmp_path):

@@ -27,7 +27,6 @@ class StopChecker:
         self._max_hold_chars = max((len(s) for s in self.stop), default=1) - 1
         self._held_text = ""
         self.is_stopped = False
-        self.stop_str: str | None = None  # the stop string that was hit, if any
 
     def process(self, new_text: str) -> tuple[str, bool]:
         """Return (text safe to emit now, whether a stop string was hit)."""
@@ -42,7 +41,6 @@ class StopChecker:
         if match is not None:
             start, stop_str = match
             self.is_stopped = True
-            self.stop_str = stop_str
             self._held_text = ""
             end = start + len(stop_str) if self.include_stop_str_in_output else start
             logger.debug("stop string %r hit", stop_str)

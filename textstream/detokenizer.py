@@ -51,24 +51,10 @@ class IncrementalDetokenizer:
         # Only the prompt's tail is needed, as context for the first output token.
         context_ids = list(prompt_token_ids or [])[-NUM_PROMPT_CONTEXT_TOKENS:]
         self._ids: list[int] = context_ids
-        self._num_context_ids = len(context_ids)
         self._prefix_offset = 0
         self._read_offset = len(context_ids)
         # Characters of the current delta already sent while its tail was incomplete.
         self._num_sent_chars = 0
-        self._text_parts: list[str] = []
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Output token ids added so far (the prompt is not included)."""
-        return self._ids[self._num_context_ids:]
-
-    @property
-    def text(self) -> str:
-        """All text returned so far by add_tokens and flush."""
-        if len(self._text_parts) > 1:
-            self._text_parts = ["".join(self._text_parts)]
-        return self._text_parts[0] if self._text_parts else ""
 
     def add_tokens(self, token_ids: list[int]) -> str:
         """Append new token ids; return the text that became final."""
@@ -122,6 +108,4 @@ class IncrementalDetokenizer:
         """Return the unsent part of `delta` and record it as sent."""
         out = delta[self._num_sent_chars:]
         self._num_sent_chars = max(self._num_sent_chars, len(delta))
-        if out:
-            self._text_parts.append(out)
         return out

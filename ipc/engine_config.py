@@ -1,0 +1,130 @@
+"""The engine core's configuration, declared once: the record and the command-line flags built from it.
+
+`EngineConfig` is what the offline `LLM(**kwargs)` and the core process fill in. The
+frontend starts cores with flags, so the flags are part of the contract between the
+two processes: both parsers (`engine.core_process` and `frontend.server_args`) add
+them with `add_engine_args`, one flag per field, and the frontend turns what the user
+gave back into a core's argv with `engine_argv`. No torch here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+
+DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, converted by engine.model_files
+AUTO_DTYPE = "auto"
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+BATCHING_MODES = ("continuous", "static")
+# Field names whose flag is spelled differently (kept from before the flags were generated).
+FLAG_NAMES = {"kv_cache_memory_bytes": "--kv-cache-memory"}
+
+
+def _flag(help_text: str, **argparse_kwargs) -> dict:
+    return {"help": help_text, **argparse_kwargs}
+
+
+@dataclass
+class EngineConfig:
+    model: str = field(default=DEFAULT_MODEL, metadata=_flag("a known model name or a local Hugging Face folder"))
+    # Small blocks waste less on the last, partly filled block; large ones mean shorter block tables.
+    block_size: int = field(default=16, metadata=_flag("tokens per KV-cache block"))
+    # The pool is carved into blocks once, at start-up, and never grows.
+    kv_cache_memory_bytes: int = field(default=1 << 30, metadata=_flag(
+        "bytes for the KV pool when --num-kv-blocks is not given"))
+    num_kv_blocks: int | None = field(default=None, metadata=_flag("KV-cache blocks to allocate"))
+    max_num_seqs: int = field(default=64, metadata=_flag("running sequences per step (static: the batch size)"))
+    # Bounds step latency and activation memory; longer prompts are prefilled in chunks.
+    max_num_batched_tokens: int = field(default=1024, metadata=_flag(
+        "tokens per step, prefill chunks and decodes together"))
+    max_model_len: int | None = field(default=None, metadata=_flag(
+        "longest prompt + output in tokens (default: the model's own, capped by the KV pool)"))
+    batching: str = field(default="continuous", metadata=_flag(
+        "continuous, or static: the head-of-line-blocking baseline", choices=BATCHING_MODES))
+    attention_backend: str | None = field(default=None, metadata=_flag(
+        "torch, cpu or triton (default: triton on CUDA, cpu (C++ decode kernel) on CPU)"))
+    device: str | None = field(default=None, metadata=_flag("default: cuda when available, else cpu"))
+    dtype: str | None = field(default=AUTO_DTYPE, metadata=_flag(
+        "weights and activations: auto (bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512_BF16, "
+        "else float32; see engine.dtype_policy), float32, bfloat16, float16", choices=(AUTO_DTYPE, *DTYPE_NAMES)))
+    seed: int = field(default=0, metadata=_flag("sampling seed for requests that bring none of their own"))
+    num_threads: int | None = field(default=None, metadata=_flag(
+        "CPU: torch intra-op threads (default: torch's own)"))
+    enforce_eager: bool = field(default=False, metadata=_flag(
+        "CUDA: no CUDA graphs; CPU: no torch.compile even with --compile"))
+    compile: bool = field(default=False, metadata=_flag(
+        "CPU: torch.compile the forward (engine.compilation): faster steps, the first start compiles for minutes"))
+    load_format: str = field(default="auto", metadata=_flag(
+        "dummy: random weights of the checkpoint's shape, for timing", choices=("auto", "dummy")))
+    # ~2x faster steps here; the primitive caches that would grow with the variety of step
+    # sizes are capped (engine.models.cpu_packing).
+    cpu_prepack: bool = field(default=True, metadata=_flag("CPU: oneDNN-prepacked matmul weights"))
+    # Off recomputes every prompt, for comparison.
+    enable_prefix_caching: bool = field(default=True, metadata=_flag(
+        "reuse the KV of full blocks whose whole prefix matches an earlier request's"))
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.dtype not in (None, AUTO_DTYPE, *DTYPE_NAMES):
+            raise ValueError(f"dtype must be one of {(AUTO_DTYPE, *DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str}
+
+
+def flag_name(field_name: str) -> str:
+    return FLAG_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, unset_by_default: bool = False) -> None:
+    """One flag per EngineConfig field but `model` (each parser says what its --model means).
+    Booleans get --x and --no-x. With `unset_by_default` (the frontend) every default is
+    None, so `engine_argv` passes on only what was given and the core's defaults apply."""
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        default = None if unset_by_default else f.default
+        extra = {k: v for k, v in f.metadata.items() if k != "help"}
+        help_text = f.metadata["help"]
+        if not unset_by_default and f.default is not None:
+            help_text += f" (default: {f.default})"
+        if f.type == "bool":
+            parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=default, help=help_text)
+        else:
+            parser.add_argument(flag_name(f.name), dest=f.name, type=_TYPES[f.type], default=default,
+                                help=help_text, **extra)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The config of the flags `add_engine_args` added (and --model)."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags that were given (parsed with `unset_by_default`), as a core's argv."""
+    argv = []
+    for f in fields(EngineConfig):
+        value = getattr(args, f.name, None) if f.name != "model" else None
+        if value is None:
+            continue
+        flag = flag_name(f.name)
+        if f.type == "bool":
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+assert all(f.default is not MISSING for f in fields(EngineConfig)), "every engine flag needs a default"
+assert all(f.type in (*_TYPES, "bool") for f in fields(EngineConfig)), "a field type add_engine_args cannot map"

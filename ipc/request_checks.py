@@ -1,0 +1,44 @@
+"""The one check of a request against the model that will run it: torch-free, written once.
+
+`check_request` is what every entry point runs before a request may reach a tensor:
+the frontend (HTTP and the local socket, turning a ValueError into a 400 or an error
+output) and `EngineCore.add_request`, which both the offline `LLM` and the core's
+socket go through, because anyone who can reach that socket can send a request.
+The codec only types and bounds sizes; ranges and the model's own limits are here.
+"""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from ipc.sampling_params import SamplingParams
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                  cap_max_tokens: bool = False) -> SamplingParams:
+    """Raise ValueError naming what is wrong, or return `params` with max_tokens resolved
+    for this prompt (None becomes "up to the context length").
+
+    A max_tokens that runs past the context is an error (the server's 400, as OpenAI's),
+    or with `cap_max_tokens` is cut to fit (the offline API, as vLLM's `LLM`)."""
+    params.validate(vocab_size=vocab_size)
+    num_prompt_tokens = len(prompt_token_ids)
+    if num_prompt_tokens == 0:
+        raise ValueError("the prompt is empty")
+    # max() runs in C; a non-int id makes the type check below fail or max() raise TypeError.
+    try:
+        is_in_vocab = all(type(t) is int for t in prompt_token_ids) and 0 <= min(prompt_token_ids) \
+            and max(prompt_token_ids) < vocab_size
+    except TypeError:
+        is_in_vocab = False
+    if not is_in_vocab:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    max_tokens = params.max_tokens
+    if max_tokens is None or (cap_max_tokens and num_prompt_tokens + max_tokens > max_model_len):
+        max_tokens = max_model_len - num_prompt_tokens
+    if num_prompt_tokens >= max_model_len or num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for "
+            "the completion). Please reduce the length of the prompt or of max_tokens.")
+    return params if params.max_tokens == max_tokens else replace(params, max_tokens=max_tokens)

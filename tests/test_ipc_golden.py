@@ -1,0 +1,69 @@
+"""Golden bytes: the wire encoding of every message type, recorded from the hand-written
+codec before the records became msgspec Structs. The README's protocol is these bytes;
+a change here is a change of the wire format, which must stay append-only."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+
+from ipc.codec import decode, encode
+from ipc.messages import AddRequest, FinishReason, GenerateOutput, GenerateRequest, MessageType
+from ipc.sampling_params import SamplingParams
+from test_ipc import MESSAGES
+
+# Bounds of every integer width, str8/str16/str32, negative and unsigned 64-bit ints.
+EDGES = [
+    AddRequest("x" * 40, [0, 127, 128, 255, 256, 65535, 65536, 2**31 - 1],
+               SamplingParams(temperature=0, top_k=2**31 - 1, seed=-(2**63), max_tokens=2**31 - 1,
+                              stop=["é" * 100]), arrival_time=1.7e9),
+    AddRequest("y", [1], SamplingParams(seed=2**63 - 1, min_p=1, top_p=0.5, logprobs=20)),
+    GenerateOutput("z", "t" * 300, [1] * 20, FinishReason.ERROR, "e" * 70000),
+]
+# hex, or "sha256:" + the digest for the long ones
+GOLDEN = [
+'9501a57265712d31930102039dcb3fe6666666666666cb3feccccccccccccd28cb3fa999999999999acd04d24002c392020792a20a0aa3454e4403c2c3cb4029000000000000',
+    '9501a57265712d32909dcb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c0c000c29090c0c3c2cb0000000000000000',
+    '920293a161a162a163',
+    '920290',
+    '9203a3627965',
+    '9204aa66726f6e74656e642d30',
+    '9105',
+    '990a01aa74696e792d6c6c616d61cd0800cd7d0064109202cd7d00a862666c6f61743136',
+    '950b019297a57265712d3192050601929405cbbfd000000000000092050992cbbfd0000000000000cbbff80000000000009406cbbfe0000000000000909003061097a57265712d329107c0c000c000980102030405060708cb4058c00000000000',
+    '950b0090980000000000000000cb0000000000000000',
+    '950ca4626f6f6da57265712d31c303',
+    '950ca4626f6f6dc0c200',
+    '9514a3672d31a568656c6c6fc09dcb3fe6666666666666cb3feccccccccccccd28cb3fa999999999999acd04d24002c392020792a20a0aa3454e4403c2c3',
+    '9514a3672d32c09201029dcb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c01000c29090c0c3c2',
+    '9615a3672d31aa68c3a96c6c6f20e29c9392010202ac6c617465206661696c757265',
+    '9615a3672d32a090c0c0',
+    'sha256:2323fbc9d4e6640e82ff897e0ac8a67e59512b8eb5c6d5326366c8d062182d33',
+    '9501a17991019dcb3ff0000000000000cb3fe0000000000000ff01cf7fffffffffffffff1000c2909014c3c2cb0000000000000000',
+    'sha256:bbb1691909f603ed9a10198724c6cd71fb617d2f821de61be43d90316c3d8f9d',
+]
+
+
+def recorded(data: bytes) -> str:
+    return data.hex() if len(data) <= 100 else "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("msg, golden", list(zip(MESSAGES + EDGES, GOLDEN)),
+                         ids=[type(m).__name__ for m in MESSAGES + EDGES])
+def test_encoding_is_byte_identical_to_the_recorded_one(msg, golden):
+    data = encode(msg)
+    assert recorded(data) == golden
+    assert decode(data) == msg
+
+
+def test_the_readmes_raw_msgpack_example_still_speaks_the_protocol():
+    params = [0.0, 1.0, -1, 0.0, None, 32, 0, False, [], [], None, True, False]
+    request = decode(msgpack.packb([20, "req-1", "Once upon a time", None, params]))
+    assert request == GenerateRequest("req-1", "Once upon a time", None,
+                                      SamplingParams(temperature=0.0, max_tokens=32))
+    _, request_id, text, token_ids, finish_reason, error = msgpack.unpackb(
+        encode(GenerateOutput("req-1", "Once", [7], FinishReason.LENGTH)))
+    assert (request_id, text, token_ids, finish_reason, error) == ("req-1", "Once", [7], 2, None)
+    assert msgpack.unpackb(encode(GenerateOutput("r", "", [])))[0] == MessageType.GENERATE_OUTPUT
