@@ -11,7 +11,7 @@ from engine.engine_core import EngineCore, StepError
 from engine.request import Request
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
 from ipc.sampling_params import SamplingParams
-from textstream.text_stream import TextStream
+from frontend.text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
 from ipc.sampling_params import SamplingParams
-from textstream.text_stream import TextStream
+from frontend.text_stream import TextStream
 
 
 @dataclass

@@ -19,8 +19,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from conftest import cached_default_model
 
-from textstream.detokenizer import IncrementalDetokenizer
-from textstream.stop_checker import StopChecker
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.stop_checker import StopChecker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CORPUS = [
@@ -186,7 +186,7 @@ def test_random_text_random_chunks(text, seed):
 
 
 def test_frontend_does_not_import_torch():
-    code = "import sys, textstream; print('torch' in sys.modules)"
+    code = "import sys, frontend.text_stream; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

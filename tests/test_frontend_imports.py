@@ -11,7 +11,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TORCH_FREE_MODULES = ["frontend", "frontend.api_server", "frontend.client", "frontend.cli", "frontend.engine_client",
-                      "frontend.local_socket", "frontend.tokenizer", "textstream.text_stream"]
+                      "frontend.local_socket", "frontend.tokenizer", "frontend.text_stream"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE_MODULES)

@@ -9,8 +9,8 @@ the same stop-string cut on either path.
 from __future__ import annotations
 
 from ipc.sampling_params import SamplingParams
-from textstream.detokenizer import IncrementalDetokenizer
-from textstream.stop_checker import StopChecker
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.stop_checker import StopChecker
 
 
 class TextStream:
