@@ -53,6 +53,7 @@ from bench_offline_hf import run_hf  # noqa: E402
 from offline_result import ModeResult, print_table, step_columns, useful_positions  # noqa: E402
 from workload import (  # noqa: E402
     DISTRIBUTIONS,
+    add_prefix_workload_args,
     WorkloadRequest,
     make_multi_turn_workload,
     make_shared_prefix_workload,
@@ -62,7 +63,6 @@ from workload import (  # noqa: E402
 logger = logging.getLogger("bench_offline")
 
 MODES = ("continuous", "static", "hf")
-WORKLOADS = ("random", "shared_prefix", "multi_turn")
 PREFIX_CACHING = {"on": True, "off": False}
 QUICK = dict(num_requests=8, input_len=(8, 32), output_len=(4, 24), static_batch_size=4, hf_batch_size=4)
 
@@ -205,16 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="our engine: torch.compile the forward (CPU)")
     p.add_argument("--no-cpu-prepack", action="store_true", help="our engine: plain F.linear, not oneDNN-prepacked weights")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads for every mode")
-    p.add_argument("--workload", choices=WORKLOADS, default="random",
-                   help="random: --num-requests with --input-len/--output-len; the others share prefixes")
+    add_prefix_workload_args(p)
     p.add_argument("--prefix-caching", default="on", help="our engine: on, off or on,off (each mode both ways)")
-    p.add_argument("--num-groups", type=int, default=4, help="shared_prefix: system prompts")
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared_prefix: tokens per system prompt")
-    p.add_argument("--question-len", type=int, default=32, help="shared_prefix: tokens per question")
-    p.add_argument("--num-conversations", type=int, default=16, help="multi_turn")
-    p.add_argument("--num-turns", type=int, default=6, help="multi_turn")
-    p.add_argument("--turn-len", type=int, default=64, help="multi_turn: tokens per user turn")
-    p.add_argument("--shared-output-len", type=int, default=32, help="shared_prefix, multi_turn: tokens out")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="writes PREFIX_occupancy.png and PREFIX_latency.png")
     p.add_argument("--quick", action="store_true", help="a tiny workload for smoke tests (overrides sizes)")
