@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
     if len(modes) < 2:
         p.error(f"{args.bench} needs both continuous and static results")
     config = ModelConfig.from_folder(resolve_model(bench["config"]["model"]))
-    # The engine's own defaults when the run chose none: bf16 on CUDA, fp32 on the CPU.
     device = "cuda" if bench["machine"].get("cuda") else "cpu"
-    dtype_name = bench["config"].get("dtype") or ("bfloat16" if device == "cuda" else "float32")
+    # The dtype the run actually used ("auto" resolved); older JSON has only the configured one.
+    dtype_name = bench["results"]["continuous"].get("dtype") or bench["config"].get("dtype") or "float32"
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     cost = model_cost(config.hidden_size, config.intermediate_size, config.num_layers, config.num_heads,
                       config.num_kv_heads, config.head_dim, config.vocab_size, config.tie_word_embeddings,

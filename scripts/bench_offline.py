@@ -48,12 +48,12 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
-from bench_metrics import percentile  # noqa: E402
+from bench_offline_hf import run_hf  # noqa: E402
+from offline_result import ModeResult, print_table, step_columns, useful_positions  # noqa: E402
 from workload import (  # noqa: E402
     DISTRIBUTIONS,
+    add_prefix_workload_args,
     WorkloadRequest,
     make_multi_turn_workload,
     make_shared_prefix_workload,
@@ -63,56 +63,8 @@ from workload import (  # noqa: E402
 logger = logging.getLogger("bench_offline")
 
 MODES = ("continuous", "static", "hf")
-WORKLOADS = ("random", "shared_prefix", "multi_turn")
 PREFIX_CACHING = {"on": True, "off": False}
 QUICK = dict(num_requests=8, input_len=(8, 32), output_len=(4, 24), static_batch_size=4, hf_batch_size=4)
-
-
-@dataclass
-class ModeResult:
-    mode: str
-    elapsed_s: float
-    num_requests: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_useful_positions: int  # sum of prompt + output - 1 over requests
-    num_computed_positions: int  # token positions run through the model, padding included
-    ttfts: list[float]
-    latencies: list[float]
-    step_stats: list = field(default_factory=list)  # start_time, end_time, num_seqs, num_tokens per step
-    dtype: str = ""  # what the mode actually ran in, "auto" resolved
-    compile_mode: str = "eager"  # "inductor": the engine's forward ran under torch.compile
-    startup_s: float = 0.0  # building the engine or loading the model, compilation included
-    prefix_caching: bool | None = None  # None: not our engine
-    num_prefix_cache_queries: int = 0  # prompt tokens looked up, measured run only
-    num_prefix_cache_hits: int = 0
-
-    def summary(self) -> dict:
-        return {
-            "elapsed_s": self.elapsed_s,
-            "requests_per_s": self.num_requests / self.elapsed_s,
-            "output_tokens_per_s": self.num_output_tokens / self.elapsed_s,
-            "total_tokens_per_s": (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s,
-            "useful_share": self.num_useful_positions / self.num_computed_positions,
-            "mean_ttft_s": sum(self.ttfts) / len(self.ttfts),
-            "median_ttft_s": percentile(self.ttfts, 50),
-            "p99_ttft_s": percentile(self.ttfts, 99),
-            "mean_latency_s": sum(self.latencies) / len(self.latencies),
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_output_tokens": self.num_output_tokens,
-            "num_computed_positions": self.num_computed_positions,
-            "num_steps": len(self.step_stats),
-            "dtype": self.dtype,
-            "compile_mode": self.compile_mode,
-            "startup_s": self.startup_s,
-            "prefix_caching": self.prefix_caching,
-            "prefix_cache_hit_rate": self.num_prefix_cache_hits / max(1, self.num_prefix_cache_queries),
-            "num_prefix_cache_hit_tokens": self.num_prefix_cache_hits,
-        }
-
-
-def useful_positions(workload: list[WorkloadRequest]) -> int:
-    return sum(r.num_prompt_tokens + r.max_tokens - 1 for r in workload)
 
 
 def warmup_requests(workload: list[WorkloadRequest], max_num_tokens: int, max_num_seqs: int) -> list[WorkloadRequest]:
@@ -214,122 +166,6 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
     )
 
 
-def run_hf(workload: list[WorkloadRequest], args, model_path: str) -> ModeResult:
-    """transformers' static batching: left-padded batches, every row runs to the batch's
-    longest output (min_new_tokens = max_new_tokens, so EOS cannot end a row early)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.generation.streamers import BaseStreamer
-
-    from engine.config import EngineConfig
-    from engine.model_runner import resolve_device_and_dtype
-
-    class StepTimes(BaseStreamer):
-        """generate() calls put() with the prompt, then once per new token column."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def put(self, value) -> None:
-            self.times.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
-
-    startup = time.perf_counter()
-    device, dtype = resolve_device_and_dtype(EngineConfig(model=args.model, dtype=args.dtype))
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    startup_s = time.perf_counter() - startup
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad_token_id = tokenizer.pad_token_id
-    if pad_token_id is None:
-        pad_token_id = model.generation_config.pad_token_id or model.generation_config.eos_token_id
-    if isinstance(pad_token_id, list):
-        pad_token_id = pad_token_id[0]
-
-    def generate(batch: list[WorkloadRequest], streamer=None):
-        num_padded = max(r.num_prompt_tokens for r in batch)
-        num_new = max(r.max_tokens for r in batch)
-        # Left padding keeps every row's last prompt token in the last column; the mask hides the pads.
-        num_pads = [num_padded - r.num_prompt_tokens for r in batch]
-        input_ids = torch.tensor([[pad_token_id] * n + r.prompt_token_ids for n, r in zip(num_pads, batch)])
-        attention_mask = torch.tensor([[0] * n + [1] * r.num_prompt_tokens for n, r in zip(num_pads, batch)])
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                do_sample=False,
-                max_new_tokens=num_new,
-                min_new_tokens=num_new,
-                pad_token_id=pad_token_id,
-                streamer=streamer,
-            )
-        if out.shape[1] != num_padded + num_new:
-            raise RuntimeError(f"hf: expected {num_padded + num_new} columns, got {out.shape[1]}")
-        return num_padded, num_new
-
-    generate([WorkloadRequest(r.prompt_token_ids, 4) for r in workload[: args.hf_batch_size]])  # warm-up: one batch
-    batches = [workload[i : i + args.hf_batch_size] for i in range(0, len(workload), args.hf_batch_size)]
-    ttfts, latencies, step_stats = [], [], []
-    num_computed = 0
-    start = time.perf_counter()
-    for batch in batches:
-        timer = StepTimes()
-        num_padded, num_new = generate(batch, timer)
-        times = timer.times  # times[0]: before prefill; times[k]: token k of every row is out
-        num_computed += len(batch) * (num_padded + num_new - 1)
-        for r in batch:
-            ttfts.append(times[1] - start)
-            latencies.append(times[r.max_tokens] - start)
-        # Steps as the engine records them, counting only rows that still need their tokens.
-        step_stats.append(SimpleNamespace(start_time=times[0], end_time=times[1], num_seqs=len(batch),
-                                          num_tokens=sum(r.num_prompt_tokens for r in batch)))
-        for k in range(1, num_new):
-            num_live = sum(1 for r in batch if r.max_tokens > k)
-            step_stats.append(SimpleNamespace(start_time=times[k], end_time=times[k + 1], num_seqs=num_live,
-                                              num_tokens=num_live))
-    elapsed = time.perf_counter() - start
-    del model
-    return ModeResult(
-        mode="hf",
-        elapsed_s=elapsed,
-        num_requests=len(workload),
-        num_prompt_tokens=sum(r.num_prompt_tokens for r in workload),
-        num_output_tokens=sum(r.max_tokens for r in workload),
-        num_useful_positions=useful_positions(workload),
-        num_computed_positions=num_computed,
-        ttfts=ttfts,
-        latencies=latencies,
-        step_stats=step_stats,
-        dtype=str(dtype).removeprefix("torch."),
-        startup_s=startup_s,
-    )
-
-
-def print_table(summaries: dict[str, dict]) -> None:
-    columns = [
-        ("mode", "{}", None),
-        ("dtype", "{}", "dtype"),
-        ("compile", "{}", "compile_mode"),
-        ("start s", "{:.1f}", "startup_s"),
-        ("elapsed s", "{:.2f}", "elapsed_s"),
-        ("req/s", "{:.2f}", "requests_per_s"),
-        ("out tok/s", "{:.1f}", "output_tokens_per_s"),
-        ("total tok/s", "{:.1f}", "total_tokens_per_s"),
-        ("useful", "{:.3f}", "useful_share"),
-        ("mean TTFT s", "{:.3f}", "mean_ttft_s"),
-        ("mean lat s", "{:.3f}", "mean_latency_s"),
-        ("hit rate", "{:.3f}", "prefix_cache_hit_rate"),
-        ("vs cont.", "{:.2f}x", "total_tokens_per_s_vs_continuous"),
-    ]
-    rows = [[name for name, _, _ in columns]]
-    for mode, s in summaries.items():
-        rows.append([mode] + [fmt.format(s[key]) if s.get(key) is not None else "-" for _, fmt, key in columns[1:]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    for row in rows:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
-
-
 def machine_info() -> dict:
     import torch
 
@@ -345,16 +181,6 @@ def machine_info() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
-
-
-def step_columns(steps: list) -> dict[str, list]:
-    t0 = steps[0].start_time if steps else 0.0
-    return {
-        "start_s": [round(s.start_time - t0, 6) for s in steps],
-        "end_s": [round(s.end_time - t0, 6) for s in steps],
-        "num_seqs": [s.num_seqs for s in steps],
-        "num_tokens": [s.num_tokens for s in steps],
-    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -379,16 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="our engine: torch.compile the forward (CPU)")
     p.add_argument("--no-cpu-prepack", action="store_true", help="our engine: plain F.linear, not oneDNN-prepacked weights")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads for every mode")
-    p.add_argument("--workload", choices=WORKLOADS, default="random",
-                   help="random: --num-requests with --input-len/--output-len; the others share prefixes")
+    add_prefix_workload_args(p)
     p.add_argument("--prefix-caching", default="on", help="our engine: on, off or on,off (each mode both ways)")
-    p.add_argument("--num-groups", type=int, default=4, help="shared_prefix: system prompts")
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared_prefix: tokens per system prompt")
-    p.add_argument("--question-len", type=int, default=32, help="shared_prefix: tokens per question")
-    p.add_argument("--num-conversations", type=int, default=16, help="multi_turn")
-    p.add_argument("--num-turns", type=int, default=6, help="multi_turn")
-    p.add_argument("--turn-len", type=int, default=64, help="multi_turn: tokens per user turn")
-    p.add_argument("--shared-output-len", type=int, default=32, help="shared_prefix, multi_turn: tokens out")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="writes PREFIX_occupancy.png and PREFIX_latency.png")
     p.add_argument("--quick", action="store_true", help="a tiny workload for smoke tests (overrides sizes)")

@@ -34,6 +34,7 @@ from local_server import reset_prefix_cache, scrape_metrics, start_server, stop_
 from serving_multi_turn import cached_share_by_turn, run_conversations  # noqa: E402
 from workload import (  # noqa: E402
     DISTRIBUTIONS,
+    add_prefix_workload_args,
     WorkloadRequest,
     make_multi_turn_workload,
     make_shared_prefix_workload,
@@ -42,7 +43,6 @@ from workload import (  # noqa: E402
 
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600)
 SSE_PREFIX = "data: "
-WORKLOADS = ("random", "shared_prefix", "multi_turn")
 PREFIX_CACHING_FLAGS = {"on": [], "off": ["--no-enable-prefix-caching"]}
 WARMUP_PROMPT_LEN = 256  # 4 of them fill one 1,024-token step: the largest prefill shape is warm
 WARMUP_SEED = 987654  # unrelated to any workload's seed, so the warm-up shares no prefix with it
@@ -277,15 +277,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests (multi_turn: new conversations) per second, Poisson arrivals; inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--workload", choices=WORKLOADS, default="random",
-                   help="random: --num-requests with --input-len/--output-len; the others share prefixes")
-    p.add_argument("--num-groups", type=int, default=4, help="shared_prefix: system prompts")
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared_prefix: tokens per system prompt")
-    p.add_argument("--question-len", type=int, default=32, help="shared_prefix: tokens per question")
-    p.add_argument("--num-conversations", type=int, default=16, help="multi_turn")
-    p.add_argument("--num-turns", type=int, default=6, help="multi_turn")
-    p.add_argument("--turn-len", type=int, default=64, help="multi_turn: tokens per user turn")
-    p.add_argument("--shared-output-len", type=int, default=32, help="shared_prefix, multi_turn: tokens out")
+    add_prefix_workload_args(p)
     p.add_argument("--num-warmup", type=int, default=4, help="short unrelated requests before each measured run")
     p.add_argument("--prefix-caching", default=None,
                    help="on, off or on,off: start our server once per setting (not --base-url) and compare")

@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 DISTRIBUTIONS = ("uniform", "long_tail")
+WORKLOADS = ("random", "shared_prefix", "multi_turn")
 FIRST_SAFE_TOKEN_ID = 100  # ids below this are special or control tokens in most vocabularies
 LONG_TAIL_FRACTION = 0.1  # share of long outputs in "long_tail"
 
@@ -161,3 +162,16 @@ def make_multi_turn_workload(
                      output_len)
         for _ in range(num_conversations)
     ]  # fmt: skip
+
+
+def add_prefix_workload_args(p) -> None:
+    """The shared-prefix and multi-turn workloads' flags, the same in every benchmark."""
+    p.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="random: --num-requests with --input-len/--output-len; the others share prefixes")
+    p.add_argument("--num-groups", type=int, default=4, help="shared_prefix: system prompts")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared_prefix: tokens per system prompt")
+    p.add_argument("--question-len", type=int, default=32, help="shared_prefix: tokens per question")
+    p.add_argument("--num-conversations", type=int, default=16, help="multi_turn")
+    p.add_argument("--num-turns", type=int, default=6, help="multi_turn")
+    p.add_argument("--turn-len", type=int, default=64, help="multi_turn: tokens per user turn")
+    p.add_argument("--shared-output-len", type=int, default=32, help="shared_prefix, multi_turn: tokens out")
