@@ -125,3 +125,27 @@ def test_kernel_rejects_context_beyond_its_block_table():
 def test_cpu_is_the_default_backend_on_cpu():
     assert get_attention_backend(None, "cpu").name == "cpu"
     assert get_attention_backend("torch", "cpu").name == "torch"
+
+
+def test_fresh_prompts_attend_to_the_steps_own_keys_as_to_the_cache():
+    # Fresh prompts (query_len == seq_len) read key/value as given; the chunk after earlier
+    # context (9 of 40) still gathers its blocks. Given the cache's own rows, both paths agree.
+    seq_lens, query_lens = [24, 40, 5, 17], [24, 9, 1, 17]
+    query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, 16, 3, 3, 64, torch.float32, seed=2)
+    block_size, starts = 16, metadata.query_start_loc.tolist()
+    keys, values = [], []
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
+        blocks = metadata.block_tables[i, : -(-seq_len // block_size)].long()
+        k = TorchAttentionBackend._gather(k_cache, blocks, seq_len).transpose(0, 1)  # [seq_len, num_kv_heads, head_dim]
+        v = TorchAttentionBackend._gather(v_cache, blocks, seq_len).transpose(0, 1)
+        keys.append(k[seq_len - query_len :])
+        values.append(v[seq_len - query_len :])
+    key, value = torch.cat(keys), torch.cat(values)  # [num_tokens, num_kv_heads, head_dim]
+    assert key.shape[0] == starts[-1]
+    given = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125, key, value)
+    gathered = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125)
+    torch.testing.assert_close(given, gathered, atol=1e-6, rtol=1e-6)
+    # And the given keys are really used: changing a fresh prompt's keys changes its output.
+    changed = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125, key * 2, value)
+    assert not torch.allclose(changed[: starts[1]], gathered[: starts[1]])
+    torch.testing.assert_close(changed[starts[1] : starts[2]], gathered[starts[1] : starts[2]])  # the chunk gathers
