@@ -38,22 +38,20 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.fused is not None and backend is not None:
+        if backend is None:  # compiled (engine.compilation): the step's cache and backend reach the op another way
+            q, k = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), k, cos_sin)
+            out = torch.ops.tokenloom.paged_attention(q, k.contiguous(), v.contiguous(), self.layer_index, self.scale)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
+        k_cache, v_cache = kv_cache
+        if self.fused is not None:
             # Rotary and the KV store in one pass; k is rotated in place inside qkv.
-            k_cache, v_cache = kv_cache
             q = self.fused.rotary_store_kv(
                 qkv, cos_sin, metadata.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads
             )  # [num_tokens, num_heads, head_dim]
-            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        q, k = apply_rotary(q, k, cos_sin)
-        if backend is None:  # compiled (engine.compilation): the step's cache and backend reach the op another way
-            out = torch.ops.tokenloom.paged_attention(q, k.contiguous(), v.contiguous(), self.layer_index, self.scale)
         else:
-            k_cache, v_cache = kv_cache
+            q, k = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), k, cos_sin)
             backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
+        out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

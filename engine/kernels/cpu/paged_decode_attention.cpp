@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -63,19 +62,30 @@ struct TaskShape {
   int64_t group, head_dim, block_size, block_stride, head_offset;
 };
 
+// Calls fn(rows, start, num_tokens) for each block of one sequence's cached rows of this
+// task's KV head, in position order: `rows` is the block's first row, `start` the
+// position of that row, and the next block is prefetched first (blocks lie anywhere in
+// the pool, so the hardware prefetcher cannot guess them).
+template <typename scalar_t, typename Fn>
+inline void for_each_block(const scalar_t* cache, const int32_t* block_table, int64_t seq_len, const TaskShape& s,
+                           Fn fn) {
+  const int64_t block_bytes = s.block_size * s.head_dim * sizeof(scalar_t);
+  for (int64_t start = 0; start < seq_len; start += s.block_size) {
+    const int64_t block_index = start / s.block_size;
+    if (start + s.block_size < seq_len) {
+      prefetch_rows(cache + block_table[block_index + 1] * s.block_stride + s.head_offset, block_bytes);
+    }
+    fn(cache + block_table[block_index] * s.block_stride + s.head_offset, start,
+       std::min(s.block_size, seq_len - start));
+  }
+}
+
 // scores[g * seq_len + pos] = scale * q[g] . k[pos] for every cached row of this KV head.
 template <typename scalar_t, int kGroup>
 void score_rows(const float* q_buf, const scalar_t* k_cache, const int32_t* block_table, int64_t seq_len,
                 const TaskShape& s, float* scores) {
   const int64_t num_chunks = s.head_dim / Vec::size();
-  const int64_t row_bytes = s.head_dim * sizeof(scalar_t);
-  for (int64_t start = 0; start < seq_len; start += s.block_size) {
-    const int64_t block_index = start / s.block_size;
-    const scalar_t* block = k_cache + block_table[block_index] * s.block_stride + s.head_offset;
-    const int64_t num_tokens = std::min(s.block_size, seq_len - start);
-    if (start + s.block_size < seq_len) {
-      prefetch_rows(k_cache + block_table[block_index + 1] * s.block_stride + s.head_offset, s.block_size * row_bytes);
-    }
+  for_each_block(k_cache, block_table, seq_len, s, [&](const scalar_t* block, int64_t start, int64_t num_tokens) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       // Each K chunk is converted once and used by the whole group.
       const scalar_t* k = block + t * s.head_dim;
@@ -89,7 +99,7 @@ void score_rows(const float* q_buf, const scalar_t* k_cache, const int32_t* bloc
       }
       for (int64_t g = 0; g < kGroup; ++g) scores[g * seq_len + start + t] = reduce_add(dots[g]);
     }
-  }
+  });
 }
 
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
@@ -100,14 +110,7 @@ template <int kGroup>
 void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16* k_cache, const int32_t* block_table,
                      int64_t seq_len, const TaskShape& s, float* scores) {
   const int64_t num_chunks = s.head_dim / 32;
-  const int64_t row_bytes = s.head_dim * sizeof(at::BFloat16);
-  for (int64_t start = 0; start < seq_len; start += s.block_size) {
-    const int64_t block_index = start / s.block_size;
-    const at::BFloat16* block = k_cache + block_table[block_index] * s.block_stride + s.head_offset;
-    const int64_t num_tokens = std::min(s.block_size, seq_len - start);
-    if (start + s.block_size < seq_len) {
-      prefetch_rows(k_cache + block_table[block_index + 1] * s.block_stride + s.head_offset, s.block_size * row_bytes);
-    }
+  for_each_block(k_cache, block_table, seq_len, s, [&](const at::BFloat16* block, int64_t start, int64_t num_tokens) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       const at::BFloat16* k = block + t * s.head_dim;
       __m512 dots[kGroup];
@@ -121,7 +124,7 @@ void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16*
       }
       for (int g = 0; g < kGroup; ++g) scores[g * seq_len + start + t] = _mm512_reduce_add_ps(dots[g]) * scale;
     }
-  }
+  });
 }
 constexpr bool kHasBf16Dot = true;
 #else
@@ -133,15 +136,8 @@ template <typename scalar_t, int kGroup>
 void weigh_rows(const float* probs, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
                 const TaskShape& s, float* acc) {
   const int64_t num_chunks = s.head_dim / Vec::size();
-  const int64_t row_bytes = s.head_dim * sizeof(scalar_t);
   std::fill(acc, acc + s.group * s.head_dim, 0.f);
-  for (int64_t start = 0; start < seq_len; start += s.block_size) {
-    const int64_t block_index = start / s.block_size;
-    const scalar_t* block = v_cache + block_table[block_index] * s.block_stride + s.head_offset;
-    const int64_t num_tokens = std::min(s.block_size, seq_len - start);
-    if (start + s.block_size < seq_len) {
-      prefetch_rows(v_cache + block_table[block_index + 1] * s.block_stride + s.head_offset, s.block_size * row_bytes);
-    }
+  for_each_block(v_cache, block_table, seq_len, s, [&](const scalar_t* block, int64_t start, int64_t num_tokens) {
     for (int64_t c = 0; c < num_chunks; ++c) {
       // Each V chunk is converted once and used by the whole group; the group's
       // partial sums stay in registers across the block's rows.
@@ -153,7 +149,7 @@ void weigh_rows(const float* probs, const scalar_t* v_cache, const int32_t* bloc
       }
       for (int64_t g = 0; g < kGroup; ++g) sums[g].store(acc + g * s.head_dim + c * Vec::size());
     }
-  }
+  });
 }
 
 // The same two passes without vectors, for head sizes that are not a multiple of the vector width.
