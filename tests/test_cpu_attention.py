@@ -1,4 +1,4 @@
-"""The C++ CPU decode kernel against the torch backend and a dense softmax reference.
+"""The C++ CPU decode and prefill kernels against the torch backend and a dense softmax reference.
 
 Caches are in the torch backend's head-major block layout with shuffled block
 tables, so a kernel that read blocks in table order by accident would fail.
@@ -100,7 +100,73 @@ def test_decode_matches_reference(seq_lens, block_size, num_kv_heads, group, hea
     torch.testing.assert_close(out, torch_out, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_mixed_batch_decodes_in_kernel_prefills_in_torch():
+def test_decode_of_sequences_sharing_prefix_blocks_matches_reference():
+    # Rows 1 and 3 start with row 0's first two blocks, as prefix caching shares them; the
+    # kernel then orders its tasks by KV head with the sharers together.
+    seq_lens = [40, 45, 20, 33]
+    query, k_cache, v_cache, metadata = make_batch(seq_lens, [1] * 4, 16, 3, 3, 64, torch.float32, seed=4)
+    metadata.block_tables[1, :2] = metadata.block_tables[0, :2]
+    metadata.block_tables[3, :2] = metadata.block_tables[0, :2]
+    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125)
+    expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "seq_lens, query_lens, block_size, num_kv_heads, group, head_dim",
+    [
+        ([40, 70, 1056], [40, 20, 32], 16, 3, 3, 64),  # SmolLM2's heads: a prompt, chunks after context
+        ([300], [300], 16, 3, 3, 64),  # one long prompt: many query tiles, each with its own causal extent
+        ([37, 50, 2], [37, 49, 2], 8, 2, 2, 24),  # a head size that is no multiple of the vector width
+        ([33, 90], [17, 90], 32, 1, 4, 16),  # blocks wider than one vector
+        ([200, 5], [199, 5], 5, 2, 1, 12),  # odd block size, no grouping
+        ([20, 9], [20, 2], 16, 1, 40, 16),  # a group bigger than the kernel's register chunk of rows
+    ],
+)
+def test_prefill_chunks_match_reference(seq_lens, query_lens, block_size, num_kv_heads, group, head_dim, dtype):
+    query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, block_size, num_kv_heads, group, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, scale)
+    assert out.shape == query.shape and out.dtype == dtype
+    expected = dense_reference(query, k_cache, v_cache, metadata, scale)
+    tolerance = TOLERANCE.get(dtype, 2e-3)
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_prefill_kernel_writes_only_the_chosen_sequences_rows():
+    seq_lens, query_lens = [24, 40, 17], [24, 9, 17]
+    query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, 16, 3, 3, 64, torch.float32, seed=3)
+    out = torch.full_like(query, 7.0)
+    chosen = torch.tensor([1], dtype=torch.int32)
+    KERNELS.paged_prefill_attention(out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+                                    metadata.query_start_loc, chosen, 0.125)
+    expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
+    torch.testing.assert_close(out[24:33].double(), expected[24:33], atol=1e-5, rtol=1e-5)
+    assert (out[:24] == 7.0).all() and (out[33:] == 7.0).all()
+
+
+def test_prefill_kernel_rejects_bad_tables():
+    query, k_cache, v_cache, metadata = make_batch([20], [20], 16, 1, 1, 16, torch.float32)
+    out, seqs = torch.empty_like(query), torch.tensor([0], dtype=torch.int32)
+
+    def run(block_tables=metadata.block_tables, seq_lens=metadata.seq_lens, seq_indices=seqs):
+        KERNELS.paged_prefill_attention(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                        metadata.query_start_loc, seq_indices, 1.0)
+
+    with pytest.raises(RuntimeError, match="block table"):
+        run(seq_lens=torch.tensor([33], dtype=torch.int32))  # two blocks hold at most 32 tokens
+    bad_table = metadata.block_tables.clone()
+    bad_table[0, 1] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run(block_tables=bad_table)
+    with pytest.raises(RuntimeError, match="out of range"):
+        run(seq_indices=torch.tensor([1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="int32"):
+        run(block_tables=metadata.block_tables.long())
+
+
+def test_mixed_batch_decodes_and_prefills_in_their_kernels():
     # A fresh prompt, a chunk after a cached prefix, and decodes, interleaved.
     seq_lens, query_lens = [40, 9, 70, 3, 12], [40, 1, 20, 1, 1]
     query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, 16, 3, 3, 64, torch.float32, seed=1)
@@ -127,9 +193,9 @@ def test_cpu_is_the_default_backend_on_cpu():
     assert get_attention_backend("torch", "cpu").name == "torch"
 
 
-def test_fresh_prompts_attend_to_the_steps_own_keys_as_to_the_cache():
-    # Fresh prompts (query_len == seq_len) read key/value as given; the chunk after earlier
-    # context (9 of 40) still gathers its blocks. Given the cache's own rows, both paths agree.
+def test_torch_backend_fresh_prompts_attend_to_the_steps_own_keys_as_to_the_cache():
+    # In the torch backend, fresh prompts (query_len == seq_len) read key/value as given; the chunk
+    # after earlier context (9 of 40) still gathers its blocks. Given the cache's own rows, both agree.
     seq_lens, query_lens = [24, 40, 5, 17], [24, 9, 1, 17]
     query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, 16, 3, 3, 64, torch.float32, seed=2)
     block_size, starts = 16, metadata.query_start_loc.tolist()
@@ -142,10 +208,10 @@ def test_fresh_prompts_attend_to_the_steps_own_keys_as_to_the_cache():
         values.append(v[seq_len - query_len :])
     key, value = torch.cat(keys), torch.cat(values)  # [num_tokens, num_kv_heads, head_dim]
     assert key.shape[0] == starts[-1]
-    given = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125, key, value)
-    gathered = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125)
+    given = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, 0.125, key, value)
+    gathered = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(given, gathered, atol=1e-6, rtol=1e-6)
     # And the given keys are really used: changing a fresh prompt's keys changes its output.
-    changed = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125, key * 2, value)
+    changed = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, 0.125, key * 2, value)
     assert not torch.allclose(changed[: starts[1]], gathered[: starts[1]])
     torch.testing.assert_close(changed[starts[1] : starts[2]], gathered[starts[1] : starts[2]])  # the chunk gathers

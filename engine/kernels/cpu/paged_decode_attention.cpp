@@ -288,6 +288,18 @@ torch::Tensor paged_decode_attention(
   auto out = torch::empty_like(query);
   const int64_t num_tasks = num_seqs * num_kv_heads;
   if (num_tasks == 0) return out;
+  // Sequences that share a cached prefix share its blocks. Then the tasks go KV head by
+  // KV head, with the sharers side by side, so one thread reads a shared prefix's rows
+  // for several sequences in a row while they are still in its cache. Otherwise a
+  // sequence's KV heads go together (its blocks hold them side by side).
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return tables[a * max_num_blocks] < tables[b * max_num_blocks]; });
+  bool shared = false;
+  for (int64_t i = 1; i < num_seqs && !shared; ++i) {
+    shared = tables[order[i] * max_num_blocks] == tables[order[i - 1] * max_num_blocks];
+  }
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
@@ -298,7 +310,8 @@ torch::Tensor paged_decode_attention(
     at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_seq_len);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+        const int64_t seq = shared ? order[task % num_seqs] : task / num_kv_heads;
+        const int64_t kv_head = shared ? task / num_seqs : task % num_kv_heads;
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
         const TaskShape shape{group, head_dim, block_size, block_stride, kv_head * block_size * head_dim};
         decode_task<scalar_t>(q + offset, k, v, tables + seq * max_num_blocks, lens[seq], shape,
