@@ -42,7 +42,7 @@ from ipc.messages import (
     ResetPrefixCache,
     Shutdown,
 )
-from ipc.sockets import bind_router, drain_messages, parse_address, send_message
+from ipc.sockets import bind_router, drain_messages, is_loopback_host, parse_address, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +231,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_master_addr(config, allow_remote: bool):
+    """The ranks' store and step socket have no authentication: loopback unless --allow-remote."""
+    if config.tensor_parallel_size > 1 and not allow_remote and not is_loopback_host(config.master_addr):
+        raise ValueError(f"--master-addr {config.master_addr} is not loopback; the tensor-parallel rendezvous "
+                         "has no authentication: pass --allow-remote to serve it on a trusted network")
+    return config
+
+
 def _remove_ipc_socket(address: str, parent_pid: int) -> None:
     """Remove our ipc:// socket file; when the frontend that made its private directory
     is dead (it cannot clean up after a SIGKILL), the directory too, once empty. A live
@@ -263,7 +271,7 @@ def run_engine_core(args: argparse.Namespace) -> int:
     sock = bind_router(zmq.Context(), args.address, allow_remote=args.allow_remote)
     try:
         try:
-            engine = EngineCore(engine_config_from_args(args))
+            engine = EngineCore(check_master_addr(engine_config_from_args(args), args.allow_remote))
         except Exception as e:
             logger.exception("engine core failed to start")
             sock.setsockopt(zmq.LINGER, FINAL_MESSAGE_LINGER_MS)

@@ -143,7 +143,7 @@ def start_worker(config: EngineConfig, model_path: str, rank: int) -> subprocess
     """A worker of this host as our child; it dies with us (PDEATHSIG, parent-pid check)."""
     flags = engine_argv(argparse.Namespace(**dataclasses.asdict(config)))
     command = [sys.executable, "-m", WORKER_MODULE, "--model", model_path, "--rank", str(rank),
-               "--parent-pid", str(os.getpid()), *flags]
+               "--parent-pid", str(os.getpid()), "--allow-remote", *flags]  # rank 0 checked the address
     logger.info("starting tensor-parallel worker rank %d", rank)
     return subprocess.Popen(command, start_new_session=True)
 

@@ -115,6 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--rank", type=int, default=None, help="default: this node's first rank, starting the rest")
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (0: never)")
+    parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --master-addr")
     parser.add_argument("--log-level", default=os.environ.get("TOKENLOOM_LOG_LEVEL", "info"),
                         type=str.lower, choices=["debug", "info", "warning", "error"])
     add_engine_args(parser.add_argument_group("engine"))
@@ -126,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     rank_name = "node" if args.rank is None else f"rank {args.rank}"
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [tp-{rank_name}] %(name)s: %(message)s")
-    config = engine_config_from_args(args)
+    from engine.core_process import check_master_addr
+
+    config = check_master_addr(engine_config_from_args(args), args.allow_remote)
     try:
         if args.rank is None:
             code = run_worker_node(config, args.parent_pid)
