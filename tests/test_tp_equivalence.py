@@ -26,7 +26,10 @@ TINY_CASES = {
     "qwen2": ("Qwen2ForCausalLM", dict(rope_theta=1e6)),
     "llama_kv_replicated": ("LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True)),
 }
-ENGINE_KWARGS = dict(skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=512)
+# NCCL needs a GPU per rank: with fewer than two the ranks run on the CPU (gloo); with two
+# or more (scripts/gpu_check.sh) they run NCCL and the Triton kernels, one GPU each.
+DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+ENGINE_KWARGS = dict(skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=512, device=DEVICE)
 
 
 def generate(path: str, prompts: list[list[int]], params: SamplingParams, tensor_parallel_size: int, **kwargs):
