@@ -43,6 +43,7 @@ def run_engine(args: argparse.Namespace, extra: list[str], parser: argparse.Argu
                    *extra]
         sys.stdout.flush()
         os.execv(sys.executable, command)
+        return
     if not args.listen:
         parser.error("--listen is required (but on tensor-parallel nodes other than --node-rank 0)")
     # Checked here too so a refused address fails at once, before the core loads torch and the model.

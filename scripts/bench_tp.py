@@ -58,6 +58,7 @@ def run_engine(model: str, tensor_parallel_size: int, num_threads: int, args) ->
     config = EngineConfig(model=model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tensor_parallel_size,
                           num_threads=num_threads, num_kv_blocks=512, max_num_seqs=args.num_requests)
     engine = EngineCore(config)
+    engine.record_step_stats = True
     group = engine.model_runner.tp
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -73,20 +74,18 @@ def run_engine(model: str, tensor_parallel_size: int, num_threads: int, args) ->
                 step_start = time.perf_counter()
                 reduce_before = group.all_reduce_seconds if group else 0.0
                 count_before = group.num_all_reduces if group else 0
-                outputs = engine.step()
+                engine.step()
                 steps.append({
                     "seconds": time.perf_counter() - step_start,
                     "all_reduce_seconds": (group.all_reduce_seconds - reduce_before) if group else 0.0,
                     "num_all_reduces": (group.num_all_reduces - count_before) if group else 0,
-                    "num_outputs": len(outputs),
+                    "is_prefill": engine.step_stats[-1].num_prefill_tokens > 0,
                 })
             wall_s = time.perf_counter() - start
     finally:
         engine.shutdown()
-    # All requests start together: a step with every request out is a decode step (prompts
-    # are prefilled in chunks first, without outputs).
-    prefill = [s for s in steps if s["num_outputs"] < args.num_requests]
-    decode = [s for s in steps if s["num_outputs"] == args.num_requests]
+    prefill = [s for s in steps if s["is_prefill"]]
+    decode = [s for s in steps if not s["is_prefill"]]
 
     def mean(rows, key):
         return sum(r[key] for r in rows) / len(rows) if rows else 0.0
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     logger.setLevel(logging.INFO)
     model = write_even_smollm2(Path(tempfile.mkdtemp()) / "smollm2-even")
     report = {"machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine(),
-                          "torch": torch.__version__},
+                          "torch": torch.__version__, "load_average_before": os.getloadavg()},
               "config": vars(args), "runs": {}}
     for name in args.runs.split(","):
         ranks, threads = RUNS[name]
@@ -164,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info("%s: %s", name, json.dumps({k: round(v, 3) for k, v in result.items()}))
     report["all_reduce_latency_us"] = all_reduce_latency_us(512, [args.num_requests, args.num_requests * args.prompt_len])
     logger.info("all-reduce latency (us, fp32 [tokens x 512], 2 processes): %s", report["all_reduce_latency_us"])
+    report["machine"]["load_average_after"] = os.getloadavg()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
