@@ -28,6 +28,7 @@ import time
 import zmq
 
 from engine.config import DEFAULT_MODEL
+from engine.distributed.executor import EngineDeadError
 from engine.engine_core import StepError
 from ipc.codec import DecodeError
 from ipc.engine_config import add_engine_args, engine_config_from_args
@@ -41,7 +42,7 @@ from ipc.messages import (
     ResetPrefixCache,
     Shutdown,
 )
-from ipc.sockets import bind_router, drain_messages, parse_address, send_message
+from ipc.sockets import bind_router, drain_messages, is_loopback_host, parse_address, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class EngineCoreProcess:
 
     def report_fatal(self, error: BaseException) -> None:
         # Clients may see this text: the detail (traceback, exception text) stays in our log.
-        if isinstance(error, ModelBrokenError):
+        if isinstance(error, (ModelBrokenError, EngineDeadError)):
             message = f"engine core failed: {error}"
         else:
             message = f"engine core failed: unexpected {type(error).__name__} (see the engine core's log)"
@@ -198,6 +199,7 @@ class EngineCoreProcess:
         self.engine.model_runner.model.register_forward_pre_hook(raise_at_step)
 
     def _check_parent(self) -> None:
+        self.engine.check_health()  # raises EngineDeadError when a tensor-parallel worker is gone
         if self.parent_pid and os.getppid() != self.parent_pid:
             logger.warning("parent process %d is gone; exiting", self.parent_pid)
             self.should_exit = True
@@ -227,6 +229,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-persistent", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def check_master_addr(config, allow_remote: bool):
+    """The ranks' store and step socket have no authentication: loopback unless --allow-remote."""
+    if config.tensor_parallel_size > 1 and not allow_remote and not is_loopback_host(config.master_addr):
+        raise ValueError(f"--master-addr {config.master_addr} is not loopback; the tensor-parallel rendezvous "
+                         "has no authentication: pass --allow-remote to serve it on a trusted network")
+    return config
 
 
 def _remove_ipc_socket(address: str, parent_pid: int) -> None:
@@ -261,7 +271,7 @@ def run_engine_core(args: argparse.Namespace) -> int:
     sock = bind_router(zmq.Context(), args.address, allow_remote=args.allow_remote)
     try:
         try:
-            engine = EngineCore(engine_config_from_args(args))
+            engine = EngineCore(check_master_addr(engine_config_from_args(args), args.allow_remote))
         except Exception as e:
             logger.exception("engine core failed to start")
             sock.setsockopt(zmq.LINGER, FINAL_MESSAGE_LINGER_MS)
@@ -281,6 +291,8 @@ def run_engine_core(args: argparse.Namespace) -> int:
             logger.exception("engine core failed")
             process.report_fatal(e)
             return 1
+        finally:
+            engine.shutdown()
         return 0
     finally:
         sock.close()

@@ -2,6 +2,8 @@
 
 `step()` is schedule -> execute -> update. It knows nothing of sockets: the
 core process (`engine.core_process`) and the offline `LLM` both drive it.
+With tensor parallelism it is rank 0 and the one scheduler; its executor
+(`engine.distributed.executor`) starts and drives the other ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.distributed.executor import EngineDeadError, TensorParallelExecutor
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device_and_dtype
 from engine.models.config import ModelConfig
@@ -53,9 +56,13 @@ class EngineCore:
         self.model_path = resolve_model(config.model)
         self.model_config = ModelConfig.from_folder(self.model_path)
         # The pool is sized from the memory budget unless its block count is given.
-        _, dtype = resolve_device_and_dtype(config)
+        if config.node_rank != 0:
+            raise ValueError("node_rank > 0 runs workers only (engine.distributed.worker), not an engine core")
+        device, dtype = resolve_device_and_dtype(config)
+        tp_size = config.tensor_parallel_size
+        # Per rank: each holds its share of the KV heads, so the same budget buys more blocks.
         num_kv_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model_config, config.block_size, dtype)
+            1, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model_config, config.block_size, dtype, tp_size)
         )
         self.num_kv_blocks = num_kv_blocks
         # A sequence must fit in the whole pool by itself, or preemption could not save it.
@@ -65,7 +72,17 @@ class EngineCore:
             self.model_config.sliding_window or self.model_config.max_position_embeddings,
         )
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.model_runner = ModelRunner(config, self.model_config, num_kv_blocks, self.max_model_len)
+        self.executor = None
+        if tp_size > 1:
+            self.executor = TensorParallelExecutor(config, self.model_config, num_kv_blocks, self.max_model_len, device)
+        try:
+            self.model_runner = ModelRunner(config, self.model_config, num_kv_blocks, self.max_model_len,
+                                            executor=self.executor)
+            if self.executor is not None:
+                self.executor.wait_until_ready()
+        except BaseException:
+            self.shutdown()
+            raise
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)
         scheduler_class = StaticScheduler if config.batching == "static" else Scheduler
         self.scheduler = scheduler_class(
@@ -115,6 +132,16 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         return self.scheduler.reset_prefix_cache()
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a tensor-parallel worker is gone (a no-op in one process)."""
+        if self.executor is not None:
+            self.executor.check_workers()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update. If the model raises, the step's requests fail
         (StepError names them, already removed) and the engine stays usable."""
@@ -124,6 +151,8 @@ class EngineCore:
             return []
         try:
             sampled = self.model_runner.execute(scheduler_output)
+        except EngineDeadError:
+            raise  # a rank is gone: not this step's fault, and no later step can run
         except Exception as e:
             request_ids = [s.request.request_id for s in scheduler_output.scheduled]
             logger.exception("a step of %d requests failed; failing them: %s", len(request_ids), request_ids)

@@ -86,6 +86,10 @@ class LLM:
         self._run(requests, use_tqdm)
         return [self._to_output(request) for request in requests.values()]
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (else when the LLM is garbage-collected or at exit)."""
+        self.engine.shutdown()
+
     def reset_prefix_cache(self) -> int:
         """Forget cached prefix blocks that no request holds; returns how many."""
         return self.engine.reset_prefix_cache()

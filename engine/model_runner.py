@@ -2,6 +2,11 @@
 
 Owns the model, the paged KV pool (one K and one V tensor per layer, carved
 into blocks once at start-up), the attention backend and the sampler.
+
+Under tensor parallelism every rank has a ModelRunner holding its shard. Rank 0
+turns the scheduler's output into a `StepInputs` record of lists, hands it to
+the executor (which sends it to the workers) and runs `forward_step` on it;
+the workers run `forward_step` on the same record; only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from engine.attention.metadata import AttentionMetadata
 from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
+from engine.distributed.messages import StepInputs
+from engine.distributed.parallel_layers import num_local_kv_heads
+from engine.distributed.parallel_state import TensorParallelGroup, threads_per_rank
 from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
 from engine.models import load_model
 from engine.models.config import ModelConfig
@@ -42,26 +50,36 @@ def resolve_device_dtype_and_reason(config: EngineConfig) -> tuple[torch.device,
     return device, DTYPES[name], reason
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """One block's K and V over every layer, on one rank (which holds its share of the KV heads)."""
     element_size = torch.tensor([], dtype=dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element_size
+    num_kv_heads = num_local_kv_heads(model_config.num_kv_heads, tp_size)
+    return 2 * model_config.num_layers * block_size * num_kv_heads * model_config.head_dim * element_size
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int,
+                 tp: TensorParallelGroup | None = None, executor=None) -> None:
+        """`tp`: this rank's group (a worker's); `executor`: rank 0's engine.distributed.executor,
+        whose group it is. Neither: one process, the model whole."""
         self.config = config
         self.model_config = model_config
+        self.executor = executor
+        self.tp = executor.group if executor is not None else tp
         self.device, self.dtype, reason = resolve_device_dtype_and_reason(config)
         logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, reason)
         self.block_size = config.block_size
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        num_threads = config.num_threads
+        if not num_threads and self.tp is not None:
+            num_threads = threads_per_rank(config.tensor_parallel_size, config.nnodes)
+        if num_threads and self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
         # Compiled, inductor prepacks the weights itself (freezing).
         self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
         prepack = config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
         if prepack or self.is_compiled:
             bound_primitive_caches()
-        self.model = load_model(model_config, self.dtype, self.device, config.load_format)
+        self.model = load_model(model_config, self.dtype, self.device, config.load_format, self.tp)
         # Counted before prepacking, which turns weights into opaque oneDNN buffers.
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.num_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -72,9 +90,8 @@ class ModelRunner:
         if fused_ops is not None:
             self.model.use_fused_ops(fused_ops)
         # One K and one V tensor per layer, in the backend's block layout.
-        shape = self.backend.kv_cache_shape(
-            num_kv_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim
-        )
+        num_kv_heads = num_local_kv_heads(model_config.num_kv_heads, config.tensor_parallel_size)
+        shape = self.backend.kv_cache_shape(num_kv_blocks, config.block_size, num_kv_heads, model_config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(model_config.num_layers)
@@ -85,7 +102,8 @@ class ModelRunner:
         # Decode steps replay CUDA graphs sized for the longest sequence.
         self.cuda_graphs = CudaGraphRunner(
             self.model, self.kv_caches, self.backend, device=self.device, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, enforce_eager=config.enforce_eager,
+            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+            enforce_eager=config.enforce_eager or self.tp is not None,  # graphs would capture the collectives
         )
         self.cuda_graphs.capture()
         self.compiled_forward = None
@@ -97,7 +115,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the model on the step's flat batch; return a new token for each request that reached its end."""
-        input_ids, positions, metadata, sample_rows, sampled_requests = self._prepare_inputs(scheduler_output)
+        inputs, sampled_requests = self._prepare_inputs(scheduler_output)
+        if self.executor is None:
+            logits = self.forward_step(inputs)  # [num_sampled, vocab_size]
+        else:
+            logits = self.executor.run_step(inputs, self.forward_step)  # every rank runs it
+        if not sampled_requests:
+            return {}
+        tokens = self.sampler.sample(logits, self._prepare_sampling(sampled_requests))
+        return {request.request_id: token for request, token in zip(sampled_requests, tokens)}
+
+    @torch.inference_mode()
+    def forward_step(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model on one step's inputs: the sampled rows' logits (None when none are sampled,
+        and on a worker rank)."""
+        input_ids, positions, metadata, sample_rows = self._to_tensors(inputs)
         if self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden_size]
         elif self.compiled_forward is not None:
@@ -105,11 +137,9 @@ class ModelRunner:
                 hidden = self.compiled_forward(input_ids, positions)  # [num_tokens, hidden_size]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)  # [num_tokens, hidden_size]
-        if not sampled_requests:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab_size]
-        tokens = self.sampler.sample(logits, self._prepare_sampling(sampled_requests))
-        return {request.request_id: token for request, token in zip(sampled_requests, tokens)}
+        if not inputs.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab_size]
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -140,7 +170,11 @@ class ModelRunner:
                 sampled_requests.append(request)
         max_num_blocks = max(len(s.request.block_ids) for s in scheduler_output.scheduled)
         block_tables = [s.request.block_ids + [0] * (max_num_blocks - len(s.request.block_ids)) for s in scheduler_output.scheduled]
+        inputs = StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, query_lens, block_tables,
+                            sample_rows)
+        return inputs, sampled_requests
 
+    def _to_tensors(self, inputs: StepInputs):
         pin = self.device.type == "cuda"
 
         def to_device(values, dtype):
@@ -148,21 +182,20 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
         metadata = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping, torch.int64),  # [num_tokens]
-            query_start_loc=to_device(query_start_loc, torch.int32),  # [num_seqs + 1]
-            seq_lens=to_device(seq_lens, torch.int32),  # [num_seqs]
-            block_tables=to_device(block_tables, torch.int32),  # [num_seqs, max_num_blocks]
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+            slot_mapping=to_device(inputs.slot_mapping, torch.int64),  # [num_tokens]
+            query_start_loc=to_device(inputs.query_start_loc, torch.int32),  # [num_seqs + 1]
+            seq_lens=to_device(inputs.seq_lens, torch.int32),  # [num_seqs]
+            block_tables=to_device(inputs.block_tables, torch.int32),  # [num_seqs, max_num_blocks]
+            max_query_len=max(inputs.query_lens),
+            max_seq_len=max(inputs.seq_lens),
+            query_lens_cpu=inputs.query_lens,
+            seq_lens_cpu=inputs.seq_lens,
         )
         return (
-            to_device(input_ids, torch.int64),  # [num_tokens]
-            to_device(positions, torch.int64),  # [num_tokens]
+            to_device(inputs.input_ids, torch.int64),  # [num_tokens]
+            to_device(inputs.positions, torch.int64),  # [num_tokens]
             metadata,
-            to_device(sample_rows, torch.int64),  # [num_sampled]
-            sampled_requests,
+            to_device(inputs.sample_rows, torch.int64),  # [num_sampled]
         )
 
     def _prepare_sampling(self, requests: list[Request]) -> SamplingBatch:

@@ -82,6 +82,8 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         raise ValueError("--data-parallel starts local cores; with --engine, list every core's address instead")
     if args.engine_timeout < 0:
         raise ValueError("--engine-timeout must not be negative")
+    if args.master_port and args.data_parallel > 1:
+        raise ValueError("--master-port would be shared by every local core's tensor-parallel group; leave it unset")
     if args.engine and args.restart_engine:
         raise ValueError("--restart-engine restarts the cores this server starts; it cannot be used with --engine")
     first_start_args = []

@@ -62,6 +62,17 @@ class EngineConfig:
     # Off recomputes every prompt, for comparison.
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "reuse the KV of full blocks whose whole prefix matches an earlier request's"))
+    # Tensor parallelism (engine.distributed), in torchrun's terms: this core is rank 0 and
+    # starts the other ranks of its host; other hosts run `tokenloom engine --node-rank R`.
+    tensor_parallel_size: int = field(default=1, metadata=_flag(
+        "ranks that split the model's heads and weights (gloo on CPU, NCCL on CUDA)"))
+    nnodes: int = field(default=1, metadata=_flag("hosts the tensor-parallel ranks are spread over"))
+    node_rank: int = field(default=0, metadata=_flag(
+        "this host's index among --nnodes; 0 runs the engine core, the others only workers"))
+    master_addr: str = field(default="127.0.0.1", metadata=_flag(
+        "host of node 0, where the ranks meet (its TCP store); non-loopback needs --allow-remote"))
+    master_port: int = field(default=0, metadata=_flag(
+        "port of that store (0: any free port, one host only)"))
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -73,6 +84,20 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {(AUTO_DTYPE, *DTYPE_NAMES)}, got {self.dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        size, nnodes = self.tensor_parallel_size, self.nnodes
+        if size < 1 or nnodes < 1:
+            raise ValueError("tensor_parallel_size and nnodes must be at least 1")
+        if size % nnodes:
+            raise ValueError(f"tensor_parallel_size {size} does not divide evenly over {nnodes} nodes")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank must be in [0, {nnodes}), got {self.node_rank}")
+        if nnodes > 1 and not self.master_port:
+            raise ValueError("several nodes need a fixed master_port to meet at")
+        if size > 1 and self.compile:
+            raise ValueError("compile is not supported with tensor parallelism (the eager path is)")
 
     @classmethod
     def field_names(cls) -> list[str]:

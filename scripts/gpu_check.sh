@@ -4,9 +4,12 @@
 #   2. the Triton kernel tests on the GPU (TRITON_INTERPRET=0)
 #   3. bench_decode on the default model (smollm2; bf16, triton, batch 64, 128 in, 128 out)
 #   4. bench_decode on a random-weight Mistral-7B shape (bf16, triton, batch 32, 512 in, 64 out)
-# Results go to ${OUT:-results/gpu}: a log per step and the two bench JSONs, 7 files (the
+#   5. tensor parallelism on two GPUs: tests/test_tp_equivalence.py, TP = 2 over NCCL with
+#      the Triton kernels on each rank's GPU, greedy tokens equal to TP = 1 (fp32); skipped
+#      (not failed) on a machine with one GPU, where two NCCL ranks cannot share it
+# Results go to ${OUT:-results/gpu}: a log per step and the two bench JSONs, 8 files (the
 # device tool returns 8 at most). Each step runs under `timeout`, so one hang costs only
-# its own slot; the limits add up to 300 s (give the device call timeout_s=360).
+# its own slot; the limits add up to 390 s (give the device call timeout_s=450).
 # The exit status is 1 if any step failed.
 #
 #   bash scripts/gpu_check.sh                       # here, or on the device machine
@@ -76,6 +79,13 @@ step bench_smollm2 60 "$PYTHON" scripts/bench_decode.py "${smollm2[@]}" --dtype 
 step bench_mistral7b 90 "$PYTHON" scripts/bench_decode.py --model "$WORK/mistral-7b" --load-format dummy \
     --dtype bfloat16 --attention-backend triton --batch-size 32 --input-len 512 --output-len 64 \
     --json "$OUT/bench_mistral7b.json"
+
+num_gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$num_gpus" -ge 2 ]; then
+    step tp_nccl 90 "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_tp_equivalence.py -m "not slow"
+else
+    echo "+ [tp_nccl] skipped: $num_gpus GPU(s); NCCL tensor parallelism needs one GPU per rank" | tee "$OUT/tp_nccl.log"
+fi
 
 rm -rf "$WORK"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -24,10 +24,11 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def load_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str = "auto", tp=None
 ) -> LlamaForCausalLM:
     """Build the model for config.json's architecture; `load_format="dummy"` fills random
-    weights instead of reading a checkpoint (timing a model's shape without its weights)."""
+    weights instead of reading a checkpoint (timing a model's shape without its weights).
+    `tp` (engine.distributed.parallel_state.TensorParallelGroup): build and load this rank's shard."""
     from safetensors import safe_open
 
     if load_format not in LOAD_FORMATS:
@@ -39,7 +40,7 @@ def load_model(
     if not files and load_format == "auto":
         raise FileNotFoundError(f"no .safetensors files in {config.path}")
     with torch.device("meta"):
-        model = model_class(config)
+        model = model_class(config) if tp is None else model_class(config, tp)
     # Materialise on the target device, then fill from the checkpoint; the
     # rotary cache is recomputed since meta tensors hold no values.
     model = model.to_empty(device=device)
@@ -50,7 +51,8 @@ def load_model(
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    # Under TP a lazy slice: each rank reads only its shard.
+                    yield name, (f.get_tensor(name) if tp is None else f.get_slice(name))
 
     if load_format == "dummy":
         _fill_random(model)

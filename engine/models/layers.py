@@ -103,11 +103,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class SwiGLUMLP(nn.Module):
     fused = None  # engine.models.fused.CpuFusedOps, when the eager CPU path uses the C++ kernels
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, down_proj: nn.Module | None = None) -> None:
         super().__init__()
         # gate and up in one matmul: one weight read instead of two.
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # Tensor parallelism passes its row-parallel down_proj (engine.distributed.parallel_layers).
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False) if down_proj is None else down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]

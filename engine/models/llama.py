@@ -4,6 +4,10 @@ Like nanoGPT's model.py in spirit, but the batch is flat: [num_tokens, ...]
 with no batch dimension and no padding. Attention reads and writes the paged
 cache through an attention backend, so the same module runs the torch path on
 the CPU and Triton kernels on a GPU.
+
+With tensor parallelism (`tp`, engine.distributed) each rank builds the same
+module with its share of the heads, the intermediate size and the vocabulary;
+at TP = 1 (`NO_TP`) every layer is the plain one.
 """
 
 from __future__ import annotations
@@ -12,23 +16,27 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
+from engine.distributed.parallel_layers import (
+    num_local_kv_heads, row_parallel_linear, shard_checkpoint_tensor, vocab_parallel_embedding,
+)
+from engine.distributed.parallel_state import NO_TP, TensorParallelGroup
 from engine.models.config import ModelConfig
 from engine.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallelGroup = NO_TP) -> None:
         super().__init__()
         self.layer_index = layer_index  # which KV cache is ours, for the compiled path's attention op
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = config.num_heads // tp.size  # this rank's heads
+        self.num_kv_heads = num_local_kv_heads(config.num_kv_heads, tp.size)
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        # q, k and v in one matmul; the loader concatenates the three weights.
+        # q, k and v in one matmul; the loader concatenates the three weights (column-parallel: this rank's heads).
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, tp)
 
     fused = None  # engine.models.fused.CpuFusedOps, when the eager CPU path uses the C++ kernels
 
@@ -56,12 +64,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallelGroup = NO_TP) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = Attention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size // tp.size,
+                             down_proj=row_parallel_linear(config.intermediate_size // tp.size, config.hidden_size, tp))
 
     def forward(self, cos_sin, hidden, residual, kv_cache, metadata, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's layout: the residual stream travels beside the hidden state, and each
@@ -78,11 +87,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = NO_TP) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.tp = tp
+        self.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -90,7 +100,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None  # logits reuse the embedding matrix
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            # Vocab-parallel under TP: this rank's rows, as many as the embedding's.
+            self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
         self.logits_head: nn.Module | None = None  # set by prepack_for_cpu
 
     def forward(
@@ -109,11 +120,17 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[num_sampled, vocab_size]; under TP, on rank 0 only (the others return None)."""
         if self.logits_head is not None:
-            return self.logits_head(hidden)  # [num_sampled, vocab_size]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()  # [num_sampled, vocab_size]
+            logits = self.logits_head(hidden)  # [num_sampled, vocab_size]
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = hidden @ weight.t()  # [num_sampled, vocab_size]
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.gather_to_first(logits)  # [num_sampled, N * vocab_size / N] on rank 0
+        return None if logits is None else logits[:, : self.config.vocab_size]
 
     def use_fused_ops(self, ops) -> None:
         """Run the element-wise work between the matmuls through `ops` (engine.models.fused.CpuFusedOps)."""
@@ -123,16 +140,21 @@ class LlamaForCausalLM(nn.Module):
 
     def prepack_for_cpu(self, batch_size_hint: int) -> None:
         """Move every matmul, the logits' too, onto oneDNN-prepacked weights."""
+        from engine.distributed.parallel_layers import RowParallelLinear
         from engine.models.cpu_packing import PackedLinear, prepack_linears
 
         prepack_linears(self, batch_size_hint)  # an untied lm_head among them
+        for module in self.modules():
+            if isinstance(module, RowParallelLinear):  # not nn.Linears: their all-reduce stays
+                module.prepack(batch_size_hint)
         self.logits_head = self.lm_head or PackedLinear(self.embed_tokens.weight, None, batch_size_hint)
 
     def load_weights(self, weights) -> None:
-        """Copy Hugging Face-named tensors in, merging q/k/v and gate/up as they arrive."""
+        """Copy Hugging Face-named tensors in, merging q/k/v and gate/up as they arrive.
+        Under TP each rank keeps its shard (the tensors may be safetensors slices)."""
         params = dict(self.named_parameters())
         q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
-        inter = self.config.intermediate_size
+        inter = self.config.intermediate_size // self.tp.size
         # HF name fragment -> (our fragment, row offset in the merged weight)
         merged = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -154,6 +176,8 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise KeyError(f"unexpected weight {hf_name!r}")
             param = params[name]
+            if self.tp.size > 1:
+                tensor = shard_checkpoint_tensor(hf_name, tensor, self.config, self.tp)
             with torch.no_grad():
                 if offset is None:
                     param.copy_(tensor)

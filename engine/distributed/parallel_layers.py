@@ -1,0 +1,148 @@
+"""The layers that split a Llama-family decoder across tensor-parallel ranks (Megatron-LM's scheme).
+
+    hidden ──► qkv_proj, gate_up_proj   column-parallel: each rank computes its own heads'
+               │                        (its slice of the intermediate size's) outputs; no talk
+               ▼
+             attention, SiLU × up       per rank, on that rank's heads
+               │
+               ▼
+             o_proj, down_proj          row-parallel: each rank's partial sum, then an all-reduce
+               │
+               ▼
+             hidden (the same on every rank)
+
+The embedding and the LM head are vocab-parallel: each rank holds ceil(vocab / N)
+rows (the last padded with zeros). The embedding zeroes the ids outside its rows
+and all-reduces; the LM head's logits are gathered on rank 0, which samples.
+KV heads are split like query heads, or replicated when there are fewer KV heads
+than ranks (each rank then keeps the one KV head its query heads read).
+
+Column-parallel layers are plain `nn.Linear`s of the local size, so the CPU
+prepacking swaps them like any other; at TP = 1 every factory here returns the
+plain module, so that path is exactly the single-process one.
+
+Each rank reads only its shard of each checkpoint tensor (`shard_checkpoint_tensor`,
+through safetensors' lazy slices).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed.parallel_state import TensorParallelGroup
+
+if TYPE_CHECKING:  # engine.models imports this module
+    from engine.models.config import ModelConfig
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """Refuse, before any process starts, a model that does not split `size` ways."""
+    if size < 1:
+        raise ValueError("tensor_parallel_size must be at least 1")
+    problems = []
+    if config.num_heads % size:
+        problems.append(f"{config.num_heads} attention heads are not divisible by {size}")
+    kv = config.num_kv_heads
+    if (kv >= size and kv % size) or (kv < size and size % kv):
+        problems.append(f"{kv} KV heads neither divide among {size} ranks nor replicate evenly over them")
+    if config.intermediate_size % size:
+        problems.append(f"intermediate size {config.intermediate_size} is not divisible by {size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={size} does not fit this model: {'; '.join(problems)}")
+
+
+def num_local_kv_heads(num_kv_heads: int, size: int) -> int:
+    return max(1, num_kv_heads // size)
+
+
+def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
+    return -(-vocab_size // size)
+
+
+def vocab_parallel_embedding(vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> nn.Module:
+    if tp.size == 1:
+        return nn.Embedding(vocab_size, hidden_size)
+    return VocabParallelEmbedding(vocab_size, hidden_size, tp)
+
+
+def row_parallel_linear(local_in_features: int, out_features: int, tp: TensorParallelGroup) -> nn.Module:
+    if tp.size == 1:
+        return nn.Linear(local_in_features, out_features, bias=False)
+    return RowParallelLinear(local_in_features, out_features, tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_rows = vocab_rows_per_rank(vocab_size, tp.size)
+        self.first_row = tp.rank * self.num_rows
+        self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))  # this rank's rows, zero-padded
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local_ids = input_ids - self.first_row  # [num_tokens]
+        is_elsewhere = (local_ids < 0) | (local_ids >= self.num_rows)
+        hidden = F.embedding(local_ids.masked_fill(is_elsewhere, 0), self.weight)  # [num_tokens, hidden_size]
+        hidden.masked_fill_(is_elsewhere.unsqueeze(1), 0.0)
+        return self.tp.all_reduce(hidden)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x_local @ W_local^T, summed over the ranks; no bias (o_proj and down_proj have none).
+
+    Not an `nn.Linear`, so that CPU prepacking leaves the all-reduce in place: `prepack`
+    packs the matmul alone."""
+
+    def __init__(self, local_in_features: int, out_features: int, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, local_in_features))  # [out_features, in_features / N]
+        self.packed = None  # engine.models.cpu_packing.PackedLinear, after prepack
+
+    def prepack(self, batch_size_hint: int) -> None:
+        from engine.models.cpu_packing import PackedLinear
+
+        self.packed = PackedLinear(self.weight, None, batch_size_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features / N] -> [num_tokens, out_features]
+        partial = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
+        return self.tp.all_reduce(partial)
+
+
+def shard_checkpoint_tensor(name: str, tensor, config: ModelConfig, tp: TensorParallelGroup) -> torch.Tensor:
+    """This rank's part of the checkpoint tensor `name` (a Hugging Face name). `tensor` may be
+    a safetensors slice, so only the part is read."""
+    rank, size = tp.rank, tp.size
+    if "q_proj" in name:
+        return _chunk(tensor, 0, rank, size)
+    if "k_proj" in name or "v_proj" in name:
+        kv, head_dim = config.num_kv_heads, config.head_dim
+        if kv >= size:
+            return _chunk(tensor, 0, rank, size)
+        head = rank * kv // size  # the KV head this rank's query heads read
+        return tensor[head * head_dim : (head + 1) * head_dim]
+    if "gate_proj" in name or "up_proj" in name:
+        return _chunk(tensor, 0, rank, size)
+    if "o_proj" in name or "down_proj" in name:
+        return _chunk(tensor, 1, rank, size)
+    if "embed_tokens" in name or "lm_head" in name:
+        rows = vocab_rows_per_rank(config.vocab_size, size)
+        part = tensor[rank * rows : min((rank + 1) * rows, config.vocab_size)]
+        return torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])]) if part.shape[0] < rows else part
+    return tensor[:]  # norms: every rank holds them whole
+
+
+def _chunk(tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    length = _shape(tensor)[dim] // size
+    if dim == 0:
+        return tensor[rank * length : (rank + 1) * length]
+    return tensor[:, rank * length : (rank + 1) * length]
+
+
+def _shape(tensor) -> list[int]:
+    return list(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor.get_shape()

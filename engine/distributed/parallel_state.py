@@ -1,0 +1,92 @@
+"""The tensor-parallel group: rendezvous, rank and size, and the two collectives the model needs.
+
+torchrun's conventions: rank 0 hosts a `TCPStore` at master_addr:master_port and
+every rank meets there; the group is gloo on the CPU, NCCL on CUDA. The process
+group is built straight from that store rather than through
+`init_process_group`, so there is no global default group: one process can hold
+several engines (tests build one `LLM` after another) and each engine's group is
+the `TensorParallelGroup` it was given.
+
+At TP = 1 the model is built with `NO_TP`, and nothing here runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+# A rank that waits longer than this in a collective gives up (gloo raises). A killed
+# peer is noticed at once (its socket closes); this bounds a hung one.
+COLLECTIVE_TIMEOUT_S = 60.0
+# Time every rank gets to reach the rendezvous (a second host may start later).
+RENDEZVOUS_TIMEOUT_S = 300.0
+
+
+class TensorParallelGroup:
+    """This rank's place in its group and the group's collectives, with the time spent in them."""
+
+    def __init__(self, rank: int, size: int, process_group=None) -> None:
+        self.rank = rank
+        self.size = size
+        self.process_group = process_group
+        self.num_all_reduces = 0
+        self.all_reduce_seconds = 0.0  # includes waiting for the slowest rank
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place."""
+        start = time.perf_counter()
+        self.process_group.allreduce([x]).wait()
+        self.all_reduce_seconds += time.perf_counter() - start
+        self.num_all_reduces += 1
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0 gets every rank's `x` concatenated along the last dimension; the others None."""
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.process_group.gather([parts], [x], options).wait()
+            return torch.cat(parts, dim=-1)
+        self.process_group.gather([], [x], options).wait()
+        return None
+
+
+NO_TP = TensorParallelGroup(rank=0, size=1)
+
+
+def create_store(master_addr: str, master_port: int, world_size: int, is_master: bool) -> dist.TCPStore:
+    """Rank 0 hosts the store (port 0: any free port, read back as `store.port`); the others connect."""
+    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    return dist.TCPStore(master_addr, master_port, world_size, is_master=is_master, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def create_group(store: dist.Store, rank: int, size: int, device: torch.device) -> TensorParallelGroup:
+    """Join the group (blocks until every rank has); gloo on the CPU, NCCL on CUDA."""
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    prefixed = dist.PrefixStore("tp", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        process_group = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    else:
+        process_group = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    return TensorParallelGroup(rank, size, process_group)
+
+
+def num_local_ranks(tensor_parallel_size: int, nnodes: int) -> int:
+    return tensor_parallel_size // nnodes
+
+
+def threads_per_rank(tensor_parallel_size: int, nnodes: int) -> int:
+    """This host's cores shared among its ranks, so they do not oversubscribe the CPU."""
+    return max(1, len(os.sched_getaffinity(0)) // num_local_ranks(tensor_parallel_size, nnodes))

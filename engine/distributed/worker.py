@@ -1,0 +1,145 @@
+"""A tensor-parallel worker rank: load this rank's shard, then run each step rank 0 sends.
+
+    python -m engine.distributed.worker --model PATH --tensor-parallel-size N \\
+        [--nnodes K --node-rank R] --master-addr HOST --master-port PORT [--rank r] [engine flags]
+
+Rank 0's executor starts its own host's workers with --rank. On another host,
+`tokenloom engine --node-rank R` runs this without --rank: it becomes the host's
+first rank and starts the host's other ranks as its children (torchrun's layout:
+ranks R * N/K ... (R + 1) * N/K - 1 on host R).
+
+    loop:  wait for a record from rank 0 (or its disconnection)
+           StepInputs -> ModelRunner.forward_step (meets the other ranks in the all-reduces)
+           StopWorker, rank 0 gone, parent gone -> exit
+
+A worker whose step raises exits, which fails the step on rank 0 at once (its
+collective sees the closed connection): the engine never runs with ranks out of step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import zmq
+
+from engine.distributed import messages
+from engine.distributed.executor import (
+    MAX_MODEL_LEN_KEY, NUM_KV_BLOCKS_KEY, STEP_ADDRESS_KEY, start_worker,
+)
+from engine.distributed.parallel_state import create_group, create_store, num_local_ranks
+from ipc.engine_config import DEFAULT_MODEL, EngineConfig, add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # how often an idle worker checks that its parent is alive
+
+
+def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0) -> int:
+    import torch
+
+    from engine.core_process import _die_with_parent
+    from engine.model_files import resolve_model
+    from engine.model_runner import ModelRunner, resolve_device_and_dtype
+    from engine.models.config import ModelConfig
+
+    if parent_pid:
+        _die_with_parent()
+    size = config.tensor_parallel_size
+    store = create_store(config.master_addr, config.master_port, size, is_master=False)
+    address = store.get(STEP_ADDRESS_KEY).decode()
+    num_kv_blocks = int(store.get(NUM_KV_BLOCKS_KEY))
+    max_model_len = int(store.get(MAX_MODEL_LEN_KEY))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(address)
+    sock.send(messages.encode(messages.WorkerHello(rank, os.getpid())))
+    device, _ = resolve_device_and_dtype(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % num_local_ranks(size, config.nnodes))
+    group = create_group(store, rank, size, device)
+    model_config = ModelConfig.from_folder(resolve_model(config.model))
+    runner = ModelRunner(config, model_config, num_kv_blocks, max_model_len, tp=group)
+    sock.send(messages.encode(messages.WorkerReady(rank)))
+    logger.info("tensor-parallel rank %d of %d ready", rank, size)
+    try:
+        return _serve_steps(runner, sock, monitor, parent_pid, rank)
+    finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        ctx.term()
+
+
+def _serve_steps(runner, sock: zmq.Socket, monitor: zmq.Socket, parent_pid: int, rank: int) -> int:
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    while True:
+        events = dict(poller.poll(IDLE_POLL_MS))
+        if monitor in events:
+            logger.warning("rank %d: rank 0 disconnected; exiting", rank)
+            return 1
+        if parent_pid and os.getppid() != parent_pid:
+            logger.warning("rank %d: parent process %d is gone; exiting", rank, parent_pid)
+            return 1
+        if sock not in events:
+            continue
+        message = messages.decode(sock.recv(copy=False).buffer)
+        if isinstance(message, messages.StepInputs):
+            runner.forward_step(message)
+        elif isinstance(message, messages.StopWorker):
+            logger.info("rank %d: stopping (%s)", rank, message.reason)
+            return 0
+
+
+def run_worker_node(config: EngineConfig, parent_pid: int = 0) -> int:
+    """Host `node_rank`'s ranks: the first here, the others as children."""
+    num_local = num_local_ranks(config.tensor_parallel_size, config.nnodes)
+    first_rank = config.node_rank * num_local
+    children = [start_worker(config, config.model, rank) for rank in range(first_rank + 1, first_rank + num_local)]
+    try:
+        return run_worker(config, first_rank, parent_pid)
+    finally:
+        for child in children:
+            child.terminate()
+            child.wait()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="tokenloom tensor-parallel worker")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--rank", type=int, default=None, help="default: this node's first rank, starting the rest")
+    parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (0: never)")
+    parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --master-addr")
+    parser.add_argument("--log-level", default=os.environ.get("TOKENLOOM_LOG_LEVEL", "info"),
+                        type=str.lower, choices=["debug", "info", "warning", "error"])
+    add_engine_args(parser.add_argument_group("engine"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rank_name = "node" if args.rank is None else f"rank {args.rank}"
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [tp-{rank_name}] %(name)s: %(message)s")
+    from engine.core_process import check_master_addr
+
+    config = check_master_addr(engine_config_from_args(args), args.allow_remote)
+    try:
+        if args.rank is None:
+            code = run_worker_node(config, args.parent_pid)
+        else:
+            code = run_worker(config, args.rank, args.parent_pid)
+    except Exception:
+        logger.exception("tensor-parallel worker failed")
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Tensor parallelism's small parts: the worker records, checkpoint sharding, the flags."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from engine.distributed import messages
+from engine.distributed.parallel_layers import shard_checkpoint_tensor, vocab_rows_per_rank
+from engine.distributed.parallel_state import TensorParallelGroup
+from engine.models.config import ModelConfig
+from frontend import cli
+from frontend.server_args import engine_client_config, make_parser
+
+
+def test_worker_records_round_trip():
+    step = messages.StepInputs([5, 6, 7], [0, 1, 2], [16, 17, 18], [0, 3], [3], [3], [[1, 0]], [2])
+    for record in (step, messages.WorkerHello(1, 123), messages.WorkerReady(2), messages.StopWorker("bye")):
+        assert messages.decode(messages.encode(record)) == record
+    assert messages.encode(step)[:2] == bytes([0x99, int(messages.WorkerMessageType.STEP_INPUTS)])  # [type, 8 fields]
+    with pytest.raises(ValueError):
+        messages.decode(messages.encode(messages.WorkerHello(1, 1))[:-1])
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    fields = dict(path="", architecture="LlamaForCausalLM", vocab_size=10, hidden_size=4, intermediate_size=8,
+                  num_layers=1, num_heads=4, num_kv_heads=1, head_dim=1, rms_norm_eps=1e-5, rope_theta=1e4,
+                  rope_scaling=None, max_position_embeddings=16, tie_word_embeddings=True, attention_bias=False)
+    return ModelConfig(**fields | overrides)
+
+
+def test_sharding_splits_heads_replicates_kv_and_pads_the_vocabulary():
+    config = tiny_config()
+    weight = torch.arange(4 * 4.0).view(4, 4)  # [out, in]: q_proj rows are heads of one
+    ranks = [TensorParallelGroup(rank, 2) for rank in range(2)]
+    assert [shard_checkpoint_tensor("model.layers.0.self_attn.q_proj.weight", weight, config, tp)[:, 0].tolist()
+            for tp in ranks] == [[0.0, 4.0], [8.0, 12.0]]
+    k = torch.tensor([[1.0, 2.0, 3.0, 4.0]])  # one KV head: both ranks keep it
+    assert all(torch.equal(shard_checkpoint_tensor("layers.0.self_attn.k_proj.weight", k, config, tp), k)
+               for tp in ranks)
+    o = shard_checkpoint_tensor("layers.0.self_attn.o_proj.weight", weight, config, ranks[1])  # input columns
+    assert o.tolist() == weight[:, 2:].tolist()
+    embed = torch.arange(10.0).view(10, 1).expand(10, 4)
+    assert vocab_rows_per_rank(10, 3) == 4
+    last = shard_checkpoint_tensor("model.embed_tokens.weight", embed, config, TensorParallelGroup(2, 3))
+    assert last[:, 0].tolist() == [8.0, 9.0, 0.0, 0.0]  # rows 8, 9 and two zero rows of padding
+
+
+def test_serve_passes_tensor_parallel_flags_to_its_cores():
+    args = make_parser().parse_args(["--model", "m", "--tensor-parallel-size", "2"])
+    assert "--tensor-parallel-size" in engine_client_config(args).engine_args
+    with pytest.raises(ValueError, match="master-port"):
+        engine_client_config(make_parser().parse_args(["--data-parallel", "2", "--master-port", "29500"]))
+
+
+def test_engine_on_a_later_node_execs_workers_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: calls.append(argv))
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29500"]
+    cli.main(["engine", "--model", "m", "--node-rank", "1", *flags])
+    assert calls == [[sys.executable, "-m", "engine.distributed.worker", "--model", "m", "--node-rank", "1", *flags]]
+    with pytest.raises(SystemExit):
+        cli.main(["engine", "--model", "m", *flags])  # node 0 needs --listen
