@@ -46,12 +46,13 @@ struct Task {
 // Per-thread scratch, sized for the largest tile.
 struct Scratch {
   std::vector<float> q, kt, v, p, o, m, l, corr;
-  std::vector<uint32_t> q_pairs, k_pairs;
+  std::vector<uint32_t> q_pairs, k_pairs, v_pairs, p_pairs;
   std::vector<int64_t> limits;
   Scratch(const Shape& s) :
       q(kTileRows * s.head_dim), kt(s.head_dim * s.block_size), v(s.block_size * s.head_dim),
-      p(kTileRows * s.block_size), o(kTileRows * s.head_dim), m(kTileRows), l(kTileRows), corr(kTileRows),
-      q_pairs(kTileRows * s.head_dim / 2 + 1), k_pairs(s.head_dim / 2 * s.block_size + 1), limits(kTileRows) {}
+      p(kTileRows * s.block_size), o(kTileRows * s.head_dim), m(kTileRows), l(kTileRows * Vec::size()), corr(kTileRows),
+      q_pairs(kTileRows * s.head_dim / 2 + 1), k_pairs(s.head_dim / 2 * s.block_size + 1),
+      v_pairs(s.block_size / 2 * s.head_dim + 1), p_pairs(kTileRows * s.block_size / 2 + 1), limits(kTileRows) {}
 };
 
 template <typename scalar_t>
@@ -79,6 +80,28 @@ inline void prefetch_rows(const void* start, int64_t num_bytes) {
   for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
+// The inner loops below are templates on their row (and vector) counts, picked from
+// tables: with every count known at compile time the accumulators stay in registers
+// (with run-time counts and conditions in the loop the compiler spilled them to the
+// stack, and the kernel ran at a quarter of the speed).
+template <int kRows>
+void score_rows(const float* q, const float* kt, int64_t t0, int64_t count, const Shape& s, float* raw) {
+  Vec acc[kRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) acc[r] = Vec(0.f);
+  for (int64_t d = 0; d < s.head_dim; ++d) {
+    const Vec k = load(kt + d * s.block_size + t0, count);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(Vec(q[r * s.head_dim + d]), k, acc[r]);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) store(acc[r], raw + r * s.block_size + t0, count);
+}
+
+using ScoreRowsFn = void (*)(const float*, const float*, int64_t, int64_t, const Shape&, float*);
+constexpr ScoreRowsFn kScoreRows[kRowChunk] = {score_rows<1>, score_rows<2>, score_rows<3>, score_rows<4>,
+                                               score_rows<5>, score_rows<6>, score_rows<7>, score_rows<8>};
+
 // raw[r * block_size + t] = q[r] . k[t] for rows [0, num_rows), from the transposed fp32 block
 // kt[d * block_size + t] and the fp32 (pre-scaled) query rows.
 void score_block(const float* q, const float* kt, int64_t num_rows, const Shape& s, float* raw) {
@@ -86,22 +109,35 @@ void score_block(const float* q, const float* kt, int64_t num_rows, const Shape&
     const int64_t count = vec_count(s.block_size - t0);
     for (int64_t r0 = 0; r0 < num_rows; r0 += kRowChunk) {
       const int64_t rows = std::min<int64_t>(kRowChunk, num_rows - r0);
-      Vec acc[kRowChunk];
-      for (int r = 0; r < kRowChunk; ++r) acc[r] = Vec(0.f);
-      for (int64_t d = 0; d < s.head_dim; ++d) {
-        const Vec k = load(kt + d * s.block_size + t0, count);
-        const float* qd = q + r0 * s.head_dim + d;
-        for (int r = 0; r < kRowChunk; ++r) {
-          if (r < rows) acc[r] = at::vec::fmadd(Vec(qd[r * s.head_dim]), k, acc[r]);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) store(acc[r], raw + (r0 + r) * s.block_size + t0, count);
+      kScoreRows[rows - 1](q + r0 * s.head_dim, kt, t0, count, s, raw + r0 * s.block_size);
     }
   }
 }
 
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
 constexpr bool kHasBf16Dot = true;
+template <int kRows>
+void score_rows_bf16(const uint32_t* q_pairs, const uint32_t* k_pairs, int64_t t0, const Shape& s, float* raw) {
+  const int64_t num_pairs = s.head_dim / 2;
+  __m512 acc[kRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(k_pairs + p * s.block_size + t0);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q_pairs[r * num_pairs + p]), k);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(raw + r * s.block_size + t0, acc[r]);
+}
+
+using ScoreRowsBf16Fn = void (*)(const uint32_t*, const uint32_t*, int64_t, const Shape&, float*);
+constexpr ScoreRowsBf16Fn kScoreRowsBf16[kRowChunk] = {
+    score_rows_bf16<1>, score_rows_bf16<2>, score_rows_bf16<3>, score_rows_bf16<4>,
+    score_rows_bf16<5>, score_rows_bf16<6>, score_rows_bf16<7>, score_rows_bf16<8>};
+
 // The same from bf16 pairs: k_pairs[p * block_size + t] holds elements 2p, 2p+1 of token t's
 // key, q_pairs[r * head_dim / 2 + p] those of row r's query; one vdpbf16ps adds both
 // products for 16 tokens. Needs block_size % 16 == 0. Scores come out unscaled.
@@ -111,16 +147,103 @@ void score_block_bf16(const uint32_t* q_pairs, const uint32_t* k_pairs, int64_t 
   for (int64_t t0 = 0; t0 < s.block_size; t0 += 16) {
     for (int64_t r0 = 0; r0 < num_rows; r0 += kRowChunk) {
       const int64_t rows = std::min<int64_t>(kRowChunk, num_rows - r0);
-      __m512 acc[kRowChunk];
-      for (int r = 0; r < kRowChunk; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < num_pairs; ++p) {
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(k_pairs + p * s.block_size + t0);
-        const uint32_t* qp = q_pairs + r0 * num_pairs + p;
-        for (int r = 0; r < kRowChunk; ++r) {
-          if (r < rows) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qp[r * num_pairs]), k);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(raw + (r0 + r) * s.block_size + t0, acc[r]);
+      kScoreRowsBf16[rows - 1](q_pairs + r0 * num_pairs, k_pairs, t0, s, raw + r0 * s.block_size);
+    }
+  }
+}
+
+// k_pairs[p * block_size + t] = the 32-bit pair p of token t's key: the block transposed
+// by gathers, 16 tokens at a time.
+inline void pack_key_pairs(const at::BFloat16* kb, const Shape& s, uint32_t* k_pairs) {
+  const int64_t num_pairs = s.head_dim / 2;
+  const __m512i token_offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(num_pairs));
+  const int* words = reinterpret_cast<const int*>(kb);
+  for (int64_t t0 = 0; t0 < s.block_size; t0 += 16) {
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      const __m512i pairs = _mm512_i32gather_epi32(token_offsets, words + t0 * num_pairs + p, 4);
+      _mm512_storeu_si512(k_pairs + p * s.block_size + t0, pairs);
+    }
+  }
+}
+
+// v_pairs[tp * head_dim + d] = (v[2tp][d], v[2tp+1][d]): two tokens' values side by side,
+// so one vdpbf16ps adds both tokens' weighted values for 16 dimensions.
+inline void pack_value_pairs(const at::BFloat16* vb, const Shape& s, uint32_t* v_pairs) {
+  // Interleaves the 16-bit elements of two 32-element rows: lo takes elements 0..15, hi 16..31.
+  const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                       0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                       0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t tp = 0; tp < s.block_size / 2; ++tp) {
+    const at::BFloat16* even = vb + 2 * tp * s.head_dim;
+    const at::BFloat16* odd = even + s.head_dim;
+    for (int64_t d0 = 0; d0 < s.head_dim; d0 += 32) {
+      const __m512i a = _mm512_loadu_si512(even + d0), b = _mm512_loadu_si512(odd + d0);
+      _mm512_storeu_si512(v_pairs + tp * s.head_dim + d0, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(v_pairs + tp * s.head_dim + d0 + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// p_pairs[r * block_size / 2 + tp] = row r's probabilities of tokens 2tp, 2tp+1, rounded to bf16.
+inline void pack_prob_pairs(const float* p, int64_t num_rows, const Shape& s, uint32_t* p_pairs) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int64_t t0 = 0; t0 < s.block_size; t0 += 16) {
+      const __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * s.block_size + t0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + r * s.block_size / 2 + t0 / 2), (__m256i)packed);
+    }
+  }
+}
+
+// weigh_rows with bf16 probabilities and values: two tokens per vdpbf16ps.
+template <int kRows, int kVecs>
+void weigh_rows_bf16(const uint32_t* p_pairs, const uint32_t* v_pairs, int64_t num_token_pairs, const float* corr,
+                     const Shape& s, float* o) {
+  __m512 acc[kRows][kVecs];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) {
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * s.head_dim + c * 16), _mm512_set1_ps(corr[r]));
+    }
+  }
+  for (int64_t tp = 0; tp < num_token_pairs; ++tp) {
+    __m512bh vt[kVecs];
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) vt[c] = (__m512bh)_mm512_loadu_si512(v_pairs + tp * s.head_dim + c * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(p_pairs[r * s.block_size / 2 + tp]);
+#pragma GCC unroll 4
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, vt[c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(o + r * s.head_dim + c * 16, acc[r][c]);
+  }
+}
+
+using WeighRowsBf16Fn = void (*)(const uint32_t*, const uint32_t*, int64_t, const float*, const Shape&, float*);
+template <int kRows>
+constexpr WeighRowsBf16Fn weigh_rows_bf16_for(int vecs) {
+  return vecs == 1 ? weigh_rows_bf16<kRows, 1> : vecs == 2 ? weigh_rows_bf16<kRows, 2>
+       : vecs == 3 ? weigh_rows_bf16<kRows, 3> : weigh_rows_bf16<kRows, 4>;
+}
+
+// Needs head_dim % 16 == 0 and block_size % 16 == 0.
+void weigh_block_bf16(const uint32_t* p_pairs, const uint32_t* v_pairs, int64_t num_tokens, const float* corr,
+                      int64_t num_rows, const Shape& s, float* o) {
+  const int64_t num_token_pairs = (num_tokens + 1) / 2;  // an odd last token pairs with a 0 probability
+  for (int64_t r0 = 0; r0 < num_rows; r0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, num_rows - r0);
+    for (int64_t d0 = 0; d0 < s.head_dim; d0 += 64) {
+      const int vecs = std::min<int64_t>(4, (s.head_dim - d0) / 16);
+      const WeighRowsBf16Fn fn = rows == 1 ? weigh_rows_bf16_for<1>(vecs) : rows == 2 ? weigh_rows_bf16_for<2>(vecs)
+                               : rows == 3 ? weigh_rows_bf16_for<3>(vecs) : weigh_rows_bf16_for<4>(vecs);
+      fn(p_pairs + r0 * s.block_size / 2, v_pairs + d0, num_token_pairs, corr + r0, s, o + r0 * s.head_dim + d0);
     }
   }
 }
@@ -128,15 +251,34 @@ void score_block_bf16(const uint32_t* q_pairs, const uint32_t* k_pairs, int64_t 
 constexpr bool kHasBf16Dot = false;
 #endif
 
+inline float reduce_max(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_max_ps(x);
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
+#endif
+}
+
+inline float reduce_add(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(x);
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+#endif
+}
+
 // Online softmax over one block for each row: raw scores in `p` become probabilities
-// relative to the row's new running max; corr[r] is what the row's earlier sums scale by.
+// relative to the row's new running max (0 past the row's visible keys); corr[r] is what
+// the row's earlier sums scale by. Each row's running sum stays a vector (l[r * lanes...])
+// and is reduced once, at the end.
 void softmax_block(float* p, const int64_t* limits, int64_t num_rows, float scale, const Shape& s, float* m,
                    float* l, float* corr) {
   for (int64_t r = 0; r < num_rows; ++r) {
     float* row = p + r * s.block_size;
-    const int64_t limit = limits[r];  // keys of this block the row may see
-    if (limit <= 0) {
+    const int64_t limit = std::max<int64_t>(0, limits[r]);  // keys of this block the row may see
+    if (limit == 0) {
       corr[r] = 1.f;
+      std::fill(row, row + s.block_size, 0.f);
       continue;
     }
     Vec block_max(kMasked);
@@ -146,39 +288,85 @@ void softmax_block(float* p, const int64_t* limits, int64_t num_rows, float scal
       store(x, row + t0, count);
       block_max = at::vec::maximum(block_max, Vec::set(Vec(kMasked), x, count));
     }
-    float new_max = kMasked;
-    alignas(64) float lanes[Vec::size()];
-    block_max.store(lanes);
-    for (int64_t i = 0; i < Vec::size(); ++i) new_max = std::max(new_max, lanes[i]);
-    new_max = std::max(new_max, m[r]);
-    Vec sums(0.f);
-    for (int64_t t0 = 0; t0 < limit; t0 += Vec::size()) {
-      const int64_t count = vec_count(limit - t0);
-      const Vec e = Vec::set(Vec(0.f), (load(row + t0, count) - Vec(new_max)).exp_u20(), count);
+    const float new_max = std::max(reduce_max(block_max), m[r]);
+    corr[r] = std::exp(m[r] - new_max);
+    m[r] = new_max;
+    Vec sums = Vec::loadu(l + r * Vec::size()) * Vec(corr[r]);
+    for (int64_t t0 = 0; t0 < s.block_size; t0 += Vec::size()) {
+      const int64_t count = vec_count(s.block_size - t0);
+      const int64_t visible = std::clamp<int64_t>(limit - t0, 0, count);
+      const Vec e = Vec::set(Vec(0.f), (load(row + t0, count) - Vec(new_max)).exp_u20(), visible);
       store(e, row + t0, count);
       sums = sums + e;
     }
-    sums.store(lanes);
-    float sum = 0.f;
-    for (int64_t i = 0; i < Vec::size(); ++i) sum += lanes[i];
-    corr[r] = std::exp(m[r] - new_max);
-    l[r] = l[r] * corr[r] + sum;
-    m[r] = new_max;
+    sums.store(l + r * Vec::size());
   }
 }
 
-// o[r] = o[r] * corr[r] + sum over the row's visible tokens t of p[r][t] * v[t].
-void weigh_block(const float* p, const float* v, const int64_t* limits, const float* corr, int64_t num_rows,
+// Four rows by up to four vectors of head_dim (two on 16-register AVX2) summed in
+// registers, so each V vector loaded serves four rows.
+constexpr int kPvRows = 4;
+constexpr int kPvVecs = Vec::size() >= 16 ? 4 : 2;
+
+template <int kRows, int kVecs>
+void weigh_rows(const float* p, const float* v, int64_t num_tokens, const float* corr, const Shape& s, float* o) {
+  Vec acc[kRows][kVecs];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = Vec::loadu(o + r * s.head_dim + c * Vec::size()) * Vec(corr[r]);
+  }
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    Vec vt[kVecs];
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) vt[c] = Vec::loadu(v + t * s.head_dim + c * Vec::size());
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const Vec pr(p[r * s.block_size + t]);
+#pragma GCC unroll 4
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = at::vec::fmadd(pr, vt[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) acc[r][c].store(o + r * s.head_dim + c * Vec::size());
+  }
+}
+
+using WeighRowsFn = void (*)(const float*, const float*, int64_t, const float*, const Shape&, float*);
+template <int kRows>
+constexpr WeighRowsFn weigh_rows_for(int vecs) {
+  if constexpr (kPvVecs == 4) {
+    return vecs == 1 ? weigh_rows<kRows, 1> : vecs == 2 ? weigh_rows<kRows, 2> : vecs == 3 ? weigh_rows<kRows, 3>
+                                                                                             : weigh_rows<kRows, 4>;
+  } else {
+    return vecs == 1 ? weigh_rows<kRows, 1> : weigh_rows<kRows, 2>;
+  }
+}
+
+// o[r] = o[r] * corr[r] + sum over the block's tokens t of p[r][t] * v[t] (p is 0 where the
+// row may not look). The vector path needs head_dim to be a multiple of the vector width.
+void weigh_block(const float* p, const float* v, int64_t num_tokens, const float* corr, int64_t num_rows,
                  const Shape& s, float* o) {
+  if (s.head_dim % Vec::size() == 0) {
+    for (int64_t r0 = 0; r0 < num_rows; r0 += kPvRows) {
+      const int64_t rows = std::min<int64_t>(kPvRows, num_rows - r0);
+      for (int64_t d0 = 0; d0 < s.head_dim; d0 += kPvVecs * Vec::size()) {
+        const int vecs = std::min<int64_t>(kPvVecs, (s.head_dim - d0) / Vec::size());
+        const WeighRowsFn fn = rows == 1 ? weigh_rows_for<1>(vecs) : rows == 2 ? weigh_rows_for<2>(vecs)
+                             : rows == 3 ? weigh_rows_for<3>(vecs) : weigh_rows_for<4>(vecs);
+        fn(p + r0 * s.block_size, v + d0, num_tokens, corr + r0, s, o + r0 * s.head_dim + d0);
+      }
+    }
+    return;
+  }
   for (int64_t r = 0; r < num_rows; ++r) {
-    if (limits[r] <= 0) continue;
-    const float* pr = p + r * s.block_size;
     float* orow = o + r * s.head_dim;
-    for (int64_t d0 = 0; d0 < s.head_dim; d0 += Vec::size()) {
-      const int64_t count = vec_count(s.head_dim - d0);
-      Vec acc = load(orow + d0, count) * Vec(corr[r]);
-      for (int64_t t = 0; t < limits[r]; ++t) acc = at::vec::fmadd(Vec(pr[t]), load(v + t * s.head_dim + d0, count), acc);
-      store(acc, orow + d0, count);
+    for (int64_t d = 0; d < s.head_dim; ++d) {
+      float acc = orow[d] * corr[r];
+      for (int64_t t = 0; t < num_tokens; ++t) acc += p[r * s.block_size + t] * v[t * s.head_dim + d];
+      orow[d] = acc;
     }
   }
 }
@@ -197,7 +385,7 @@ void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cac
   };
   bool use_bf16_dot = false;
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHasBf16Dot) {
-    use_bf16_dot = s.block_size % 16 == 0 && s.head_dim % 2 == 0;
+    use_bf16_dot = s.block_size % 16 == 0 && s.head_dim % 32 == 0;
   }
   for (int64_t r = 0; r < num_rows; ++r) {
     if (use_bf16_dot) {
@@ -210,7 +398,7 @@ void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cac
   }
   std::fill(w.o.begin(), w.o.begin() + num_rows * s.head_dim, 0.f);
   std::fill(w.m.begin(), w.m.begin() + num_rows, kMasked);
-  std::fill(w.l.begin(), w.l.begin() + num_rows, 0.f);
+  std::fill(w.l.begin(), w.l.begin() + num_rows * Vec::size(), 0.f);
   const int64_t block_bytes = s.block_size * s.head_dim * sizeof(scalar_t);
   const int64_t num_blocks = last_pos / s.block_size + 1;
   const int64_t head_offset = task.kv_head * s.head_stride;
@@ -228,31 +416,34 @@ void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cac
       limits[r] = std::min(num_tokens, first_pos + r / s.group - start + 1);
     }
     // Keys transposed once for the whole tile (stale slots past num_tokens are read but masked).
+    const int64_t num_visible = std::min(num_tokens, last_pos - start + 1);  // tokens any row may see
     if (use_bf16_dot) {
-      const uint32_t* kw = reinterpret_cast<const uint32_t*>(kb);  // [block_size, head_dim / 2] pairs
-      const int64_t num_pairs = s.head_dim / 2;
-      for (int64_t t = 0; t < s.block_size; ++t) {
-        for (int64_t p = 0; p < num_pairs; ++p) w.k_pairs[p * s.block_size + t] = kw[t * num_pairs + p];
-      }
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+      const auto* kb16 = reinterpret_cast<const at::BFloat16*>(kb);
+      const auto* vb16 = reinterpret_cast<const at::BFloat16*>(vb);
+      pack_key_pairs(kb16, s, w.k_pairs.data());
       score_block_bf16(w.q_pairs.data(), w.k_pairs.data(), num_rows, s, w.p.data());
+      softmax_block(w.p.data(), limits, num_rows, scale, s, w.m.data(), w.l.data(), w.corr.data());
+      pack_prob_pairs(w.p.data(), num_rows, s, w.p_pairs.data());
+      pack_value_pairs(vb16, s, w.v_pairs.data());
+      weigh_block_bf16(w.p_pairs.data(), w.v_pairs.data(), num_visible, w.corr.data(), num_rows, s, w.o.data());
 #endif
-    } else {
-      for (int64_t t = 0; t < s.block_size; ++t) {
-        for (int64_t d = 0; d < s.head_dim; ++d) w.kt[d * s.block_size + t] = static_cast<float>(kb[t * s.head_dim + d]);
-      }
-      score_block(w.q.data(), w.kt.data(), num_rows, s, w.p.data());
+      continue;
     }
-    softmax_block(w.p.data(), limits, num_rows, use_bf16_dot ? scale : 1.f, s, w.m.data(), w.l.data(), w.corr.data());
+    for (int64_t t = 0; t < s.block_size; ++t) {
+      for (int64_t d = 0; d < s.head_dim; ++d) w.kt[d * s.block_size + t] = static_cast<float>(kb[t * s.head_dim + d]);
+    }
+    score_block(w.q.data(), w.kt.data(), num_rows, s, w.p.data());
+    softmax_block(w.p.data(), limits, num_rows, 1.f, s, w.m.data(), w.l.data(), w.corr.data());
     const float* v = reinterpret_cast<const float*>(vb);
     if constexpr (!std::is_same_v<scalar_t, float>) {
       to_float(vb, w.v.data(), num_tokens * s.head_dim);
       v = w.v.data();
     }
-    weigh_block(w.p.data(), v, limits, w.corr.data(), num_rows, s, w.o.data());
+    weigh_block(w.p.data(), v, num_visible, w.corr.data(), num_rows, s, w.o.data());
   }
   for (int64_t r = 0; r < num_rows; ++r) {
-    const float inv_sum = 1.f / w.l[r];  // every row sees at least its own key
+    const float inv_sum = 1.f / reduce_add(Vec::loadu(w.l.data() + r * Vec::size()));  // >= its own key's
     const float* o = w.o.data() + r * s.head_dim;
     scalar_t* dst = out + row_offset(r);
     for (int64_t d = 0; d < s.head_dim; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv_sum);
