@@ -195,8 +195,12 @@ def simulate(args, shape: ModelShape, profile: HardwareProfile, requests: list[S
         Path(prefix).parent.mkdir(parents=True, exist_ok=True)
         steps = {f"{args.batching} (simulated)": result.step_stats}
         if args.compare:
-            measured = json.loads(Path(args.compare).read_text())["results"][args.batching]["step_stats"]
-            steps = {f"{args.batching} (measured)": steps_from_columns(measured), **steps}
+            other = json.loads(Path(args.compare).read_text())
+            if "results" in other:  # bench_offline's: the same mode, measured
+                label, columns = f"{args.batching} (measured)", other["results"][args.batching]["step_stats"]
+            else:  # another simulation's (the other batching mode, say)
+                label, columns = f"{other['config']['batching']} (simulated)", other["step_stats"]
+            steps = {label: steps_from_columns(columns), **steps}
         plot_occupancy(steps, f"{prefix}_occupancy.png")
         plot_kv_blocks({f"{args.batching} (simulated)": result.step_stats}, result.num_kv_blocks,
                        f"{prefix}_kv_blocks.png")
@@ -260,7 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="PREFIX_occupancy.png and PREFIX_kv_blocks.png")
     p.add_argument("--compare", default=None, metavar="BENCH_JSON",
-                   help="--plot: draw this bench_offline run's steps of the same mode beside the simulated ones")
+                   help="--plot: draw these steps above the simulated ones: a bench_offline run's (the same mode, "
+                        "measured) or another simulate.py --json's")
     return p.parse_args(argv)
 
 

@@ -14,11 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from bench_metrics import percentile  # noqa: E402
 from make_model_config import write_model_config  # noqa: E402
 
-from engine.simulator.calibration import nonnegative_least_squares  # noqa: E402
+from engine.simulator.calibration import fit_steps, nonnegative_least_squares  # noqa: E402
 from engine.simulator.capacity import parse_slo, poisson_arrivals, statistic  # noqa: E402
 from engine.simulator.hardware_profile import PROFILES_DIR, HardwareProfile, load_profile  # noqa: E402
 from engine.simulator.model_shape import load_model_shape  # noqa: E402
-from engine.simulator.step_cost import StepCostModel, StepShape  # noqa: E402
+from engine.simulator.step_cost import PeakTimes, StepCostModel, StepShape  # noqa: E402
 from scheduler_helpers import make_request, make_scheduler  # noqa: E402
 
 SMOLLM2_LAYER_PARAMS = 3_538_944  # qkv 576*960 + o 576*576 + gate/up/down 3*576*1536
@@ -66,7 +66,7 @@ def test_price_of_a_hand_made_step(smollm2):
     attention = step.num_attention_pairs * smollm2.attention_flops_per_pair / (100e12 * 0.25)
     assert cost.overhead_s == pytest.approx(1e-3 + 5e-5)
     assert cost.linear_s == pytest.approx(weights + matmuls)
-    assert cost.attention_s == pytest.approx(kv + attention)
+    assert cost.attention_s == pytest.approx(kv + attention)  # KV reads and FLOPs add, overlap or not
     assert cost.allreduce_s == 0
     assert cost.total_s == pytest.approx(1e-3 + 5e-5 + weights + matmuls + kv + attention)
     overlapped = StepCostModel(smollm2, profile(overlap=True)).price(step)
@@ -111,9 +111,21 @@ def test_kv_pool_is_what_the_weights_leave():
 
 def test_nonnegative_least_squares_recovers_coefficients_and_drops_negative_ones():
     rows = [[1.0, x, x * x] for x in range(1, 20)]
-    assert nonnegative_least_squares(rows, [2 + 3 * x for _, x, _ in rows]) == pytest.approx([2, 3, 0], abs=1e-9)
+    coefficients, sse = nonnegative_least_squares(rows, [2 + 3 * x for _, x, _ in rows])
+    assert coefficients == pytest.approx([2, 3, 0], abs=1e-9) and sse == pytest.approx(0, abs=1e-12)
     # the unconstrained fit of y = 5 - x would give x a negative weight: it is dropped
-    assert nonnegative_least_squares([[1.0, x] for x in range(5)], [5.0 - x for x in range(5)])[1] == 0
+    assert nonnegative_least_squares([[1.0, x] for x in range(5)], [5.0 - x for x in range(5)])[0][1] == 0
+
+
+def test_the_fit_finds_a_roofline_and_its_parameters():
+    """Steps made by a known roofline: small ones cost the weight read, big ones their matmuls."""
+    times = [PeakTimes(weights_s=0.004, matmuls_s=0.0005 * n, kv_s=0.0001 * n * (1 + n % 3), attention_s=0.0)
+             for n in range(1, 80)]
+    periods = [0.01 + 2e-5 * n + max(0.006, 2 * t.matmuls_s) + 1.5 * t.kv_s for n, t in zip(range(1, 80), times)]
+    fit = fit_steps(times, list(range(1, 80)), periods)
+    assert fit.overlap
+    assert (fit.read_s, fit.k_matmul, fit.k_kv) == pytest.approx((0.006, 2.0, 1.5), rel=0.02)
+    assert (fit.step_overhead_s, fit.seq_overhead_s) == pytest.approx((0.01, 2e-5), rel=0.1, abs=2e-4)
 
 
 def test_slo_parsing_and_statistics_match_the_benchmarks():

@@ -8,14 +8,18 @@ overheads by least squares on measured engine steps.
    tokens. The simulator replays the same workload with the same settings (offline,
    scheduling does not depend on time, so the steps must come out identical: this is
    checked) and so knows each step's context lengths and chunks.
-3. Fit. With the CPU's additive step cost (no overlap), each step's period (start to
-   the next step's start: the offline loop's own work between steps included) is
+3. Fit. Each step's period (start to the next step's start: the offline loop's own
+   work between steps included), in one of two forms, whichever fits better:
 
-       period - weights/bandwidth = step_overhead + seq_overhead·num_seqs
-                                    + matmuls/(peak·e_mm) + KV/(bandwidth·e_kv) + attention/(peak·e_attn)
+       additive   period = c + s·num_seqs + read + k_mm·matmuls + k_kv·KV + k_attn·attention
+       roofline   period = c + s·num_seqs + max(read, k_mm·matmuls) + k_kv·KV + k_attn·attention
 
-   linear in (step_overhead, seq_overhead, 1/e_mm, 1/e_kv, 1/e_attn): non-negative
-   least squares. What elapsed time lies outside the steps (adding the requests) is
+   with every term at peak and each k = 1/efficiency. The additive form is linear: non-
+   negative least squares (the weight read is the same every step, so it merges with c
+   and keeps its measured time). The roofline form is linear once (read, k_mm) is fixed:
+   a grid over those, refined around the best. On this Zen 4 the roofline wins: a
+   decode step of 1 to 8 sequences costs about one weight read, whatever its size.
+   What elapsed time lies outside the steps (adding the requests) is
    `request_overhead_s` per request.
 """
 
@@ -28,12 +32,10 @@ from dataclasses import dataclass
 
 from engine.simulator.hardware_profile import CALIBRATED, HardwareProfile
 from engine.simulator.model_shape import ModelShape
-from engine.simulator.step_cost import StepCostModel, StepShape
+from engine.simulator.step_cost import PeakTimes, StepCostModel
 
 logger = logging.getLogger(__name__)
 
-FEATURES = ("step_overhead_s", "seq_overhead_s", "1/matmul_efficiency", "1/kv_read_efficiency",
-            "1/attention_efficiency")
 MAX_EFFICIENCY = 1e6  # a term the fit finds free; JSON has no infinity
 
 
@@ -109,9 +111,10 @@ def measure_machine(weight_bytes: int, hidden: int, intermediate: int, dtype, de
     return MachineBalance(read_bytes_per_s, matmul_flops_per_s)
 
 
-def nonnegative_least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
+def nonnegative_least_squares(rows, targets) -> tuple[list[float], float]:
     """Least squares with every coefficient >= 0: solve, drop the most negative, repeat
-    (an active set small enough for five features; numpy only)."""
+    (an active set small enough for a handful of features; numpy only). Returns the
+    coefficients and the sum of squared residuals."""
     import numpy as np
 
     a, b = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
@@ -124,25 +127,68 @@ def nonnegative_least_squares(rows: list[list[float]], targets: list[float]) -> 
     coefficients = [0.0] * a.shape[1]
     for index, value in zip(active, solution):
         coefficients[index] = float(value)
-    return coefficients
+    residuals = b - a[:, active] @ solution
+    return coefficients, float(residuals @ residuals)
+
+
+@dataclass
+class StepFit:
+    """period = overhead + seq·num_seqs + combine(read, k_mm·matmuls) + k_kv·KV + k_attn·attention,
+    times at peak; `read` is the weight read's seconds per step (the same every step)."""
+
+    overlap: bool
+    read_s: float
+    step_overhead_s: float
+    seq_overhead_s: float
+    k_matmul: float
+    k_kv: float
+    k_attention: float
+    sse: float
+
+
+def fit_steps(times: list[PeakTimes], num_seqs: list[int], periods: list[float]) -> StepFit:
+    """The better of the two forms. Additive: all linear, the read merged into the fixed
+    overhead. Roofline: for each (read, k_mm) on a grid, refined twice around the best,
+    the rest is linear."""
+    import numpy as np
+
+    matmuls = np.array([t.matmuls_s for t in times])
+    base = np.array([[1.0, n, t.kv_s, t.attention_s] for t, n in zip(times, num_seqs)])
+    y = np.asarray(periods)
+    (c, s, k_mm, k_kv, k_attn), sse = nonnegative_least_squares(np.column_stack([base, matmuls]), y)
+    best = StepFit(False, 0.0, c, s, k_mm, k_kv, k_attn, sse)
+    reads = np.linspace(0.0, float(np.min(y)), 41)
+    ks = np.geomspace(0.05, 50.0, 41)
+    for _ in range(3):
+        for read in reads:
+            for k in ks:
+                (c, s, k_kv, k_attn), sse = nonnegative_least_squares(base, y - np.maximum(read, k * matmuls))
+                if sse < best.sse:
+                    best = StepFit(True, float(read), c, s, float(k), k_kv, k_attn, sse)
+        if not best.overlap:
+            break
+        read_step, k_ratio = reads[1] - reads[0], ks[1] / ks[0]
+        reads = np.linspace(max(0.0, best.read_s - read_step), best.read_s + read_step, 21)
+        ks = np.geomspace(best.k_matmul / k_ratio, best.k_matmul * k_ratio, 21)
+    return best
 
 
 def fit_profile(shape: ModelShape, balance: MachineBalance, runs: list[MeasuredRun],
                 kv_cache_memory_bytes: int) -> HardwareProfile:
-    """This machine's profile (additive step cost) from measured runs of `shape`."""
-    peak = HardwareProfile(CALIBRATED, "", {shape.dtype: balance.matmul_flops_per_s}, balance.read_bytes_per_s,
-                           overlap=False)
+    """This machine's profile from measured runs of `shape`."""
+    peak = HardwareProfile(CALIBRATED, "", {shape.dtype: balance.matmul_flops_per_s}, balance.read_bytes_per_s)
     cost_model = StepCostModel(shape, peak)
-    rows, targets = [], []
-    for run in runs:
-        for step, period in zip(run.step_shapes, run.periods_s):
-            t = cost_model.peak_times(step)
-            rows.append([1.0, step.num_seqs, t.matmuls_s, t.kv_s, t.attention_s])
-            targets.append(period - t.weights_s)
-    step_overhead, seq_overhead, inv_mm, inv_kv, inv_attn = nonnegative_least_squares(rows, targets)
+    times = [cost_model.peak_times(step) for run in runs for step in run.step_shapes]
+    fit = fit_steps(times, [step.num_seqs for run in runs for step in run.step_shapes],
+                    [period for run in runs for period in run.periods_s])
+    weights_s = times[0].weights_s
+    if fit.overlap:
+        step_overhead, read_s = fit.step_overhead_s, fit.read_s
+    else:  # the fit sees only the read's sum with the fixed overhead: the read keeps its measured time
+        step_overhead, read_s = max(0.0, fit.step_overhead_s - weights_s), min(weights_s, fit.step_overhead_s)
 
-    def efficiency(inverse: float) -> float:
-        return 1.0 / inverse if inverse > 1.0 / MAX_EFFICIENCY else MAX_EFFICIENCY
+    def efficiency(seconds_per_peak_second: float) -> float:
+        return min(1.0 / seconds_per_peak_second, MAX_EFFICIENCY) if seconds_per_peak_second > 0 else MAX_EFFICIENCY
 
     num_requests = sum(r.num_requests for r in runs)
     outside_steps_s = sum(max(0.0, r.elapsed_s - r.step_ends_s[-1]) for r in runs)
@@ -150,18 +196,18 @@ def fit_profile(shape: ModelShape, balance: MachineBalance, runs: list[MeasuredR
         name=CALIBRATED,
         source=(f"fitted on this machine ({cpu_model_name()}), {shape.dtype}, {time.strftime('%Y-%m-%d %H:%M')}: "
                 f"peak read bandwidth and matmul rate from micro-benchmarks (best of 7), efficiencies and "
-                f"overheads by least squares on {len(rows)} measured steps of {shape.name} "
+                f"overheads by least squares on {len(times)} measured steps of {shape.name} "
                 f"({', '.join(r.name for r in runs)}); KV pool: the engine's default kv_cache_memory_bytes"),
         matmul_flops_per_s={shape.dtype: balance.matmul_flops_per_s},
         memory_bandwidth_bytes_per_s=balance.read_bytes_per_s,
-        matmul_efficiency=efficiency(inv_mm),
-        bandwidth_efficiency=1.0,  # the measured read rate is what a weight read gets; the rest is in the overhead
-        kv_read_efficiency=efficiency(inv_kv),
-        attention_efficiency=efficiency(inv_attn),
-        overlap=False,
+        matmul_efficiency=efficiency(fit.k_matmul),
+        bandwidth_efficiency=efficiency(read_s / weights_s),
+        kv_read_efficiency=efficiency(fit.k_kv),
+        attention_efficiency=efficiency(fit.k_attention),
+        overlap=fit.overlap,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
         step_overhead_s=step_overhead,
-        seq_overhead_s=seq_overhead,
+        seq_overhead_s=fit.seq_overhead_s,
         request_overhead_s=outside_steps_s / num_requests if num_requests else 0.0,
         cpu_model=cpu_model_name(),
         dtype=shape.dtype,
@@ -171,12 +217,13 @@ def fit_profile(shape: ModelShape, balance: MachineBalance, runs: list[MeasuredR
     measured = [p for r in runs for p in r.periods_s]
     profile.fit = {
         "model": shape.name,
-        "num_steps": len(rows),
+        "num_steps": len(times),
         "runs": [r.name for r in runs],
+        "form": "roofline (max)" if fit.overlap else "additive",
         "measured_steps_s": sum(measured),
         "predicted_steps_s": sum(predicted),
-        "mean_abs_step_error": sum(abs(p - m) for p, m in zip(predicted, measured)) / len(measured),
-        "coefficients": dict(zip(FEATURES, (step_overhead, seq_overhead, inv_mm, inv_kv, inv_attn))),
+        "mean_abs_step_error_s": sum(abs(p - m) for p, m in zip(predicted, measured)) / len(measured),
+        "weight_read_s": read_s,
     }
     logger.info("calibrated: %s", profile.fit)
     return profile

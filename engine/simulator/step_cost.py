@@ -1,6 +1,6 @@
 """The price of one engine step, from what it contains.
 
-    step = overhead + combine(weights, matmuls) + combine(KV reads, attention) + all-reduce
+    step = overhead + combine(weights, matmuls) + KV reads + attention + all-reduce
 
     overhead    step_overhead + seq_overhead · num_seqs       (the engine's own work)
     weights     weight bytes / TP / (bandwidth · eff)          (every weight read once)
@@ -9,10 +9,10 @@
     attention   (query, key) pairs · 4·layers·heads·head_dim / TP / (peak · eff)
     all-reduce  2 per layer, ring: 2·(TP-1)/TP · tokens · hidden bytes / link + latency
 
-`combine` is max (a roofline: memory and arithmetic overlap, as on a GPU) or + (this
-CPU: the same two cores stream and multiply), per the profile's `overlap`. With
-`overlap` off every term is linear in one parameter, which is what lets
-`calibration.py` fit the profile by least squares on measured steps.
+`combine` is max (a roofline: the weight stream and the arithmetic overlap, as on a
+GPU, and as this CPU's oneDNN matmuls measure: a decode step of 1 to 8 sequences costs
+about the same) or + (no overlap), per the profile's `overlap`. KV reads and attention
+FLOPs add: the reads are mostly decodes' and the FLOPs prefills', different sequences.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class PeakTimes:
 class StepCost:
     overhead_s: float
     linear_s: float  # weights and matmuls, combined
-    attention_s: float  # KV reads and attention FLOPs, combined
+    attention_s: float  # KV reads and attention FLOPs
     allreduce_s: float
 
     @property
@@ -98,7 +98,7 @@ class StepCostModel:
         return StepCost(
             overhead_s=p.step_overhead_s + p.seq_overhead_s * step.num_seqs,
             linear_s=combine(peak.weights_s / p.bandwidth_efficiency, peak.matmuls_s / p.matmul_efficiency),
-            attention_s=combine(peak.kv_s / p.kv_read_efficiency, peak.attention_s / p.attention_efficiency),
+            attention_s=peak.kv_s / p.kv_read_efficiency + peak.attention_s / p.attention_efficiency,
             allreduce_s=self.allreduce_s(step.num_tokens),
         )
 
