@@ -4,9 +4,10 @@
 #   2. the Triton kernel tests on the GPU (TRITON_INTERPRET=0)
 #   3. bench_decode on the default model (smollm2; bf16, triton, batch 64, 128 in, 128 out)
 #   4. bench_decode on a random-weight Mistral-7B shape (bf16, triton, batch 32, 512 in, 64 out)
-# Results go to ${OUT:-results/gpu}: a log per step and the two bench JSONs, 7 files (the
+#   5. the capacity simulator's prediction of step 4 on this GPU's profile, beside the measurement
+# Results go to ${OUT:-results/gpu}: a log per step and the two bench JSONs, 8 files (the
 # device tool returns 8 at most). Each step runs under `timeout`, so one hang costs only
-# its own slot; the limits add up to 300 s (give the device call timeout_s=360).
+# its own slot; the limits add up to 360 s (give the device call timeout_s=420).
 # The exit status is 1 if any step failed.
 #
 #   bash scripts/gpu_check.sh                       # here, or on the device machine
@@ -76,6 +77,20 @@ step bench_smollm2 60 "$PYTHON" scripts/bench_decode.py "${smollm2[@]}" --dtype 
 step bench_mistral7b 90 "$PYTHON" scripts/bench_decode.py --model "$WORK/mistral-7b" --load-format dummy \
     --dtype bfloat16 --attention-backend triton --batch-size 32 --input-len 512 --output-len 64 \
     --json "$OUT/bench_mistral7b.json"
+
+# 5. The capacity simulator's prediction of step 4 on this GPU's spec-sheet profile, beside the
+# measured run (log only: no GPU time, and the file count stays at 8).
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)" in
+    *H200*) profile=h200 ;; *A100*) profile=a100-80gb ;; *) profile=h100-sxm ;;
+esac
+SIM_VS_BENCH='import json, sys
+sim, bench = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+for key in ("elapsed_s", "total_tokens_per_s", "output_tokens_per_s", "num_steps"):
+    print(f"{key}: simulated {sim[key]:.4g}, measured {bench[key]:.4g}, error {100 * (sim[key] / bench[key] - 1):+.1f}%")'
+try_step sim_mistral7b 60 bash -c '"$0" scripts/simulate.py --model mistral-7b --hardware "$1" --num-requests 32 \
+    --input-len 512 512 --output-len 64 64 --max-num-seqs 32 --max-num-batched-tokens 16384 --num-kv-blocks 1152 \
+    --json "$2/sim.json" && "$0" -c "$3" "$2/sim.json" "$4"' \
+    "$PYTHON" "$profile" "$WORK" "$SIM_VS_BENCH" "$OUT/bench_mistral7b.json"
 
 rm -rf "$WORK"
 if [ ${#failed[@]} -gt 0 ]; then
