@@ -30,8 +30,10 @@ import logging  # noqa: E402
 import math  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from dataclasses import asdict  # noqa: E402
 
-from engine.simulator.capacity import CapacitySearch, parse_slo, poisson_arrivals  # noqa: E402
+from engine.simulator.capacity import (  # noqa: E402
+    CapacitySearch, latency_samples, parse_slo, poisson_arrivals, statistic)
 from engine.simulator.hardware_profile import (  # noqa: E402
     CALIBRATED, HardwareProfile, calibrated_profile_path, load_profile, profile_names)
 from engine.simulator.model_shape import ModelShape, load_model_shape  # noqa: E402
@@ -45,6 +47,10 @@ ENGINE_KV_CACHE_MEMORY_BYTES = 1 << 30  # EngineConfig's default pool, which the
 # mixed steps and decode batches of every size, in both modes; not a validation workload.
 CALIBRATION_ARGS = ["--num-requests", "48", "--input-len", "8", "512", "--output-len", "8", "160", "--seed", "1",
                     "--modes", "continuous,static", "--static-batch-size", "8"]
+# Then served through our HTTP server (its defaults: continuous, 64 sequences), for the
+# server's step factor and latency; another seed and rate than the validation's.
+CALIBRATION_SERVING_ARGS = ["--num-requests", "32", "--request-rate", "3", "--input-len", "16", "256",
+                            "--output-len", "16", "128", "--seed", "1", "--prefix-caching", "on", "--no-progress"]
 
 
 def model_shape_for(model: str, dtype: str) -> ModelShape:
@@ -142,6 +148,7 @@ def calibrate(args) -> HardwareProfile:
     import torch
 
     import bench_offline
+    import bench_serving
     from engine.simulator.calibration import fit_profile, measure_machine
 
     dtype = args.dtype if args.dtype != "auto" else auto_dtype(None)
@@ -151,18 +158,49 @@ def calibrate(args) -> HardwareProfile:
                               getattr(torch, dtype))
     logger.info("peaks: %.1f GB/s read, %.1f GFLOP/s matmul (%s)", balance.read_bytes_per_s / 1e9,
                 balance.matmul_flops_per_s / 1e9, dtype)
-    benches = [json.loads(Path(path).read_text()) for path in args.calibrate_from]
-    if not benches:
-        path = Path(tempfile.mkdtemp(prefix="calibrate-")) / "bench.json"
-        benches = [bench_offline.main(["--model", args.model, "--dtype", dtype, *CALIBRATION_ARGS, "--json", str(path)])]
+    given = [json.loads(Path(path).read_text()) for path in args.calibrate_from]
+    benches = [b for b in given if "results" in b]  # bench_offline's
+    served = [b for b in given if "summary" in b]  # bench_serving's
+    if not given:
+        folder = Path(tempfile.mkdtemp(prefix="calibrate-"))
+        benches = [bench_offline.main(["--model", args.model, "--dtype", dtype, *CALIBRATION_ARGS,
+                                       "--json", str(folder / "bench_offline.json")])]
+        served = [bench_serving.main([*CALIBRATION_SERVING_ARGS, "--server-model", args.model,
+                                      "--server-arg=--dtype", f"--server-arg={dtype}",
+                                      "--json", str(folder / "bench_serving.json")])]
     provisional = HardwareProfile(CALIBRATED, "", {dtype: balance.matmul_flops_per_s}, balance.read_bytes_per_s,
                                   overlap=False, kv_cache_memory_bytes=ENGINE_KV_CACHE_MEMORY_BYTES)
+    if not benches:
+        raise SystemExit("--calibrate-from needs at least one bench_offline.py JSON")
     runs = [run for bench in benches for run in replay_bench(bench, shape, provisional)]
     profile = fit_profile(shape, balance, runs, ENGINE_KV_CACHE_MEMORY_BYTES)
+    if served:
+        fit_served(profile, shape, served[0])
     path = profile.save(args.profile_out or calibrated_profile_path())
     print(profile.to_json())
     logger.info("wrote %s", path)
     return profile
+
+
+def fit_served(profile: HardwareProfile, shape: ModelShape, bench: dict) -> None:
+    """Set the profile's server terms from a bench_serving run of our server at its defaults."""
+    from engine.simulator.calibration import fit_server
+
+    config = {**bench["config"], "length_mix": None, "request_rate": float(bench["config"]["request_rate"])}
+    requests = synthetic_workload(argparse.Namespace(**config), shape.vocab_size)
+
+    def medians(factor: float) -> tuple[float, float]:
+        trial = HardwareProfile.from_dict({**asdict(profile), "server_step_factor": factor, "server_latency_s": 0.0})
+        samples = latency_samples(Simulator(shape, trial, SimulatorConfig(is_served=True)).run(requests))
+        return statistic(samples["ttft"], "p50"), statistic(samples["tpot"], "p50")
+
+    summary = bench["summary"]
+    profile.server_step_factor, profile.server_latency_s = fit_server(
+        medians, summary["ttft_s"]["median"], summary["tpot_s"]["median"])
+    profile.fit["server"] = {"num_requests": len(requests), "request_rate": config["request_rate"],
+                             "measured_ttft_p50_s": summary["ttft_s"]["median"],
+                             "measured_tpot_p50_s": summary["tpot_s"]["median"]}
+    logger.info("served: steps x%.3f, %.1f ms latency", profile.server_step_factor, profile.server_latency_s * 1000)
 
 
 def shape_folder(model: str) -> str:
@@ -211,7 +249,7 @@ def simulator_config(args) -> SimulatorConfig:
     return SimulatorConfig(batching=args.batching, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                            tensor_parallel_size=args.tensor_parallel_size, num_kv_blocks=args.num_kv_blocks,
-                           enable_prefix_caching=args.enable_prefix_caching)
+                           enable_prefix_caching=args.enable_prefix_caching, is_served=args.server)
 
 
 def search_capacity(args, shape: ModelShape, profile: HardwareProfile, requests: list[SimulatedRequest]) -> dict:
@@ -235,7 +273,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calibrate", action="store_true", help="fit this machine's profile and save it")
     p.add_argument("--calibrate-from", nargs="*", default=[], metavar="BENCH_JSON",
-                   help="--calibrate from these bench_offline.py --json runs instead of running one")
+                   help="--calibrate from these bench_offline.py (and bench_serving.py) --json runs instead of "
+                        "running them")
     p.add_argument("--profile-out", default=None, help=f"--calibrate: where (default {calibrated_profile_path()})")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -258,6 +297,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from the profile's KV memory")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--server", action=argparse.BooleanOptionalAction, default=None,
+                   help="served through the HTTP server (the profile's server step factor and latency apply); "
+                        "default: with --slo, or when requests arrive over time, not all at 0")
     p.add_argument("--slo", default=None, help="search the highest rate within it, e.g. ttft_p99=1000,tpot_p50=50 (ms)")
     p.add_argument("--target-rate", type=float, default=None, help="--slo: replicas needed for this many req/s")
     p.add_argument("--start-rate", type=float, default=1.0, help="--slo: the search's first rate")
@@ -277,6 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
     profile = load_profile(args.hardware)
     shape = model_shape_for(args.model, args.dtype if args.dtype != "auto" else auto_dtype(profile))
     requests = read_workload(args.workload) if args.workload else synthetic_workload(args, shape.vocab_size)
+    if args.server is None:  # a capacity search is for a server
+        args.server = bool(args.slo) or any(r.arrival_s > 0 for r in requests)
     if args.write_workload:
         write_workload(args.write_workload, requests)
     report = search_capacity(args, shape, profile, requests) if args.slo else simulate(args, shape, profile, requests)

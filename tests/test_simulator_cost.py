@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from bench_metrics import percentile  # noqa: E402
 from make_model_config import write_model_config  # noqa: E402
 
-from engine.simulator.calibration import fit_steps, nonnegative_least_squares  # noqa: E402
+from engine.simulator.calibration import fit_server, fit_steps, nonnegative_least_squares  # noqa: E402
 from engine.simulator.capacity import parse_slo, poisson_arrivals, statistic  # noqa: E402
 from engine.simulator.hardware_profile import PROFILES_DIR, HardwareProfile, load_profile  # noqa: E402
 from engine.simulator.model_shape import load_model_shape  # noqa: E402
@@ -126,6 +126,16 @@ def test_the_fit_finds_a_roofline_and_its_parameters():
     assert fit.overlap
     assert (fit.read_s, fit.k_matmul, fit.k_kv) == pytest.approx((0.006, 2.0, 1.5), rel=0.02)
     assert (fit.step_overhead_s, fit.seq_overhead_s) == pytest.approx((0.01, 2e-5), rel=0.1, abs=2e-4)
+
+
+def test_the_server_fit_scales_steps_to_tpot_then_adds_latency_to_ttft():
+    def simulate(factor):  # TPOT grows a little faster than the factor: slower steps batch more
+        return 0.1 * factor, 0.02 * factor ** 1.2
+
+    factor, latency = fit_server(simulate, measured_ttft_p50_s=0.2, measured_tpot_p50_s=0.03)
+    assert simulate(factor)[1] == pytest.approx(0.03, rel=1e-3)
+    assert latency == pytest.approx(0.2 - simulate(factor)[0])
+    assert fit_server(simulate, 0.01, 0.02)[1] == 0  # never a negative latency
 
 
 def test_slo_parsing_and_statistics_match_the_benchmarks():

@@ -21,6 +21,9 @@ overheads by least squares on measured engine steps.
    decode step of 1 to 8 sequences costs about one weight read, whatever its size.
    What elapsed time lies outside the steps (adding the requests) is
    `request_overhead_s` per request.
+4. Served (`fit_server`): a `bench_serving.py` run through our HTTP server, replayed,
+   gives the factor by which served steps are slower (the frontend and the client share
+   the CPU) and the latency of the path between client and core.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import logging
 import platform
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.simulator.hardware_profile import CALIBRATED, HardwareProfile
 from engine.simulator.model_shape import ModelShape
@@ -227,3 +231,17 @@ def fit_profile(shape: ModelShape, balance: MachineBalance, runs: list[MeasuredR
     }
     logger.info("calibrated: %s", profile.fit)
     return profile
+
+
+def fit_server(simulate: Callable[[float], tuple[float, float]], measured_ttft_p50_s: float,
+               measured_tpot_p50_s: float) -> tuple[float, float]:
+    """(server_step_factor, server_latency_s) from one served run's medians.
+
+    `simulate(factor)` runs the served workload with that step factor and no latency and
+    returns its (TTFT p50, TPOT p50). TPOT fixes the factor: slower steps also batch more,
+    so the ratio is applied a few times until it settles. What TTFT still lacks is the
+    latency of the path between the client and the core."""
+    factor = 1.0
+    for _ in range(4):
+        factor *= measured_tpot_p50_s / simulate(factor)[1]
+    return factor, max(0.0, measured_ttft_p50_s - simulate(factor)[0])

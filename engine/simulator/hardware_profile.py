@@ -46,6 +46,11 @@ class HardwareProfile:
     step_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0  # per sequence in the step
     request_overhead_s: float = 0.0  # per request, once, at arrival (checks, detokenizer set-up)
+    # Served through the HTTP server, a step takes this many times its offline price (here
+    # the frontend and the client share the CPU with the core), and each token reaches the
+    # client this much later (HTTP, tokenizer, IPC, detokenizer, SSE).
+    server_step_factor: float = 1.0
+    server_latency_s: float = 0.0
     cpu_model: str | None = None  # calibrated profiles: what they were fitted on
     dtype: str | None = None  # calibrated profiles: the dtype the fit ran in; GPUs: None (any)
     fit: dict = field(default_factory=dict)  # calibrated profiles: residuals, step counts, inputs

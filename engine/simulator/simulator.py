@@ -5,7 +5,7 @@ simulated clock by a runner that prices each step instead of running it.
     loop:  add every request whose arrival_s <= now   (each costs request_overhead_s)
            idle: now = next arrival
            schedule -> price (SimulatedRunner) -> now += cost -> update
-           the step's tokens are out at `now`
+           the step's tokens are out at `now` (served: `now` + the server's latency)
 
 The pool is sized as EngineCore sizes it (KV bytes from the profile, blocks of
 `block_size`), and so is the context limit, so the same workload takes the same
@@ -52,6 +52,7 @@ class SimulatorConfig:
     num_kv_blocks: int | None = None  # None: from the profile's KV memory
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    is_served: bool = False  # through the HTTP server: the profile's server_* terms apply
 
 
 @dataclass
@@ -119,6 +120,8 @@ class Simulator:
         times = [RequestTimes(r.arrival_s, r.num_prompt_tokens) for r in requests]
         step_stats: list[StepStats] = []
         step_shapes: list[StepShape] = []
+        step_factor = self.profile.server_step_factor if self.config.is_served else 1.0
+        latency = self.profile.server_latency_s if self.config.is_served else 0.0
         now, next_index = 0.0, 0
         while next_index < len(order) or scheduler.has_unfinished_requests():
             while next_index < len(order) and requests[order[next_index]].arrival_s <= now:
@@ -133,9 +136,9 @@ class Simulator:
             if output.is_empty:
                 raise RuntimeError("the scheduler scheduled nothing with requests waiting")
             sampled, shape, cost = runner.execute(output)
-            start, now = now, now + cost.total_s
+            start, now = now, now + cost.total_s * step_factor
             for request_output in scheduler.update(output, sampled):
-                times[int(request_output.request_id)].token_times.append(now)
+                times[int(request_output.request_id)].token_times.append(now + latency)
             step_stats.append(make_step_stats(output, sampled, start, now, scheduler.block_manager.num_used_blocks))
             step_shapes.append(shape)
         return SimulationResult(times, step_stats, step_shapes, self.num_kv_blocks, self.max_model_len, scheduler.num_preemptions)
