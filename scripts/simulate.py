@@ -30,10 +30,8 @@ import logging  # noqa: E402
 import math  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict  # noqa: E402
 
-from engine.simulator.capacity import (  # noqa: E402
-    CapacitySearch, latency_samples, parse_slo, poisson_arrivals, statistic)
+from engine.simulator.capacity import CapacitySearch, parse_slo, poisson_arrivals  # noqa: E402
 from engine.simulator.hardware_profile import (  # noqa: E402
     CALIBRATED, HardwareProfile, calibrated_profile_path, load_profile, profile_names)
 from engine.simulator.model_shape import ModelShape, load_model_shape  # noqa: E402
@@ -42,15 +40,6 @@ from workload import DISTRIBUTIONS, make_workload  # noqa: E402
 
 logger = logging.getLogger("simulate")
 
-ENGINE_KV_CACHE_MEMORY_BYTES = 1 << 30  # EngineConfig's default pool, which the measured runs use
-# The calibration run: prompts and outputs spread wide, so the fit sees big prefill chunks,
-# mixed steps and decode batches of every size, in both modes; not a validation workload.
-CALIBRATION_ARGS = ["--num-requests", "48", "--input-len", "8", "512", "--output-len", "8", "160", "--seed", "1",
-                    "--modes", "continuous,static", "--static-batch-size", "8"]
-# Then served through our HTTP server (its defaults: continuous, 64 sequences), for the
-# server's step factor and latency; another seed and rate than the validation's.
-CALIBRATION_SERVING_ARGS = ["--num-requests", "32", "--request-rate", "3", "--input-len", "16", "256",
-                            "--output-len", "16", "128", "--seed", "1", "--prefix-caching", "on", "--no-progress"]
 
 
 def model_shape_for(model: str, dtype: str) -> ModelShape:
@@ -100,114 +89,13 @@ def synthetic_workload(args, vocab_size: int) -> list[SimulatedRequest]:
         return [SimulatedRequest(p, o, t) for (p, o), t in zip(pairs, arrivals)]
     workload = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.distribution,
                              args.seed, vocab_size=vocab_size)
-    return [SimulatedRequest(r.num_prompt_tokens, r.max_tokens, t, r.prompt_token_ids) for r, t in zip(workload, arrivals)]
+    return [SimulatedRequest(r.num_prompt_tokens, r.max_tokens, t, r.prompt_token_ids)
+            for r, t in zip(workload, arrivals)]
 
 
 def write_workload(path: str, requests: list[SimulatedRequest]) -> None:
     Path(path).write_text("".join(json.dumps({"prompt_len": r.num_prompt_tokens, "output_len": r.max_tokens,
                                               "arrival_s": r.arrival_s}) + "\n" for r in requests))
-
-
-# ---- calibration ----
-
-def replay_bench(bench: dict, shape: ModelShape, profile: HardwareProfile):
-    """Each mode of a bench_offline JSON, replayed by the simulator with the run's own settings;
-    the steps must match the measured ones one for one."""
-    from engine.simulator.calibration import MeasuredRun
-
-    config = bench["config"]
-    if config.get("workload", "random") != "random" or config.get("real_prompts"):
-        raise SystemExit("calibration replays bench_offline's random workload only")
-    workload = make_workload(config["num_requests"], tuple(config["input_len"]), tuple(config["output_len"]),
-                             config["distribution"], config["seed"], vocab_size=shape.vocab_size)
-    requests = [SimulatedRequest(r.num_prompt_tokens, r.max_tokens, 0.0, r.prompt_token_ids) for r in workload]
-    runs = []
-    for mode, measured in bench["results"].items():
-        batching = mode.removesuffix("_no_prefix_caching")
-        if batching not in ("continuous", "static"):
-            continue
-        sim_config = SimulatorConfig(
-            batching=batching, max_num_batched_tokens=config["max_num_batched_tokens"],
-            max_num_seqs=config["max_num_seqs"] if batching == "continuous" else config["static_batch_size"],
-            block_size=config["block_size"], num_kv_blocks=config.get("num_kv_blocks"),
-            enable_prefix_caching=measured.get("prefix_caching", True))
-        result = Simulator(shape, profile, sim_config).run(requests)
-        steps = measured["step_stats"]
-        simulated = [(s.num_tokens, s.num_seqs) for s in result.step_stats]
-        if simulated != list(zip(steps["num_tokens"], steps["num_seqs"])):
-            first = next(i for i, (a, b) in enumerate(zip(simulated, zip(steps["num_tokens"], steps["num_seqs"])))
-                         if a != b) if len(simulated) == len(steps["num_tokens"]) else "count"
-            raise SystemExit(f"{mode}: the simulator's steps differ from the measured ones (at {first})")
-        runs.append(MeasuredRun(mode, result.step_shapes, steps["start_s"], steps["end_s"], measured["elapsed_s"],
-                                len(requests)))
-    return runs
-
-
-def calibrate(args) -> HardwareProfile:
-    """Micro-benchmark the peaks, run (or read) bench_offline's steps, fit, save."""
-    import torch
-
-    import bench_offline
-    import bench_serving
-    from engine.simulator.calibration import fit_profile, measure_machine
-
-    dtype = args.dtype if args.dtype != "auto" else auto_dtype(None)
-    shape = model_shape_for(args.model, dtype)
-    config = json.loads((Path(shape_folder(args.model)) / "config.json").read_text())
-    balance = measure_machine(shape.cost.weight_bytes, config["hidden_size"], config["intermediate_size"],
-                              getattr(torch, dtype))
-    logger.info("peaks: %.1f GB/s read, %.1f GFLOP/s matmul (%s)", balance.read_bytes_per_s / 1e9,
-                balance.matmul_flops_per_s / 1e9, dtype)
-    given = [json.loads(Path(path).read_text()) for path in args.calibrate_from]
-    benches = [b for b in given if "results" in b]  # bench_offline's
-    served = [b for b in given if "summary" in b]  # bench_serving's
-    if not given:
-        folder = Path(tempfile.mkdtemp(prefix="calibrate-"))
-        benches = [bench_offline.main(["--model", args.model, "--dtype", dtype, *CALIBRATION_ARGS,
-                                       "--json", str(folder / "bench_offline.json")])]
-        served = [bench_serving.main([*CALIBRATION_SERVING_ARGS, "--server-model", args.model,
-                                      "--server-arg=--dtype", f"--server-arg={dtype}",
-                                      "--json", str(folder / "bench_serving.json")])]
-    provisional = HardwareProfile(CALIBRATED, "", {dtype: balance.matmul_flops_per_s}, balance.read_bytes_per_s,
-                                  overlap=False, kv_cache_memory_bytes=ENGINE_KV_CACHE_MEMORY_BYTES)
-    if not benches:
-        raise SystemExit("--calibrate-from needs at least one bench_offline.py JSON")
-    runs = [run for bench in benches for run in replay_bench(bench, shape, provisional)]
-    profile = fit_profile(shape, balance, runs, ENGINE_KV_CACHE_MEMORY_BYTES)
-    if served:
-        fit_served(profile, shape, served[0])
-    path = profile.save(args.profile_out or calibrated_profile_path())
-    print(profile.to_json())
-    logger.info("wrote %s", path)
-    return profile
-
-
-def fit_served(profile: HardwareProfile, shape: ModelShape, bench: dict) -> None:
-    """Set the profile's server terms from a bench_serving run of our server at its defaults."""
-    from engine.simulator.calibration import fit_server
-
-    config = {**bench["config"], "length_mix": None, "request_rate": float(bench["config"]["request_rate"])}
-    requests = synthetic_workload(argparse.Namespace(**config), shape.vocab_size)
-
-    def medians(factor: float) -> tuple[float, float]:
-        trial = HardwareProfile.from_dict({**asdict(profile), "server_step_factor": factor, "server_latency_s": 0.0})
-        samples = latency_samples(Simulator(shape, trial, SimulatorConfig(is_served=True)).run(requests))
-        return statistic(samples["ttft"], "p50"), statistic(samples["tpot"], "p50")
-
-    summary = bench["summary"]
-    profile.server_step_factor, profile.server_latency_s = fit_server(
-        medians, summary["ttft_s"]["median"], summary["tpot_s"]["median"])
-    profile.fit["server"] = {"num_requests": len(requests), "request_rate": config["request_rate"],
-                             "measured_ttft_p50_s": summary["ttft_s"]["median"],
-                             "measured_tpot_p50_s": summary["tpot_s"]["median"]}
-    logger.info("served: steps x%.3f, %.1f ms latency", profile.server_step_factor, profile.server_latency_s * 1000)
-
-
-def shape_folder(model: str) -> str:
-    from engine.model_files import resolve_model
-
-    path = Path(model)
-    return str(path.parent if path.is_file() else path) if path.exists() else resolve_model(model)
 
 
 # ---- simulate, search ----
@@ -240,8 +128,8 @@ def simulate(args, shape: ModelShape, profile: HardwareProfile, requests: list[S
                 label, columns = f"{other['config']['batching']} (simulated)", other["step_stats"]
             steps = {label: steps_from_columns(columns), **steps}
         plot_occupancy(steps, f"{prefix}_occupancy.png")
-        plot_kv_blocks({f"{args.batching} (simulated)": result.step_stats}, result.num_kv_blocks,
-                       f"{prefix}_kv_blocks.png")
+        with_blocks = {label: s for label, s in steps.items() if s[0].num_kv_blocks_used is not None}
+        plot_kv_blocks(with_blocks, result.num_kv_blocks, f"{prefix}_kv_blocks.png")
     return report
 
 
@@ -315,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     if args.calibrate or args.calibrate_from:
+        from simulate_calibration import calibrate
+
         return json.loads(calibrate(args).to_json())
     profile = load_profile(args.hardware)
     shape = model_shape_for(args.model, args.dtype if args.dtype != "auto" else auto_dtype(profile))

@@ -54,8 +54,10 @@ def build_report(result, batching: str, dtype: str, prefix_caching: bool, extra:
 
 def steps_from_columns(columns: dict) -> list:
     """bench_offline's step_stats columns back into records that plots.plot_occupancy reads."""
-    return [SimpleNamespace(start_time=a, end_time=b, num_seqs=s, num_tokens=t)
-            for a, b, s, t in zip(columns["start_s"], columns["end_s"], columns["num_seqs"], columns["num_tokens"])]
+    num_blocks = columns.get("num_kv_blocks_used") or [None] * len(columns["start_s"])  # simulations record it
+    return [SimpleNamespace(start_time=a, end_time=b, num_seqs=s, num_tokens=t, num_kv_blocks_used=k)
+            for a, b, s, t, k in zip(columns["start_s"], columns["end_s"], columns["num_seqs"], columns["num_tokens"],
+                                     num_blocks)]
 
 
 def plot_kv_blocks(step_stats_by_label: dict[str, list], num_kv_blocks: int, path: str) -> None:

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     for name, figures in {**report["offline"], "serving": report["serving"]}.items():
-        print(name, {k: f"{v['error_pct']:+.1f}%" for k, v in figures.items() if isinstance(v, dict) and "error_pct" in v})
+        print(name, {k: f"{v['error_pct']:+.1f}%" for k, v in figures.items()
+                     if isinstance(v, dict) and "error_pct" in v})
     print(f"largest required error: {report['max_abs_error_pct_required']:.1f}% (wrote {path})")
     return report
 

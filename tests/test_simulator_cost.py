@@ -128,6 +128,18 @@ def test_the_fit_finds_a_roofline_and_its_parameters():
     assert (fit.step_overhead_s, fit.seq_overhead_s) == pytest.approx((0.01, 2e-5), rel=0.1, abs=2e-4)
 
 
+def test_the_fit_finds_an_additive_cost_and_its_parameters():
+    """Steps made by the additive form: every term adds, the read merges with the fixed overhead."""
+    # matmuls not proportional to num_seqs: every seventh step is a prefill of 300 tokens
+    times = [PeakTimes(weights_s=0.004, matmuls_s=0.0005 * (300 if n % 7 == 0 else n),
+                       kv_s=0.0001 * n * (1 + n % 3), attention_s=1e-4 * (n % 5)) for n in range(1, 80)]
+    periods = [0.01 + 2e-5 * n + 0.006 + 2 * t.matmuls_s + 1.5 * t.kv_s + 3 * t.attention_s
+               for n, t in zip(range(1, 80), times)]
+    fit = fit_steps(times, list(range(1, 80)), periods)
+    assert not fit.overlap
+    assert (fit.step_overhead_s, fit.k_matmul, fit.k_kv, fit.k_attention) == pytest.approx((0.016, 2, 1.5, 3), rel=1e-6)
+
+
 def test_the_server_fit_scales_steps_to_tpot_then_adds_latency_to_ttft():
     def simulate(factor):  # TPOT grows a little faster than the factor: slower steps batch more
         return 0.1 * factor, 0.02 * factor ** 1.2

@@ -36,7 +36,7 @@ from typing import Callable
 
 from engine.simulator.hardware_profile import CALIBRATED, HardwareProfile
 from engine.simulator.model_shape import ModelShape
-from engine.simulator.step_cost import PeakTimes, StepCostModel
+from engine.simulator.step_cost import PeakTimes, StepCostModel, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def fit_steps(times: list[PeakTimes], num_seqs: list[int], periods: list[float])
     matmuls = np.array([t.matmuls_s for t in times])
     base = np.array([[1.0, n, t.kv_s, t.attention_s] for t, n in zip(times, num_seqs)])
     y = np.asarray(periods)
-    (c, s, k_mm, k_kv, k_attn), sse = nonnegative_least_squares(np.column_stack([base, matmuls]), y)
+    (c, s, k_kv, k_attn, k_mm), sse = nonnegative_least_squares(np.column_stack([base, matmuls]), y)
     best = StepFit(False, 0.0, c, s, k_mm, k_kv, k_attn, sse)
     reads = np.linspace(0.0, float(np.min(y)), 41)
     ks = np.geomspace(0.05, 50.0, 41)

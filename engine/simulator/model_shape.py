@@ -38,6 +38,7 @@ class ModelShape:
     cost: ModelCost
     num_layers: int
     hidden_size: int
+    intermediate_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -74,7 +75,7 @@ class ModelShape:
                           config.num_kv_heads, config.head_dim, config.vocab_size, config.tie_word_embeddings,
                           ELEMENT_SIZES[dtype])
         return cls(name or Path(config.path).name, dtype, cost, config.num_layers, config.hidden_size,
-                   config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size,
+                   config.intermediate_size, config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size,
                    config.max_position_embeddings, config.sliding_window, tuple(config.eos_token_ids))
 
 

@@ -86,7 +86,8 @@ class SimulationResult:
 
 
 class Simulator:
-    def __init__(self, shape: ModelShape, profile: HardwareProfile, config: SimulatorConfig = SimulatorConfig()) -> None:
+    def __init__(self, shape: ModelShape, profile: HardwareProfile,
+                 config: SimulatorConfig = SimulatorConfig()) -> None:
         self.shape = shape
         self.profile = profile
         self.config = config
@@ -141,7 +142,8 @@ class Simulator:
                 times[int(request_output.request_id)].token_times.append(now + latency)
             step_stats.append(make_step_stats(output, sampled, start, now, scheduler.block_manager.num_used_blocks))
             step_shapes.append(shape)
-        return SimulationResult(times, step_stats, step_shapes, self.num_kv_blocks, self.max_model_len, scheduler.num_preemptions)
+        return SimulationResult(times, step_stats, step_shapes, self.num_kv_blocks, self.max_model_len,
+                                scheduler.num_preemptions)
 
     def _make_request(self, index: int, r: SimulatedRequest) -> Request:
         """A real Request, checked and capped as EngineCore.add_request does."""

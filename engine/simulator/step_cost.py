@@ -81,7 +81,8 @@ class StepCostModel:
 
     def peak_times(self, step: StepShape) -> PeakTimes:
         shape, bandwidth, tp = self.shape, self.profile.memory_bandwidth_bytes_per_s, self.tp
-        matmul_flops = step.num_tokens * shape.cost.body_flops_per_token + step.num_sampled * shape.cost.head_flops_per_token
+        cost = shape.cost
+        matmul_flops = step.num_tokens * cost.body_flops_per_token + step.num_sampled * cost.head_flops_per_token
         # KV heads are split across devices, as the weights and the FLOPs are.
         kv_bytes = (step.num_context_tokens + step.num_tokens) * shape.kv_bytes_per_token
         return PeakTimes(
@@ -109,4 +110,5 @@ class StepCostModel:
         num_bytes = num_tokens * self.shape.allreduce_bytes_per_token  # every layer's two, together
         num_allreduces = 2 * self.shape.num_layers
         p = self.profile
-        return 2 * (self.tp - 1) / self.tp * num_bytes / p.link_bandwidth_bytes_per_s + num_allreduces * p.link_latency_s
+        ring_s = 2 * (self.tp - 1) / self.tp * num_bytes / p.link_bandwidth_bytes_per_s
+        return ring_s + num_allreduces * p.link_latency_s
