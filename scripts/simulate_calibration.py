@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -69,6 +70,10 @@ def calibrate(args) -> HardwareProfile:
     import bench_offline
     import bench_serving
 
+    load = os.getloadavg()[0]
+    if not args.calibrate_from and load > 0.5 * (os.cpu_count() or 1):
+        logger.warning("load average %.1f on %d CPUs: others' work will be fitted as this machine's cost; "
+                       "calibrate on a quiet machine", load, os.cpu_count())
     dtype = args.dtype if args.dtype != "auto" else auto_dtype(None)
     shape = model_shape_for(args.model, dtype)
     balance = measure_machine(shape.cost.weight_bytes, shape.hidden_size, shape.intermediate_size,
@@ -93,6 +98,7 @@ def calibrate(args) -> HardwareProfile:
     profile = fit_profile(shape, balance, runs, ENGINE_KV_CACHE_MEMORY_BYTES)
     if served:
         fit_served(profile, shape, served[0])
+    profile.fit["load_average_1m"] = [load, os.getloadavg()[0]]  # before and after: a busy machine misleads the fit
     path = profile.save(args.profile_out or calibrated_profile_path())
     print(profile.to_json())
     logger.info("wrote %s", path)
