@@ -168,16 +168,21 @@ class EngineCore:
         return outputs
 
     def _record(self, scheduler_output, start_time: float, sampled) -> None:
-        num_decode = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1 and s.request.request_id in sampled)
-        num_tokens = scheduler_output.num_tokens
         self.step_stats.append(
-            StepStats(
-                start_time=start_time,
-                end_time=time.perf_counter(),
-                num_seqs=len(scheduler_output.scheduled),
-                num_tokens=num_tokens,
-                num_prefill_tokens=num_tokens - num_decode,
-                num_decode_tokens=num_decode,
-                num_kv_blocks_used=self.block_manager.num_used_blocks,
-            )
+            make_step_stats(scheduler_output, sampled, start_time, time.perf_counter(), self.block_manager.num_used_blocks)
         )
+
+
+def make_step_stats(scheduler_output, sampled, start_time: float, end_time: float, num_kv_blocks_used: int) -> StepStats:
+    """One step's record; also built by the capacity simulator, on its simulated clock."""
+    num_decode = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1 and s.request.request_id in sampled)
+    num_tokens = scheduler_output.num_tokens
+    return StepStats(
+        start_time=start_time,
+        end_time=end_time,
+        num_seqs=len(scheduler_output.scheduled),
+        num_tokens=num_tokens,
+        num_prefill_tokens=num_tokens - num_decode,
+        num_decode_tokens=num_decode,
+        num_kv_blocks_used=num_kv_blocks_used,
+    )

@@ -31,29 +31,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
-
-@dataclass(frozen=True)
-class ModelCost:
-    weight_bytes: int  # every weight read once per step
-    body_flops_per_token: float  # the decoder layers' matmuls, per token
-    head_flops_per_token: float  # the logits matmul, per sampled token
-
-
-@dataclass(frozen=True)
-class MachineBalance:
-    read_bytes_per_s: float
-    matmul_flops_per_s: float
-
-
-def model_cost(hidden: int, intermediate: int, num_layers: int, num_heads: int, num_kv_heads: int,
-               head_dim: int, vocab_size: int, tied_embeddings: bool, element_size: int) -> ModelCost:
-    per_layer = hidden * (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim * hidden + 3 * hidden * intermediate
-    embedding = vocab_size * hidden
-    num_params = num_layers * per_layer + embedding * (1 if tied_embeddings else 2)
-    return ModelCost(num_params * element_size, 2.0 * num_layers * per_layer, 2.0 * embedding)
+# The arithmetic and the measurements are the capacity simulator's (engine/simulator/).
+from engine.simulator.calibration import MachineBalance, measure_machine  # noqa: E402
+from engine.simulator.model_shape import ModelCost, model_cost  # noqa: E402
 
 
 def ideal_step_s(num_tokens: int, num_seqs: int, cost: ModelCost, machine: MachineBalance, overlap: bool = True) -> float:
@@ -66,44 +47,6 @@ def ideal_step_s(num_tokens: int, num_seqs: int, cost: ModelCost, machine: Machi
 def ideal_run_s(step_stats: dict, cost: ModelCost, machine: MachineBalance, overlap: bool = True) -> float:
     steps = zip(step_stats["num_tokens"], step_stats["num_seqs"])
     return sum(ideal_step_s(t, s, cost, machine, overlap) for t, s in steps)
-
-
-def best_rate(work: float, run, trials: int, sync=lambda: None) -> float:
-    """Work per second of the fastest of `trials` timed runs: the machine's capability,
-    which an ideal engine would reach (this host is shared, and single timings vary)."""
-    run()  # warm up: page faults, primitive creation
-    sync()
-    best_s = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        run()
-        sync()
-        best_s = min(best_s, time.perf_counter() - start)
-    return work / best_s
-
-
-def measure_machine(weight_bytes: int, hidden: int, intermediate: int, dtype, device: str = "cpu",
-                    trials: int = 7) -> MachineBalance:
-    """Read bandwidth (summing a buffer the size of the model's weights) and the matmul rate
-    at an MLP-shaped matmul of 512 tokens, as the engine runs it: prepacked on the CPU."""
-    import torch
-
-    from engine.models.cpu_packing import PackedLinear, bound_primitive_caches, can_prepack
-
-    bound_primitive_caches()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    buffer = torch.ones(weight_bytes // 4, dtype=torch.float32, device=device)
-    read_bytes_per_s = best_rate(buffer.numel() * 4, buffer.sum, trials, sync)
-
-    weight = torch.randn(2 * intermediate, hidden, dtype=dtype, device=device)
-    if can_prepack(torch.device(device), dtype):
-        linear = PackedLinear(weight, None, batch_size_hint=512)
-    else:
-        linear = torch.nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype, device=device)
-    x = torch.randn(512, hidden, dtype=dtype, device=device)
-    with torch.inference_mode():
-        matmul_flops_per_s = best_rate(2.0 * x.shape[0] * weight.numel(), lambda: linear(x), trials, sync)
-    return MachineBalance(read_bytes_per_s, matmul_flops_per_s)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -4,12 +4,14 @@
 #   2. the Triton kernel tests on the GPU (TRITON_INTERPRET=0)
 #   3. bench_decode on the default model (smollm2; bf16, triton, batch 64, 128 in, 128 out)
 #   4. bench_decode on a random-weight Mistral-7B shape (bf16, triton, batch 32, 512 in, 64 out)
-#   5. tensor parallelism on two GPUs: tests/test_tp_equivalence.py, TP = 2 over NCCL with
+#   5. the capacity simulator's prediction of step 4 on this GPU's profile, beside the
+#      measurement (appended to bench_mistral7b.log)
+#   6. tensor parallelism on two GPUs: tests/test_tp_equivalence.py, TP = 2 over NCCL with
 #      the Triton kernels on each rank's GPU, greedy tokens equal to TP = 1 (fp32); skipped
 #      (not failed) on a machine with one GPU, where two NCCL ranks cannot share it
 # Results go to ${OUT:-results/gpu}: a log per step and the two bench JSONs, 8 files (the
 # device tool returns 8 at most). Each step runs under `timeout`, so one hang costs only
-# its own slot; the limits add up to 390 s (give the device call timeout_s=450).
+# its own slot; the limits add up to 450 s (give the device call timeout_s=510).
 # The exit status is 1 if any step failed.
 #
 #   bash scripts/gpu_check.sh                       # here, or on the device machine
@@ -80,6 +82,22 @@ step bench_mistral7b 90 "$PYTHON" scripts/bench_decode.py --model "$WORK/mistral
     --dtype bfloat16 --attention-backend triton --batch-size 32 --input-len 512 --output-len 64 \
     --json "$OUT/bench_mistral7b.json"
 
+# 5. The capacity simulator's prediction of step 4 on this GPU's spec-sheet profile, beside the
+# measured run (no GPU time; appended to step 4's log, so the file count stays at 8).
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)" in
+    *H200*) profile=h200 ;; *A100*) profile=a100-80gb ;; *) profile=h100-sxm ;;
+esac
+SIM_VS_BENCH='import json, sys
+sim, bench = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+for key in ("elapsed_s", "total_tokens_per_s", "output_tokens_per_s", "num_steps"):
+    print(f"{key}: simulated {sim[key]:.4g}, measured {bench[key]:.4g}, error {100 * (sim[key] / bench[key] - 1):+.1f}%")'
+echo "+ [sim_mistral7b, 60s] simulate.py on the $profile profile" | tee -a "$OUT/bench_mistral7b.log"
+timeout -k 5 60 bash -c '"$0" scripts/simulate.py --model mistral-7b --hardware "$1" --num-requests 32 \
+    --input-len 512 512 --output-len 64 64 --max-num-seqs 32 --max-num-batched-tokens 16384 --num-kv-blocks 1152 \
+    --json "$2/sim.json" && "$0" -c "$3" "$2/sim.json" "$4"' \
+    "$PYTHON" "$profile" "$WORK" "$SIM_VS_BENCH" "$OUT/bench_mistral7b.json" 2>&1 | tee -a "$OUT/bench_mistral7b.log"
+
+# 6. Tensor parallelism over NCCL, one GPU per rank.
 num_gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$num_gpus" -ge 2 ]; then
     step tp_nccl 90 "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_tp_equivalence.py -m "not slow"

@@ -1,0 +1,113 @@
+"""The simulator against measured runs, in one session on this machine.
+
+    python scripts/validate_simulator.py                  # about 6 minutes on a quiet machine
+    python scripts/validate_simulator.py --skip-calibrate # reuse OUT/calibrated.json
+
+1. calibrates this machine's profile (scripts/simulate.py --calibrate, its own workload),
+2. measures bench_offline.py's reference and long-tailed workloads, continuous and static,
+   and one bench_serving.py run (the README's serving arguments, our server started by it),
+3. simulates each with the calibrated profile and the run's own settings,
+4. writes OUT/simulator_validation.json (predicted, measured, error % for each figure)
+   and OUT/*_occupancy.png (measured and simulated steps side by side).
+
+The measured runs are noisy where others share the CPU: `machine.load_average_1m` in
+each bench JSON says how busy it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO_ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(REPO_ROOT))
+
+OFFLINE = {  # name: bench_offline arguments beyond --modes continuous,static
+    "reference": [],
+    "long_tail": ["--distribution", "long_tail"],
+}
+SERVING = ["--num-requests", "64", "--request-rate", "2", "--input-len", "16", "256", "--output-len", "16", "128"]
+STATIC_BATCH_SIZE, MAX_NUM_SEQS = "16", "64"  # bench_offline's and the server's defaults
+
+
+def run(command: list[str], log: Path) -> None:
+    print("+", " ".join(command), flush=True)
+    with log.open("w") as f:
+        subprocess.run(command, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+
+
+def error_pct(predicted: float, measured: float) -> float:
+    return 100.0 * (predicted - measured) / measured
+
+
+def compare(figures: dict[str, tuple[float, float]]) -> dict:
+    return {name: {"predicted": p, "measured": m, "error_pct": error_pct(p, m)} for name, (p, m) in figures.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/simulator_validation")
+    p.add_argument("--skip-calibrate", action="store_true")
+    p.add_argument("--skip-measure", action="store_true", help="reuse OUT's bench JSONs")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    python = sys.executable
+    profile = out / "calibrated.json"
+    if not args.skip_calibrate:
+        run([python, str(SCRIPTS / "simulate.py"), "--calibrate", "--profile-out", str(profile)], out / "calibrate.log")
+    if not args.skip_measure:
+        for name, extra in OFFLINE.items():
+            run([python, str(SCRIPTS / "bench_offline.py"), "--modes", "continuous,static", *extra,
+                 "--json", str(out / f"bench_{name}.json")], out / f"bench_{name}.log")
+        run([python, str(SCRIPTS / "bench_serving.py"), *SERVING, "--prefix-caching", "on", "--no-progress",
+             "--json", str(out / "bench_serving.json")], out / "bench_serving.log")
+
+    from simulate import main as simulate
+
+    report = {"profile": json.loads(profile.read_text()), "offline": {}, "serving": {}}
+    for name, extra in OFFLINE.items():
+        bench = json.loads((out / f"bench_{name}.json").read_text())
+        for mode, seqs in (("continuous", MAX_NUM_SEQS), ("static", STATIC_BATCH_SIZE)):
+            measured = bench["results"][mode]
+            predicted = simulate(["--hardware", str(profile), *extra, "--batching", mode, "--max-num-seqs", seqs,
+                                  "--json", str(out / f"sim_{name}_{mode}.json"), "--plot", str(out / f"{name}_{mode}"),
+                                  "--compare", str(out / f"bench_{name}.json")])
+            report["offline"][f"{name}_{mode}"] = {
+                **compare({key: (predicted[key], measured[key]) for key in
+                           ("total_tokens_per_s", "elapsed_s", "mean_ttft_s", "median_ttft_s")}),
+                "num_steps": {"predicted": predicted["num_steps"], "measured": measured["num_steps"]},
+                "load_average_1m": bench["machine"]["load_average_1m"],
+            }
+    serving = json.loads((out / "bench_serving.json").read_text())["summary"]
+    predicted = simulate(["--hardware", str(profile), *SERVING, "--max-num-seqs", MAX_NUM_SEQS,
+                          "--json", str(out / "sim_serving.json")])
+    report["serving"] = compare({
+        "total_token_throughput": (predicted["total_token_throughput"], serving["total_token_throughput"]),
+        "ttft_p50_s": (predicted["ttft_s"]["median"], serving["ttft_s"]["median"]),
+        "ttft_p99_s": (predicted["ttft_s"]["p99"], serving["ttft_s"]["p99"]),
+        "tpot_p50_s": (predicted["tpot_s"]["median"], serving["tpot_s"]["median"]),
+        "itl_p50_s": (predicted["itl_s"]["median"], serving["itl_s"]["median"]),
+    })
+    required = [report["offline"][k]["total_tokens_per_s"]["error_pct"] for k in report["offline"]]
+    required += [report["serving"][k]["error_pct"] for k in ("ttft_p50_s", "tpot_p50_s")]
+    report["max_abs_error_pct_required"] = max(abs(e) for e in required)
+    report["load_average_1m_now"] = os.getloadavg()[0]
+    path = Path("results/simulator_validation.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    for name, figures in {**report["offline"], "serving": report["serving"]}.items():
+        print(name, {k: f"{v['error_pct']:+.1f}%" for k, v in figures.items()
+                     if isinstance(v, dict) and "error_pct" in v})
+    print(f"largest required error: {report['max_abs_error_pct_required']:.1f}% (wrote {path})")
+    return report
+
+
+if __name__ == "__main__":
+    main()
