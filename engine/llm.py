@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -83,7 +84,17 @@ class LLM:
         except ValueError:
             self.engine.abort_requests(list(requests))  # all or nothing: leave no half-added batch behind
             raise
-        self._run(requests, use_tqdm)
+        # No cyclic garbage collection while the steps run: a full collection walks every
+        # object torch, transformers and the model left behind (4-8% of a step here), and the
+        # steps' own objects go by reference count. Whatever cycles they left are collected
+        # when the collector is back on.
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._run(requests, use_tqdm)
+        finally:
+            if was_enabled:
+                gc.enable()
         return [self._to_output(request) for request in requests.values()]
 
     def shutdown(self) -> None:

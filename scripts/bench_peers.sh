@@ -52,8 +52,10 @@ OFFLINE_ARGS=(--num-requests 64 --input-len 16 256 --output-len 16 256 --seed 0)
 # The prefix-caching workload; 1,024 + 32 prompt + 32 output tokens fit vLLM's --max-model-len 2048.
 SHARED_PREFIX_ARGS=(--workload shared_prefix --num-requests 64 --num-groups 4 --prefix-len 1024 --question-len 32
                     --shared-output-len 32 --seed 0)
+# Each rate gets its own prompts (seed = the rate's position in RATES): with the same prompts a
+# later run would find the earlier run's prompts in the server's prefix cache.
 SERVING_ARGS=(--dataset-name random --random-input-len 128 --random-output-len 64 --num-prompts 48
-              --ignore-eos --seed 0 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99)
+              --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99)
 # Both servers get the same scheduler limits.
 LIMIT_ARGS=(--max-num-seqs 64 --max-num-batched-tokens 1024)
 
@@ -161,9 +163,9 @@ offline_json() {
   if [[ "$2" == random ]]; then echo "$OUT_DIR/$1_offline_$3.json"; else echo "$OUT_DIR/$1_offline_$2_$3.json"; fi
 }
 
-run_serving() {  # run_serving PORT RATE JSON: vLLM's own client, the same for both servers
+run_serving() {  # run_serving PORT RATE JSON SEED: vLLM's own client, the same for both servers
   timeout "$STEP_TIMEOUT_S" "$VPY" scripts/vllm_bench_serve.py --backend openai --endpoint /v1/completions \
-    --base-url "http://$HOST:$1" --model smollm2 --tokenizer "$MODEL_DIR" --request-rate "$2" \
+    --base-url "http://$HOST:$1" --model smollm2 --tokenizer "$MODEL_DIR" --request-rate "$2" --seed "$4" \
     "${SERVING_ARGS[@]}" --save-result --result-dir "$(dirname "$3")" --result-filename "$(basename "$3")"
 }
 
@@ -185,10 +187,12 @@ serve_and_bench() {
   [[ -n "$RATES" ]] || return 0
   log "$name serving ($config)"
   if start_server "$LOG_DIR/${name}_serve_$config.log" "$port" "$@"; then
+    local seed=0
     for rate in $RATES; do
       rm -f "$OUT_DIR/${name}_serving_${config}_rate$rate.json"
-      run_serving "$port" "$rate" "$OUT_DIR/${name}_serving_${config}_rate$rate.json" \
+      run_serving "$port" "$rate" "$OUT_DIR/${name}_serving_${config}_rate$rate.json" "$seed" \
         || fail "$name serving $config rate $rate"
+      seed=$((seed + 1))
     done
     stop_server
   else
