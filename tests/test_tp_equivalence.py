@@ -100,3 +100,21 @@ def test_a_model_that_does_not_split_is_refused_before_anything_starts(tmp_path)
 def test_parallel_config_is_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_the_simulator_prices_as_many_all_reduces_per_step_as_a_tp2_engine_makes(tmp_path):
+    # engine.simulator prices TP on GPUs from this count: it must be the engine's own.
+    from engine.simulator.model_shape import ModelShape
+
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        group = llm.engine.executor.group
+        llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+        before = group.num_all_reduces
+        llm.generate([[6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+        num_all_reduces = group.num_all_reduces - before  # one step: a prefill that samples its token
+        shape = ModelShape.from_config(llm.engine.model_config, "float32")
+    finally:
+        llm.shutdown()
+    assert num_all_reduces == shape.num_allreduces_per_step == 2 * shape.num_layers + 1

@@ -62,9 +62,14 @@ class ModelShape:
         return 4.0 * self.num_layers * self.num_heads * self.head_dim
 
     @property
+    def num_allreduces_per_step(self) -> int:
+        """Tensor parallelism reduces the hidden state twice per layer (after attention and
+        MLP) and once after the vocab-parallel embedding, as engine.distributed's layers do."""
+        return 2 * self.num_layers + 1
+
+    @property
     def allreduce_bytes_per_token(self) -> int:
-        """Tensor parallelism reduces the hidden state twice per layer (after attention and MLP)."""
-        return 2 * self.num_layers * self.hidden_size * self.element_size
+        return self.num_allreduces_per_step * self.hidden_size * self.element_size
 
     @classmethod
     def from_config(cls, config, dtype: str, name: str = "") -> "ModelShape":

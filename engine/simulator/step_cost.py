@@ -7,7 +7,7 @@
     matmuls     (tokens · body FLOPs + sampled · logits FLOPs) / TP / (peak · eff)
     KV reads    (context tokens read + tokens written) · KV bytes per token / TP / (bandwidth · eff)
     attention   (query, key) pairs · 4·layers·heads·head_dim / TP / (peak · eff)
-    all-reduce  2 per layer, ring: 2·(TP-1)/TP · tokens · hidden bytes / link + latency
+    all-reduce  2 per layer + 1 (the embedding), ring: 2·(TP-1)/TP · tokens · hidden bytes / link + latency
 
 `combine` is max (a roofline: the weight stream and the arithmetic overlap, as on a
 GPU, and as this CPU's oneDNN matmuls measure: a decode step of 1 to 8 sequences costs
@@ -107,8 +107,8 @@ class StepCostModel:
         """Ring all-reduce: each device sends and receives 2·(TP-1)/TP of the buffer."""
         if self.tp == 1:
             return 0.0
-        num_bytes = num_tokens * self.shape.allreduce_bytes_per_token  # every layer's two, together
-        num_allreduces = 2 * self.shape.num_layers
+        num_bytes = num_tokens * self.shape.allreduce_bytes_per_token  # every all-reduce of the step, together
+        num_allreduces = self.shape.num_allreduces_per_step
         p = self.profile
         ring_s = 2 * (self.tp - 1) / self.tp * num_bytes / p.link_bandwidth_bytes_per_s
         return ring_s + num_allreduces * p.link_latency_s
