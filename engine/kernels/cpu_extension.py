@@ -25,7 +25,7 @@ from engine.model_files import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "fused_ops.cpp", "bindings.cpp")]
-HEADERS = [Path(__file__).parent / "cpu" / "vec_capability.h"]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_capability.h", "vec_reduce.h", "prefill_bf16_tiles.h")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 _module: ModuleType | None = None

@@ -17,6 +17,7 @@
 // shared counter, made the kernel 2.3x slower inside the engine (between oneDNN's
 // regions) though not in isolation.
 #include "vec_capability.h"
+#include "vec_reduce.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -29,7 +30,10 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using tokenloom_cpu::prefetch_rows;
+using tokenloom_cpu::reduce_add;
+using tokenloom_cpu::Vec;
+
 // Query heads per KV head that the vector path keeps in registers; larger groups take the plain loops.
 constexpr int64_t kMaxGroup = 8;
 
@@ -43,19 +47,6 @@ inline Vec load_float(const scalar_t* ptr) {
     at::vec::load_to_float<scalar_t>(ptr, out);
     return out;
   }
-}
-
-inline float reduce_add(const Vec& x) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_reduce_add_ps(x);
-#else
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
-#endif
-}
-
-inline void prefetch_rows(const void* start, int64_t num_bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
 struct TaskShape {

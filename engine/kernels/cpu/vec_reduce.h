@@ -1,0 +1,38 @@
+// Small vector helpers shared by the attention kernels: horizontal reductions of one
+// ATen vector and a software prefetch of a run of cache lines.
+#pragma once
+
+#include "vec_capability.h"
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+
+namespace tokenloom_cpu {
+
+using Vec = at::vec::Vectorized<float>;
+
+inline float reduce_add(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(x);
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+#endif
+}
+
+inline float reduce_max(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_max_ps(x);
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
+#endif
+}
+
+// Blocks lie anywhere in the KV pool, so the hardware prefetcher cannot guess the next one.
+inline void prefetch_rows(const void* start, int64_t num_bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(p + offset);
+}
+
+}  // namespace tokenloom_cpu
