@@ -215,3 +215,17 @@ def test_torch_backend_fresh_prompts_attend_to_the_steps_own_keys_as_to_the_cach
     changed = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, 0.125, key * 2, value)
     assert not torch.allclose(changed[: starts[1]], gathered[: starts[1]])
     torch.testing.assert_close(changed[starts[1] : starts[2]], gathered[starts[1] : starts[2]])  # the chunk gathers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_ignores_stale_slots_past_the_context(dtype):
+    # 19 tokens: the second block holds 3, then stale slots. A NaN there (any earlier
+    # request's leftovers) must not reach the output, not even as 0 * NaN.
+    query, k_cache, v_cache, metadata = make_batch([19], [19], 16, 2, 2, 64, dtype, seed=5)
+    expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
+    last_block = metadata.block_tables[0, 1]
+    k_cache[last_block, :, 3:] = float("nan")
+    v_cache[last_block, :, 3:] = float("nan")
+    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -274,7 +274,7 @@ void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cac
       score_block_bf16(w.q_pairs.data(), w.k_pairs.data(), num_rows, s, w.p.data());
       softmax_block(w.p.data(), limits, num_rows, scale, s, w.m.data(), w.l.data(), w.corr.data());
       pack_prob_pairs(w.p.data(), num_rows, s, w.p_pairs.data());
-      pack_value_pairs(vb16, s, w.v_pairs.data());
+      pack_value_pairs(vb16, num_visible, s, w.v_pairs.data());
       weigh_block_bf16(w.p_pairs.data(), w.v_pairs.data(), num_visible, w.corr.data(), num_rows, s, w.o.data());
 #endif
       continue;

@@ -59,17 +59,21 @@ inline void pack_key_pairs(const at::BFloat16* kb, const Shape& s, uint32_t* k_p
 
 // v_pairs[tp * head_dim + d] = (v[2tp][d], v[2tp+1][d]): two tokens' values side by side,
 // so one vdpbf16ps adds both tokens' weighted values for 16 dimensions.
-inline void pack_value_pairs(const at::BFloat16* vb, const Shape& s, uint32_t* v_pairs) {
+inline void pack_value_pairs(const at::BFloat16* vb, int64_t num_tokens, const Shape& s, uint32_t* v_pairs) {
   // Interleaves the 16-bit elements of two 32-element rows: lo takes elements 0..15, hi 16..31.
   const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
                                        0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
                                        0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int64_t tp = 0; tp < s.block_size / 2; ++tp) {
+  for (int64_t tp = 0; tp < (num_tokens + 1) / 2; ++tp) {
     const at::BFloat16* even = vb + 2 * tp * s.head_dim;
     const at::BFloat16* odd = even + s.head_dim;
+    // An odd count's last pair takes zeros, not the next slot: a stale slot is weighted by a
+    // zero probability, and 0 * inf would still be NaN.
+    const bool has_odd = 2 * tp + 1 < num_tokens;
     for (int64_t d0 = 0; d0 < s.head_dim; d0 += 32) {
-      const __m512i a = _mm512_loadu_si512(even + d0), b = _mm512_loadu_si512(odd + d0);
+      const __m512i a = _mm512_loadu_si512(even + d0);
+      const __m512i b = has_odd ? _mm512_loadu_si512(odd + d0) : _mm512_setzero_si512();
       _mm512_storeu_si512(v_pairs + tp * s.head_dim + d0, _mm512_permutex2var_epi16(a, lo, b));
       _mm512_storeu_si512(v_pairs + tp * s.head_dim + d0 + 16, _mm512_permutex2var_epi16(a, hi, b));
     }
