@@ -75,6 +75,11 @@ def test_two_nodes_started_apart_serve_one_frontend(tiny_model_with_tokenizer):
             first, second = asyncio.run(ask())
             assert first.finish_reason == "length" and first.text
             assert first.text == second.text  # greedy: the same on every call
+            # And the seed's client: a plain requests.post to /generate, greedy, the same text.
+            response = requests.post(f"{server.url}/generate", json={
+                "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert response.status_code == 200
+            assert response.json() == {"text": ["The capital of France is" + first.text]}
     finally:
         for node in nodes:
             node.terminate()
