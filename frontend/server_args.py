@@ -75,6 +75,15 @@ def engine_args_from(args: argparse.Namespace) -> list[str]:
     return [*engine_argv(args), *(["--allow-remote"] if args.allow_remote else []), "--log-level", args.log_level]
 
 
+def _thread_share_args(args: argparse.Namespace) -> list[str]:
+    """With several local cores, each core's ranks get their share of this host's CPUs (unless
+    --num-threads says otherwise): left alone, every core's torch would take all of them."""
+    if args.data_parallel <= 1 or args.num_threads:
+        return []
+    num_ranks = args.data_parallel * (args.tensor_parallel_size or 1)  # --master-port (multi-node) is refused with DP
+    return ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // num_ranks))]
+
+
 def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
     if args.data_parallel < 1:
         raise ValueError("--data-parallel must be at least 1")
@@ -96,7 +105,7 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         served_model_name=args.served_model_name,
         num_local_engines=args.data_parallel,
         engine_addresses=list(args.engine),
-        engine_args=engine_args_from(args),
+        engine_args=engine_args_from(args) + _thread_share_args(args),
         engine_command=tuple(shlex.split(args.engine_command)) if args.engine_command else DEFAULT_ENGINE_COMMAND,
         ready_timeout_s=args.engine_ready_timeout,
         restart_engine=args.restart_engine,

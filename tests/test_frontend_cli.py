@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -16,10 +17,21 @@ def test_serve_flags_build_the_engine_client_config():
                                      "--batching", "static", "--allow-remote", "--served-model-name", "m"])
     config = engine_client_config(args)
     assert (config.model, config.served_model_name, config.num_local_engines) == ("smollm2", "m", 2)
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))  # two cores share this host's CPUs
     assert config.engine_args == ["--max-num-seqs", "8", "--batching", "static", "--allow-remote",
-                                  "--log-level", "info"]
+                                  "--log-level", "info", "--num-threads", share]
     assert config.engine_command == DEFAULT_ENGINE_COMMAND and config.engine_addresses == []
     assert (args.host, args.port) == ("127.0.0.1", 8000)
+
+
+def test_data_parallel_tensor_parallel_cores_share_the_cpus_unless_told():
+    def engine_args(*flags):
+        return engine_client_config(make_parser().parse_args(["--model", "smollm2", *flags])).engine_args
+
+    share = str(max(1, len(os.sched_getaffinity(0)) // 4))
+    assert engine_args("--data-parallel", "2", "--tensor-parallel-size", "2")[-2:] == ["--num-threads", share]
+    assert "--num-threads" not in engine_args()  # one core: torch's default, or the TP ranks' own share
+    assert engine_args("--data-parallel", "2", "--num-threads", "3").count("--num-threads") == 1
 
 
 def test_engine_addresses_and_hidden_engine_command():
