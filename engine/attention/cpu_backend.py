@@ -10,11 +10,18 @@ instead of gathering them into copies:
   over tiles of queries, causal by position with no mask tensor. The torch path
   gathered every context block per layer and ran SDPA with a boolean mask, which
   on a short chunk after a long cached prefix reached a small part of the
-  matmul rate.
+  matmul rate;
+- decodes whose sequences share a cached prefix (a system prompt: their block
+  tables start with the same blocks) in the same file's shared-decode tiles: the
+  group's query rows go through each shared block together, as a prompt's do,
+  so the block is read and scored once per group, not once per sequence (a
+  decode of 64 sequences behind four 1,024-token prompts spent most of its time
+  re-scoring the prompts). Each sequence's own blocks follow, for its rows only.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -30,6 +37,17 @@ class _KernelDecodePlan:
     seq_lens: torch.Tensor  # [num_decode_seqs] int32
 
 
+@dataclass
+class _SharedDecodePlan:
+    members: torch.Tensor  # [num_members] int32: decode sequences, group by group
+    group_starts: torch.Tensor  # [num_groups + 1] int32: each group's first member
+    shared_blocks: torch.Tensor  # [num_groups] int32: leading blocks every member of the group holds
+
+
+# A group of decodes goes through the shared-decode tiles when it shares at least this many
+# tokens: below it, scoring each sequence on its own costs no more than the tile's transposes.
+MIN_SHARED_TOKENS = 64
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
@@ -37,31 +55,78 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         self._kernels = kernels
         self._prefill_seq_indices: torch.Tensor | None = None  # [num_prefill_seqs] int32
+        self._shared: _SharedDecodePlan | None = None
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
-        """Split the step, once, into decodes and prefill chunks; every layer reuses it."""
+        """Split the step, once, into decodes (alone or in groups sharing a prefix) and
+        prefill chunks; every layer reuses it."""
         self._metadata = metadata
         decode_seqs = [i for i, n in enumerate(metadata.query_lens_cpu) if n == 1]
         prefill_seqs = [i for i, n in enumerate(metadata.query_lens_cpu) if n > 1]
         self._prefill_seq_indices = torch.tensor(prefill_seqs, dtype=torch.int32) if prefill_seqs else None
-        starts = metadata.query_start_loc.tolist() if decode_seqs and prefill_seqs else []
+        self._shared = self._plan_shared_decodes(decode_seqs, metadata, block_size)
+        if self._shared is not None:
+            grouped = set(self._shared.members.tolist())
+            decode_seqs = [i for i in decode_seqs if i not in grouped]
+        alone = bool(decode_seqs) and (prefill_seqs or self._shared is not None)
+        starts = metadata.query_start_loc.tolist() if alone else []
         self._decode = self._plan_decodes(decode_seqs, starts, metadata, block_size) if decode_seqs else None
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, key=None, value=None) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape; key and value unused (the kernels read the cache)
         if metadata is not self._metadata:
             self.prepare(metadata, k_cache.shape[2])
-        if self._prefill_seq_indices is None:  # decode-only: query row i is sequence i
+        if self._prefill_seq_indices is None and self._shared is None:  # decode-only: query row i is sequence i
             return self._decode_attention(query, k_cache, v_cache, scale)
         out = torch.empty_like(query)
         if self._decode is not None:
             out[self._decode.rows] = self._decode_attention(query[self._decode.rows], k_cache, v_cache, scale)
-        # Prefill chunks' rows, written in place; their keys are already in the cache.
-        self._kernels.paged_prefill_attention(
-            out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-            self._prefill_seq_indices, scale,
-        )
+        # Prefill chunks' and shared decodes' rows, written in place; their keys are already in the cache.
+        if self._shared is not None:
+            shared = self._shared
+            self._kernels.paged_shared_decode_attention(
+                out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                shared.members, shared.group_starts, shared.shared_blocks, scale,
+            )
+        if self._prefill_seq_indices is not None:
+            self._kernels.paged_prefill_attention(
+                out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                self._prefill_seq_indices, scale,
+            )
         return out
+
+    @staticmethod
+    def _plan_shared_decodes(
+        seq_indices: list[int], metadata: AttentionMetadata, block_size: int
+    ) -> _SharedDecodePlan | None:
+        """Groups of two or more decodes whose block tables start with the same blocks
+        (prefix caching hands sequences with a common prompt the same block ids)."""
+        if len(seq_indices) < 2:
+            return None
+        tables = metadata.block_tables
+        by_first_block: dict[int, list[int]] = defaultdict(list)
+        for seq, first_block in zip(seq_indices, tables[seq_indices, 0].tolist()):
+            by_first_block[first_block].append(seq)
+        members, group_starts, shared_blocks = [], [0], []
+        for group in by_first_block.values():
+            if len(group) < 2:
+                continue
+            # Only blocks before every member's last token: the block a decode writes is its own.
+            limit = min(metadata.seq_lens_cpu[i] - 1 for i in group) // block_size
+            rows = tables[group, :limit]  # [num_members, limit]
+            num_shared = int((rows == rows[0]).all(dim=0).int().cumprod(dim=0).sum())
+            if num_shared * block_size < MIN_SHARED_TOKENS:
+                continue
+            members.extend(group)
+            group_starts.append(len(members))
+            shared_blocks.append(num_shared)
+        if not shared_blocks:
+            return None
+        return _SharedDecodePlan(
+            torch.tensor(members, dtype=torch.int32),
+            torch.tensor(group_starts, dtype=torch.int32),
+            torch.tensor(shared_blocks, dtype=torch.int32),
+        )
 
     def _plan_decodes(
         self, seq_indices: list[int], starts: list[int], metadata: AttentionMetadata, block_size: int

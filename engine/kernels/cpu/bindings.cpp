@@ -12,6 +12,10 @@ torch::Tensor paged_decode_attention(
 void paged_prefill_attention(
     torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor seq_indices, double scale);
+void paged_shared_decode_attention(
+    torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+    torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor members, torch::Tensor group_starts,
+    torch::Tensor shared_blocks, double scale);
 
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, int64_t lanes);
@@ -24,6 +28,8 @@ torch::Tensor rotary_store_kv(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention for query chunks, into out (CPU)");
+  m.def("paged_shared_decode_attention", &paged_shared_decode_attention,
+        "decodes of sequences sharing their first blocks, one tile per group, into out (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rmsnorm(residual) * weight, in place (CPU)");
   m.def("rms_norm", &rms_norm, "rmsnorm(x) * weight (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from [T, 2I] gate|up (CPU)");

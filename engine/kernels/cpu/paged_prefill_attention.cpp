@@ -45,19 +45,27 @@ struct Shape {
 };
 
 struct Task {
-  int64_t seq, kv_head, first_query, num_queries, cost;
+  int64_t seq, kv_head, first_query, num_queries;
+};
+
+// Members [first_member, first_member + num_members) of a list of decodes that share their
+// first shared_blocks blocks.
+struct SharedTask {
+  int64_t kv_head, first_member, num_members, shared_blocks;
 };
 
 // Per-thread scratch, sized for the largest tile.
 struct Scratch {
   std::vector<float> q, kt, v, p, o, m, l, corr;
   std::vector<uint32_t> q_pairs, k_pairs, v_pairs, p_pairs;
-  std::vector<int64_t> limits;
-  Scratch(const Shape& s) :
+  std::vector<int64_t> limits, row_offsets;
+  // width: the most tokens one softmax step takes (kTileTokens on the bf16 path)
+  Scratch(const Shape& s, int64_t width) :
       q(kTileRows * s.head_dim), kt(s.head_dim * s.block_size), v(s.block_size * s.head_dim),
-      p(kTileRows * s.block_size), o(kTileRows * s.head_dim), m(kTileRows), l(kTileRows * Vec::size()), corr(kTileRows),
-      q_pairs(kTileRows * s.head_dim / 2 + 1), k_pairs(s.head_dim / 2 * s.block_size + 1),
-      v_pairs(s.block_size / 2 * s.head_dim + 1), p_pairs(kTileRows * s.block_size / 2 + 1), limits(kTileRows) {}
+      p(kTileRows * width), o(kTileRows * s.head_dim), m(kTileRows), l(kTileRows * Vec::size()), corr(kTileRows),
+      q_pairs(kTileRows * s.head_dim / 2 + 1), k_pairs(s.head_dim / 2 * width + 1),
+      v_pairs(width / 2 * s.head_dim + 1), p_pairs(kTileRows * width / 2 + 1), limits(kTileRows),
+      row_offsets(kTileRows) {}
 };
 
 template <typename scalar_t>
@@ -220,6 +228,115 @@ void weigh_block(const float* p, const float* v, int64_t num_tokens, const float
   }
 }
 
+// Which tile path a dtype and shape take: bf16 pairs where the CPU has the bf16 dot product.
+template <typename scalar_t>
+bool uses_bf16_dot(const Shape& s) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHasBf16Dot) {
+    return s.block_size % 16 == 0 && s.head_dim % 32 == 0;
+  }
+  return false;
+}
+
+// Loads the tile's query rows (row r from query + row_offsets[r]) and clears the running
+// max, sums and outputs of rows [0, num_rows).
+template <typename scalar_t>
+void begin_tile(const scalar_t* query, const int64_t* row_offsets, int64_t num_rows, bool bf16_dot, float scale,
+                const Shape& s, Scratch& w) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (bf16_dot) {
+      std::memcpy(w.q_pairs.data() + r * (s.head_dim / 2), query + row_offsets[r], s.head_dim * sizeof(scalar_t));
+    } else {
+      float* q = w.q.data() + r * s.head_dim;
+      to_float(query + row_offsets[r], q, s.head_dim);
+      for (int64_t d = 0; d < s.head_dim; ++d) q[d] *= scale;
+    }
+  }
+  std::fill(w.o.begin(), w.o.begin() + num_rows * s.head_dim, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + num_rows, kMasked);
+  std::fill(w.l.begin(), w.l.begin() + num_rows * Vec::size(), 0.f);
+}
+
+// How many blocks one online-softmax step takes. The softmax's per-row work (a max, an
+// exp, the rescale of the sums) is paid per step, so the bf16 path takes blocks together,
+// kTileTokens tokens at a time: with 16-token blocks it had cost about as much as the dot
+// products themselves. The fp32 path goes block by block.
+constexpr int64_t kTileTokens = 64;
+
+inline int64_t blocks_per_step(bool bf16_dot, const Shape& s) {
+  return bf16_dot ? std::max<int64_t>(1, kTileTokens / s.block_size) : 1;
+}
+
+// Consecutive K/V blocks (block_ids[0, num_blocks), holding num_tokens context tokens) for
+// tile rows [row0, row0 + num_rows): scores, the online softmax with w.limits[row0 + r]
+// visible keys for row r (counted from the first block's start), and the weighted values.
+// Keys are transposed once for all the rows (stale slots past num_tokens are read but
+// masked); num_visible is the most keys any of the rows may see.
+template <typename scalar_t>
+void attend_blocks(const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_ids, int64_t num_blocks,
+                   int64_t head_offset, int64_t num_tokens, int64_t num_visible, int64_t row0, int64_t num_rows,
+                   bool bf16_dot, float scale, const Shape& s, Scratch& w) {
+  float* p = w.p.data() + row0 * s.block_size * num_blocks;
+  float* m = w.m.data() + row0;
+  float* l = w.l.data() + row0 * Vec::size();
+  float* corr = w.corr.data() + row0;
+  float* o = w.o.data() + row0 * s.head_dim;
+  const int64_t* limits = w.limits.data() + row0;
+  if (bf16_dot) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+    Shape tile = s;  // the blocks side by side, as one wide block
+    tile.block_size = s.block_size * num_blocks;
+    p = w.p.data() + row0 * tile.block_size;
+    for (int64_t j = 0; j < num_blocks; ++j) {
+      const auto* kb = reinterpret_cast<const at::BFloat16*>(k_cache + block_ids[j] * s.block_stride + head_offset);
+      pack_key_pairs(kb, s, tile.block_size, w.k_pairs.data() + j * s.block_size);
+    }
+    score_block_bf16(w.q_pairs.data() + row0 * (s.head_dim / 2), w.k_pairs.data(), num_rows, tile, p);
+    softmax_block(p, limits, num_rows, scale, tile, m, l, corr);
+    pack_prob_pairs(p, num_rows, tile, w.p_pairs.data());
+    for (int64_t j = 0; j * s.block_size < num_visible; ++j) {
+      const auto* vb = reinterpret_cast<const at::BFloat16*>(v_cache + block_ids[j] * s.block_stride + head_offset);
+      pack_value_pairs(vb, std::min(s.block_size, num_visible - j * s.block_size), s,
+                       w.v_pairs.data() + j * (s.block_size / 2) * s.head_dim);
+    }
+    weigh_block_bf16(w.p_pairs.data(), w.v_pairs.data(), num_visible, corr, num_rows, tile, o);
+#endif
+    return;
+  }
+  TORCH_CHECK(num_blocks == 1, "the fp32 tile takes one block a step");
+  const scalar_t* kb = k_cache + block_ids[0] * s.block_stride + head_offset;
+  const scalar_t* vb = v_cache + block_ids[0] * s.block_stride + head_offset;
+  for (int64_t t = 0; t < s.block_size; ++t) {
+    for (int64_t d = 0; d < s.head_dim; ++d) w.kt[d * s.block_size + t] = static_cast<float>(kb[t * s.head_dim + d]);
+  }
+  score_block(w.q.data() + row0 * s.head_dim, w.kt.data(), num_rows, s, p);
+  softmax_block(p, limits, num_rows, 1.f, s, m, l, corr);
+  const float* v = reinterpret_cast<const float*>(vb);
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    to_float(vb, w.v.data(), num_tokens * s.head_dim);
+    v = w.v.data();
+  }
+  weigh_block(p, v, num_visible, corr, num_rows, s, o);
+}
+
+// Writes rows [0, num_rows) of the tile, normalized, to out + row_offsets[r].
+template <typename scalar_t>
+void end_tile(const int64_t* row_offsets, int64_t num_rows, const Shape& s, Scratch& w, scalar_t* out) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const float inv_sum = 1.f / reduce_add(Vec::loadu(w.l.data() + r * Vec::size()));  // >= its own key's
+    const float* o = w.o.data() + r * s.head_dim;
+    scalar_t* dst = out + row_offsets[r];
+    for (int64_t d = 0; d < s.head_dim; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv_sum);
+  }
+}
+
+template <typename scalar_t>
+void prefetch_block(const scalar_t* k_cache, const scalar_t* v_cache, int64_t block_id, int64_t head_offset,
+                    const Shape& s) {
+  const int64_t block_bytes = s.block_size * s.head_dim * sizeof(scalar_t);
+  prefetch_rows(k_cache + block_id * s.block_stride + head_offset, block_bytes);
+  prefetch_rows(v_cache + block_id * s.block_stride + head_offset, block_bytes);
+}
+
 template <typename scalar_t>
 void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cache, const scalar_t* v_cache,
                   const int32_t* block_table, int64_t seq_len, int64_t query_start, int64_t query_len,
@@ -228,75 +345,150 @@ void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cac
   const int64_t first_pos = seq_len - query_len + task.first_query;  // context position of the tile's first query
   const int64_t last_pos = first_pos + task.num_queries - 1;
   // Row r is query j = r / group, head g = r % group of this KV head.
-  auto row_offset = [&](int64_t r) {
-    return ((query_start + task.first_query + r / s.group) * s.num_heads + task.kv_head * s.group + r % s.group) *
-           s.head_dim;
-  };
-  bool use_bf16_dot = false;
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHasBf16Dot) {
-    use_bf16_dot = s.block_size % 16 == 0 && s.head_dim % 32 == 0;
-  }
   for (int64_t r = 0; r < num_rows; ++r) {
-    if (use_bf16_dot) {
-      std::memcpy(w.q_pairs.data() + r * (s.head_dim / 2), query + row_offset(r), s.head_dim * sizeof(scalar_t));
-    } else {
-      float* q = w.q.data() + r * s.head_dim;
-      to_float(query + row_offset(r), q, s.head_dim);
-      for (int64_t d = 0; d < s.head_dim; ++d) q[d] *= scale;
-    }
+    w.row_offsets[r] =
+        ((query_start + task.first_query + r / s.group) * s.num_heads + task.kv_head * s.group + r % s.group) *
+        s.head_dim;
   }
-  std::fill(w.o.begin(), w.o.begin() + num_rows * s.head_dim, 0.f);
-  std::fill(w.m.begin(), w.m.begin() + num_rows, kMasked);
-  std::fill(w.l.begin(), w.l.begin() + num_rows * Vec::size(), 0.f);
-  const int64_t block_bytes = s.block_size * s.head_dim * sizeof(scalar_t);
+  const bool bf16_dot = uses_bf16_dot<scalar_t>(s);
+  begin_tile(query, w.row_offsets.data(), num_rows, bf16_dot, scale, s, w);
   const int64_t num_blocks = last_pos / s.block_size + 1;
   const int64_t head_offset = task.kv_head * s.head_stride;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    if (b + 1 < num_blocks) {
-      prefetch_rows(k_cache + block_table[b + 1] * s.block_stride + head_offset, block_bytes);
-      prefetch_rows(v_cache + block_table[b + 1] * s.block_stride + head_offset, block_bytes);
+  const int64_t step = blocks_per_step(bf16_dot, s);
+  for (int64_t b = 0; b < num_blocks; b += step) {
+    const int64_t n = std::min(step, num_blocks - b);
+    for (int64_t j = b + n; j < std::min(b + 2 * n, num_blocks); ++j) {
+      prefetch_block(k_cache, v_cache, block_table[j], head_offset, s);
     }
-    const scalar_t* kb = k_cache + block_table[b] * s.block_stride + head_offset;  // [block_size, head_dim]
-    const scalar_t* vb = v_cache + block_table[b] * s.block_stride + head_offset;
     const int64_t start = b * s.block_size;
-    const int64_t num_tokens = std::min(s.block_size, seq_len - start);
-    int64_t* limits = w.limits.data();
+    const int64_t num_tokens = std::min(n * s.block_size, seq_len - start);
     for (int64_t r = 0; r < num_rows; ++r) {
-      limits[r] = std::min(num_tokens, first_pos + r / s.group - start + 1);
+      w.limits[r] = std::min(num_tokens, first_pos + r / s.group - start + 1);
     }
-    // Keys transposed once for the whole tile (stale slots past num_tokens are read but masked).
     const int64_t num_visible = std::min(num_tokens, last_pos - start + 1);  // tokens any row may see
-    if (use_bf16_dot) {
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-      const auto* kb16 = reinterpret_cast<const at::BFloat16*>(kb);
-      const auto* vb16 = reinterpret_cast<const at::BFloat16*>(vb);
-      pack_key_pairs(kb16, s, w.k_pairs.data());
-      score_block_bf16(w.q_pairs.data(), w.k_pairs.data(), num_rows, s, w.p.data());
-      softmax_block(w.p.data(), limits, num_rows, scale, s, w.m.data(), w.l.data(), w.corr.data());
-      pack_prob_pairs(w.p.data(), num_rows, s, w.p_pairs.data());
-      pack_value_pairs(vb16, num_visible, s, w.v_pairs.data());
-      weigh_block_bf16(w.p_pairs.data(), w.v_pairs.data(), num_visible, w.corr.data(), num_rows, s, w.o.data());
-#endif
-      continue;
-    }
-    for (int64_t t = 0; t < s.block_size; ++t) {
-      for (int64_t d = 0; d < s.head_dim; ++d) w.kt[d * s.block_size + t] = static_cast<float>(kb[t * s.head_dim + d]);
-    }
-    score_block(w.q.data(), w.kt.data(), num_rows, s, w.p.data());
-    softmax_block(w.p.data(), limits, num_rows, 1.f, s, w.m.data(), w.l.data(), w.corr.data());
-    const float* v = reinterpret_cast<const float*>(vb);
-    if constexpr (!std::is_same_v<scalar_t, float>) {
-      to_float(vb, w.v.data(), num_tokens * s.head_dim);
-      v = w.v.data();
-    }
-    weigh_block(w.p.data(), v, num_visible, w.corr.data(), num_rows, s, w.o.data());
+    attend_blocks(k_cache, v_cache, block_table + b, n, head_offset, num_tokens, num_visible, 0, num_rows, bf16_dot,
+                  scale, s, w);
   }
+  end_tile(w.row_offsets.data(), num_rows, s, w, out);
+}
+
+// Decodes of sequences that share their first `shared_blocks` blocks (a cached system
+// prompt): one tile holds every member's query heads of this KV head, so each shared
+// block is read, transposed and scored once for all of them, as a prompt's block is for
+// its queries; decoding them one by one read and scored it once per sequence. Then each
+// member's own blocks, for its rows only. A decode sees its whole context: no mask.
+template <typename scalar_t>
+void shared_decode_task(const SharedTask& task, const int32_t* members, const scalar_t* query,
+                        const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* tables,
+                        int64_t max_num_blocks, const int32_t* lens, const int32_t* starts, const Shape& s,
+                        float scale, Scratch& w, scalar_t* out) {
+  const int64_t num_rows = task.num_members * s.group;
   for (int64_t r = 0; r < num_rows; ++r) {
-    const float inv_sum = 1.f / reduce_add(Vec::loadu(w.l.data() + r * Vec::size()));  // >= its own key's
-    const float* o = w.o.data() + r * s.head_dim;
-    scalar_t* dst = out + row_offset(r);
-    for (int64_t d = 0; d < s.head_dim; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv_sum);
+    const int64_t seq = members[task.first_member + r / s.group];
+    w.row_offsets[r] = (starts[seq] * s.num_heads + task.kv_head * s.group + r % s.group) * s.head_dim;
   }
+  const bool bf16_dot = uses_bf16_dot<scalar_t>(s);
+  begin_tile(query, w.row_offsets.data(), num_rows, bf16_dot, scale, s, w);
+  const int64_t head_offset = task.kv_head * s.head_stride;
+  const int32_t* shared_table = tables + members[task.first_member] * max_num_blocks;
+  const int64_t step = blocks_per_step(bf16_dot, s);
+  for (int64_t b = 0; b < task.shared_blocks; b += step) {
+    const int64_t n = std::min(step, task.shared_blocks - b);
+    for (int64_t j = b + n; j < std::min(b + 2 * n, task.shared_blocks); ++j) {
+      prefetch_block(k_cache, v_cache, shared_table[j], head_offset, s);
+    }
+    std::fill(w.limits.begin(), w.limits.begin() + num_rows, n * s.block_size);
+    attend_blocks(k_cache, v_cache, shared_table + b, n, head_offset, n * s.block_size, n * s.block_size, 0, num_rows,
+                  bf16_dot, scale, s, w);
+  }
+  for (int64_t i = 0; i < task.num_members; ++i) {
+    const int64_t seq = members[task.first_member + i], seq_len = lens[seq];
+    const int32_t* table = tables + seq * max_num_blocks;
+    const int64_t num_blocks = (seq_len + s.block_size - 1) / s.block_size;
+    for (int64_t b = task.shared_blocks; b < num_blocks; b += step) {
+      const int64_t n = std::min(step, num_blocks - b);
+      const int64_t num_tokens = std::min(n * s.block_size, seq_len - b * s.block_size);
+      std::fill(w.limits.begin() + i * s.group, w.limits.begin() + (i + 1) * s.group, num_tokens);
+      attend_blocks(k_cache, v_cache, table + b, n, head_offset, num_tokens, num_tokens, i * s.group, s.group,
+                    bf16_dot, scale, s, w);
+    }
+  }
+  end_tile(w.row_offsets.data(), num_rows, s, w, out);
+}
+
+}  // namespace
+
+namespace {
+
+// The arguments both entry points share, checked: the kernels read through them without bounds checks.
+struct Inputs {
+  int64_t num_tokens, num_heads, head_dim, num_kv_heads, block_size, num_seqs, max_num_blocks, group;
+  const int32_t *lens, *tables, *starts;
+  Shape shape;
+};
+
+Inputs check_inputs(const torch::Tensor& out, torch::Tensor& query, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, std::vector<torch::Tensor*> int_args) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), "out must be a contiguous tensor shaped like query");
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "query, out and caches must share a dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "fp32, bf16 or fp16 only");
+  for (auto* t : int_args) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt32, "block tables, lengths and indices must be int32");
+    *t = t->contiguous();
+  }
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  query = query.contiguous();
+  // int_args[0..2]: block_tables, seq_lens, query_start_loc
+  const torch::Tensor &block_tables = *int_args[0], &seq_lens = *int_args[1], &query_start_loc = *int_args[2];
+  Inputs in;
+  in.num_tokens = query.size(0), in.num_heads = query.size(1), in.head_dim = query.size(2);
+  in.num_kv_heads = k_cache.size(1), in.block_size = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == in.head_dim && in.num_heads % in.num_kv_heads == 0, "head shapes disagree");
+  in.num_seqs = seq_lens.size(0), in.max_num_blocks = block_tables.size(1);
+  TORCH_CHECK(block_tables.size(0) == in.num_seqs && query_start_loc.size(0) == in.num_seqs + 1,
+              "one row per sequence");
+  in.group = in.num_heads / in.num_kv_heads;
+  TORCH_CHECK(in.group <= kTileRows, "GQA group larger than a tile");
+  in.lens = seq_lens.data_ptr<int32_t>();
+  in.tables = block_tables.data_ptr<int32_t>();
+  in.starts = query_start_loc.data_ptr<int32_t>();
+  in.shape = Shape{in.num_heads, in.group, in.head_dim, in.block_size, in.num_kv_heads * in.block_size * in.head_dim,
+                   in.block_size * in.head_dim};
+  return in;
+}
+
+// Checks sequence `seq`'s query rows, length and block ids; returns its query length.
+int64_t check_sequence(const Inputs& in, int64_t seq, int64_t num_cache_blocks) {
+  TORCH_CHECK(seq >= 0 && seq < in.num_seqs, "sequence index out of range");
+  const int64_t query_len = in.starts[seq + 1] - in.starts[seq], seq_len = in.lens[seq];
+  TORCH_CHECK(in.starts[seq] >= 0 && query_len >= 1 && in.starts[seq + 1] <= in.num_tokens, "bad query_start_loc");
+  TORCH_CHECK(seq_len >= query_len && seq_len <= in.max_num_blocks * in.block_size, "seq_len outside its block table");
+  for (int64_t b = 0; b < (seq_len + in.block_size - 1) / in.block_size; ++b) {
+    const int32_t block_id = in.tables[seq * in.max_num_blocks + b];
+    TORCH_CHECK(block_id >= 0 && block_id < num_cache_blocks, "block id outside the cache");
+  }
+  return query_len;
+}
+
+// Runs run(task, scratch) for every task on the intra-op threads, largest first, dealt
+// round-robin: tasks differ in cost, and a contiguous split would give one thread all the
+// long ones. Reorders `tasks`.
+template <typename TaskT, typename Fn>
+void run_tasks(std::vector<TaskT>& tasks, const std::vector<int64_t>& costs, const Shape& shape, Fn run) {
+  std::vector<int64_t> order(tasks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(shape, std::max(shape.block_size, kTileTokens));
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (size_t i = worker; i < order.size(); i += num_workers) run(tasks[order[i]], scratch);
+    }
+  });
 }
 
 }  // namespace
@@ -308,77 +500,85 @@ void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cac
 void paged_prefill_attention(
     torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor seq_indices, double scale) {
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), "out must be a contiguous tensor shaped like query");
-  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(out.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "query, out and caches must share a dtype");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "fp32, bf16 or fp16 only");
-  for (const auto* t : {&block_tables, &seq_lens, &query_start_loc, &seq_indices}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt32, "block_tables, seq_lens, query_start_loc, seq_indices: int32");
-  }
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  query = query.contiguous();
-  block_tables = block_tables.contiguous();
-  seq_lens = seq_lens.contiguous();
-  query_start_loc = query_start_loc.contiguous();
-  seq_indices = seq_indices.contiguous();
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes disagree");
-  const int64_t num_seqs = seq_lens.size(0), max_num_blocks = block_tables.size(1);
-  TORCH_CHECK(block_tables.size(0) == num_seqs && query_start_loc.size(0) == num_seqs + 1, "one row per sequence");
-  const int64_t group = num_heads / num_kv_heads;
-  TORCH_CHECK(group <= kTileRows, "GQA group larger than a tile");
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const Inputs in = check_inputs(out, query, k_cache, v_cache, {&block_tables, &seq_lens, &query_start_loc, &seq_indices});
   const int32_t* seqs = seq_indices.data_ptr<int32_t>();
-  const int64_t num_cache_blocks = k_cache.size(0);
-
-  // Checked up front (the kernel reads through these without bounds checks), and cut into
-  // tasks: the tile's queries are consecutive, so its causal extent is its last query's.
-  const int64_t tile_queries = std::max<int64_t>(1, kTileRows / group);
+  // Cut into tasks: a tile's queries are consecutive, so its causal extent is its last query's.
+  const int64_t tile_queries = std::max<int64_t>(1, kTileRows / in.group);
   std::vector<Task> tasks;
+  std::vector<int64_t> costs;
   for (int64_t i = 0; i < seq_indices.size(0); ++i) {
     const int64_t seq = seqs[i];
-    TORCH_CHECK(seq >= 0 && seq < num_seqs, "sequence index out of range");
-    const int64_t query_len = starts[seq + 1] - starts[seq], seq_len = lens[seq];
-    TORCH_CHECK(starts[seq] >= 0 && query_len >= 1 && starts[seq + 1] <= num_tokens, "bad query_start_loc");
-    TORCH_CHECK(seq_len >= query_len && seq_len <= max_num_blocks * block_size, "seq_len outside its block table");
-    for (int64_t b = 0; b < (seq_len + block_size - 1) / block_size; ++b) {
-      const int32_t block_id = tables[seq * max_num_blocks + b];
-      TORCH_CHECK(block_id >= 0 && block_id < num_cache_blocks, "block id outside the cache");
-    }
+    const int64_t query_len = check_sequence(in, seq, k_cache.size(0)), seq_len = in.lens[seq];
     for (int64_t first = 0; first < query_len; first += tile_queries) {
       const int64_t n = std::min(tile_queries, query_len - first);
       const int64_t context = seq_len - query_len + first + n;
-      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({seq, h, first, n, n * context});
+      for (int64_t h = 0; h < in.num_kv_heads; ++h) {
+        tasks.push_back({seq, h, first, n});
+        costs.push_back(n * context);
+      }
     }
   }
   if (tasks.empty()) return;
-  // Largest first, dealt round-robin: causal tiles differ in cost, and a contiguous split
-  // would give one thread all the long ones.
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  const Shape shape{num_heads, group, head_dim, block_size, num_kv_heads * block_size * head_dim,
-                    block_size * head_dim};
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_prefill_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_prefill_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* k = k_cache.data_ptr<scalar_t>();
     const scalar_t* v = v_cache.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch(shape);
-      for (int64_t worker = begin; worker < end; ++worker) {
-        for (size_t i = worker; i < tasks.size(); i += num_workers) {
-          const Task& task = tasks[i];
-          prefill_task<scalar_t>(task, q, k, v, tables + task.seq * max_num_blocks, lens[task.seq], starts[task.seq],
-                                 starts[task.seq + 1] - starts[task.seq], shape, static_cast<float>(scale), scratch, o);
-        }
+    run_tasks(tasks, costs, in.shape, [&](const Task& task, Scratch& scratch) {
+      prefill_task<scalar_t>(task, q, k, v, in.tables + task.seq * in.max_num_blocks, in.lens[task.seq],
+                             in.starts[task.seq], in.starts[task.seq + 1] - in.starts[task.seq], in.shape,
+                             static_cast<float>(scale), scratch, o);
+    });
+  });
+}
+
+// Decode rows (one query each) of sequences in groups that share their first blocks, written
+// into `out`; every other row is left alone. members: int32, the sequences, group by group;
+// group_starts: [num_groups + 1] int32 offsets into members; shared_blocks: [num_groups]
+// int32, how many leading blocks the group's members share (read through the first
+// member's block table; each member's last token lies past them). Other arguments as
+// paged_prefill_attention's.
+void paged_shared_decode_attention(
+    torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+    torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor members, torch::Tensor group_starts,
+    torch::Tensor shared_blocks, double scale) {
+  const Inputs in = check_inputs(out, query, k_cache, v_cache,
+                                 {&block_tables, &seq_lens, &query_start_loc, &members, &group_starts, &shared_blocks});
+  const int32_t* seqs = members.data_ptr<int32_t>();
+  const int32_t* bounds = group_starts.data_ptr<int32_t>();
+  const int32_t* shared = shared_blocks.data_ptr<int32_t>();
+  const int64_t num_groups = shared_blocks.size(0);
+  TORCH_CHECK(group_starts.size(0) == num_groups + 1 && bounds[0] == 0 && bounds[num_groups] == members.size(0),
+              "group_starts must cut members into shared_blocks' groups");
+  const int64_t tile_members = std::max<int64_t>(1, kTileRows / in.group);
+  std::vector<SharedTask> tasks;
+  std::vector<int64_t> costs;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    TORCH_CHECK(bounds[g] < bounds[g + 1], "empty group");
+    TORCH_CHECK(shared[g] >= 0, "negative shared_blocks");
+    int64_t group_cost = 0;
+    for (int64_t i = bounds[g]; i < bounds[g + 1]; ++i) {
+      TORCH_CHECK(check_sequence(in, seqs[i], k_cache.size(0)) == 1, "a member is not a decode");
+      TORCH_CHECK(shared[g] * in.block_size < in.lens[seqs[i]], "shared blocks reach a member's last token");
+      group_cost += in.lens[seqs[i]];
+    }
+    for (int64_t first = bounds[g]; first < bounds[g + 1]; first += tile_members) {
+      const int64_t n = std::min<int64_t>(tile_members, bounds[g + 1] - first);
+      for (int64_t h = 0; h < in.num_kv_heads; ++h) {
+        tasks.push_back({h, first, n, shared[g]});
+        costs.push_back(group_cost * n / (bounds[g + 1] - bounds[g]));
       }
+    }
+  }
+  if (tasks.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_shared_decode_attention", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* k = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v = v_cache.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    run_tasks(tasks, costs, in.shape, [&](const SharedTask& task, Scratch& scratch) {
+      shared_decode_task<scalar_t>(task, seqs, q, k, v, in.tables, in.max_num_blocks, in.lens, in.starts, in.shape,
+                                   static_cast<float>(scale), scratch, o);
     });
   });
 }

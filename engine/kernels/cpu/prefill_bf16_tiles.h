@@ -42,9 +42,9 @@ void score_block_bf16(const uint32_t* q_pairs, const uint32_t* k_pairs, int64_t 
   }
 }
 
-// k_pairs[p * block_size + t] = the 32-bit pair p of token t's key: the block transposed
-// by gathers, 16 tokens at a time.
-inline void pack_key_pairs(const at::BFloat16* kb, const Shape& s, uint32_t* k_pairs) {
+// k_pairs[p * stride + t] = the 32-bit pair p of token t's key: the block transposed by
+// gathers, 16 tokens at a time (stride: the width of the tile of blocks it is packed into).
+inline void pack_key_pairs(const at::BFloat16* kb, const Shape& s, int64_t stride, uint32_t* k_pairs) {
   const int64_t num_pairs = s.head_dim / 2;
   const __m512i token_offsets = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(num_pairs));
@@ -52,7 +52,7 @@ inline void pack_key_pairs(const at::BFloat16* kb, const Shape& s, uint32_t* k_p
   for (int64_t t0 = 0; t0 < s.block_size; t0 += 16) {
     for (int64_t p = 0; p < num_pairs; ++p) {
       const __m512i pairs = _mm512_i32gather_epi32(token_offsets, words + t0 * num_pairs + p, 4);
-      _mm512_storeu_si512(k_pairs + p * s.block_size + t0, pairs);
+      _mm512_storeu_si512(k_pairs + p * stride + t0, pairs);
     }
   }
 }
