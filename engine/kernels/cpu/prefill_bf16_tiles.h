@@ -42,17 +42,46 @@ void score_block_bf16(const uint32_t* q_pairs, const uint32_t* k_pairs, int64_t 
   }
 }
 
-// k_pairs[p * stride + t] = the 32-bit pair p of token t's key: the block transposed by
-// gathers, 16 tokens at a time (stride: the width of the tile of blocks it is packed into).
+// out[j] = column j of the 16 x 16 matrix of 32-bit words whose rows are a[0..15]: 32-bit,
+// then 64-bit interleaves within 128-bit lanes, then two rounds of lane shuffles.
+inline void transpose_16x16(const __m512i* a, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]);
+  }
+  // u[4k + c], lane L: column 4L + c of rows 4k..4k+3.
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    out[c] = _mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(2, 0, 2, 0));
+    out[8 + c] = _mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(3, 1, 3, 1));
+    out[4 + c] = _mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(2, 0, 2, 0));
+    out[12 + c] = _mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// k_pairs[p * stride + t] = the 32-bit pair p of token t's key: the block transposed 16
+// tokens by 16 pairs at a time in registers (stride: the width of the tile of blocks it is
+// packed into). Gathers did the same at a quarter of the speed, a third of the kernel's time.
+// Needs head_dim % 32 == 0 and block_size % 16 == 0.
 inline void pack_key_pairs(const at::BFloat16* kb, const Shape& s, int64_t stride, uint32_t* k_pairs) {
   const int64_t num_pairs = s.head_dim / 2;
-  const __m512i token_offsets = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(num_pairs));
-  const int* words = reinterpret_cast<const int*>(kb);
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(kb);
+  __m512i rows[16], columns[16];
   for (int64_t t0 = 0; t0 < s.block_size; t0 += 16) {
-    for (int64_t p = 0; p < num_pairs; ++p) {
-      const __m512i pairs = _mm512_i32gather_epi32(token_offsets, words + t0 * num_pairs + p, 4);
-      _mm512_storeu_si512(k_pairs + p * stride + t0, pairs);
+    for (int64_t p0 = 0; p0 < num_pairs; p0 += 16) {
+      for (int r = 0; r < 16; ++r) rows[r] = _mm512_loadu_si512(words + (t0 + r) * num_pairs + p0);
+      transpose_16x16(rows, columns);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(k_pairs + (p0 + j) * stride + t0, columns[j]);
     }
   }
 }
