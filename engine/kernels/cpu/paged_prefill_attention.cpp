@@ -260,10 +260,7 @@ void begin_tile(const scalar_t* query, const int64_t* row_offsets, int64_t num_r
 // exp, the rescale of the sums) is paid per step, so the bf16 path takes blocks together,
 // kTileTokens tokens at a time: with 16-token blocks it had cost about as much as the dot
 // products themselves. The fp32 path goes block by block.
-#ifndef TL_TILE_TOKENS
-#define TL_TILE_TOKENS 64
-#endif
-constexpr int64_t kTileTokens = TL_TILE_TOKENS;
+constexpr int64_t kTileTokens = 64;
 
 inline int64_t blocks_per_step(bool bf16_dot, const Shape& s) {
   return bf16_dot ? std::max<int64_t>(1, kTileTokens / s.block_size) : 1;
