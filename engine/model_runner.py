@@ -27,7 +27,7 @@ from engine.distributed.parallel_state import TensorParallelGroup, threads_per_r
 from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
 from engine.models import load_model
 from engine.models.config import ModelConfig
-from engine.models.cpu_packing import bound_primitive_caches, can_prepack
+from engine.models.cpu_packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.models.fused import select_fused_ops
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
@@ -85,7 +85,8 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.num_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if prepack:
-            self.model.prepack_for_cpu(batch_size_hint=config.max_num_seqs)
+            slabs = plan_slabs(self.dtype, self.num_weight_bytes, detect_cpu_features())
+            self.model.prepack_for_cpu(batch_size_hint=config.max_num_seqs, slabs=slabs)
         self.backend = get_attention_backend(config.attention_backend, self.device.type)
         fused_ops = select_fused_ops(self.device, self.backend.name, self.is_compiled)
         if fused_ops is not None:

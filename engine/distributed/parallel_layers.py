@@ -103,10 +103,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local_in_features))  # [out_features, in_features / N]
         self.packed = None  # engine.models.cpu_packing.PackedLinear, after prepack
 
-    def prepack(self, batch_size_hint: int) -> None:
+    def prepack(self, batch_size_hint: int, slabs=None) -> None:
         from engine.models.cpu_packing import PackedLinear
 
-        self.packed = PackedLinear(self.weight, None, batch_size_hint)
+        self.packed = PackedLinear(self.weight, None, batch_size_hint, slabs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features / N] -> [num_tokens, out_features]

@@ -138,16 +138,18 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, SwiGLUMLP, Attention)):
                 module.fused = ops
 
-    def prepack_for_cpu(self, batch_size_hint: int) -> None:
-        """Move every matmul, the logits' too, onto oneDNN-prepacked weights."""
+    def prepack_for_cpu(self, batch_size_hint: int, slabs=None) -> None:
+        """Move every matmul, the logits' too, onto oneDNN-prepacked weights (and with
+        `slabs`, an engine.models.cpu_packing.SlabPlan, onto bf16 slabs)."""
         from engine.distributed.parallel_layers import RowParallelLinear
         from engine.models.cpu_packing import PackedLinear, prepack_linears
 
-        prepack_linears(self, batch_size_hint)  # an untied lm_head among them
+        prepack_linears(self, batch_size_hint, slabs)  # an untied lm_head among them
         for module in self.modules():
             if isinstance(module, RowParallelLinear):  # not nn.Linears: their all-reduce stays
-                module.prepack(batch_size_hint)
-        self.logits_head = self.lm_head or PackedLinear(self.embed_tokens.weight, None, batch_size_hint)
+                module.prepack(batch_size_hint, slabs)
+        self.logits_head = self.lm_head or PackedLinear(self.embed_tokens.weight, None, batch_size_hint, slabs)
+        self.logits_head.out_fp32 = True
 
     def load_weights(self, weights) -> None:
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up as they arrive.

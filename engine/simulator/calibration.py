@@ -97,7 +97,8 @@ def measure_machine(weight_bytes: int, hidden: int, intermediate: int, dtype, de
     at an MLP-shaped matmul of 512 tokens, as the engine runs it: prepacked on the CPU."""
     import torch
 
-    from engine.models.cpu_packing import PackedLinear, bound_primitive_caches, can_prepack
+    from engine.dtype_policy import detect_cpu_features
+    from engine.models.cpu_packing import PackedLinear, bound_primitive_caches, can_prepack, plan_slabs
 
     bound_primitive_caches()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -106,7 +107,9 @@ def measure_machine(weight_bytes: int, hidden: int, intermediate: int, dtype, de
 
     weight = torch.randn(2 * intermediate, hidden, dtype=dtype, device=device)
     if can_prepack(torch.device(device), dtype):
-        linear = PackedLinear(weight, None, batch_size_hint=512)
+        # As the engine runs it (oneDNN, or bf16 slabs where those are faster).
+        slabs = plan_slabs(dtype, weight_bytes, detect_cpu_features()) if device == "cpu" else None
+        linear = PackedLinear(weight, None, batch_size_hint=512, slabs=slabs)
     else:
         linear = torch.nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype, device=device)
     x = torch.randn(512, hidden, dtype=dtype, device=device)

@@ -17,6 +17,10 @@ void paged_shared_decode_attention(
     torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor members, torch::Tensor group_starts,
     torch::Tensor shared_blocks, double scale);
 
+// small_batch_linear.cpp
+torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor slabs, torch::Tensor bias, bool out_fp32);
+bool has_small_batch_linear();
+
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, int64_t lanes);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, int64_t lanes);
@@ -30,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention for query chunks, into out (CPU)");
   m.def("paged_shared_decode_attention", &paged_shared_decode_attention,
         "decodes of sequences sharing their first blocks, one tile per group, into out (CPU)");
+  m.def("small_batch_linear", &small_batch_linear, "bf16 linear for a few tokens, weights in 16-feature slabs (CPU)");
+  m.def("has_small_batch_linear", &has_small_batch_linear, "whether this build has small_batch_linear (AVX512_BF16)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rmsnorm(residual) * weight, in place (CPU)");
   m.def("rms_norm", &rms_norm, "rmsnorm(x) * weight (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from [T, 2I] gate|up (CPU)");

@@ -1,0 +1,108 @@
+"""bf16 linears on slabs (engine/kernels/cpu/small_batch_linear.cpp) against torch's
+matmul, and the plan that decides which steps take them (engine/models/cpu_packing.py)."""
+
+import pytest
+import torch
+
+from engine.dtype_policy import CpuFeatures
+from engine.models.cpu_packing import SMALL_BATCH_MAX_TOKENS, PackedLinear, pack_slabs, plan_slabs
+
+try:
+    from engine.kernels.cpu_extension import load_cpu_kernels
+
+    KERNELS = load_cpu_kernels()
+except Exception as exc:  # the build needs a C++ compiler
+    pytest.skip(f"CPU kernels cannot be built here: {exc}", allow_module_level=True)
+
+HAS_SLABS = KERNELS.has_small_batch_linear()
+# The kernel exists only where the CPU has AVX512_BF16 (the build is -march=native); elsewhere
+# the plan keeps oneDNN, which the rest of the suite covers.
+needs_slabs = pytest.mark.skipif(not HAS_SLABS, reason="the CPU has no AVX512_BF16")
+NO_AMX = CpuFeatures(has_amx_bf16=False, has_avx512_bf16=True)
+AMX = CpuFeatures(has_amx_bf16=True, has_avx512_bf16=True)
+
+
+def reference(x, weight, bias):
+    out = x.float() @ weight.float().t()  # [num_tokens, out_features], fp32 sums of exact products
+    return out if bias is None else out + bias.float()
+
+
+def test_slabs_hold_each_features_pairs():
+    weight = torch.arange(32 * 6, dtype=torch.float32).reshape(32, 6).bfloat16()
+    slabs = pack_slabs(weight)
+    assert slabs.shape == (2, 3, 16) and slabs.dtype == torch.int32
+    pair = slabs[1, 2, 5].reshape(1).view(torch.bfloat16)  # feature 16 + 5, elements 4 and 5
+    assert pair.tolist() == weight[21, 4:6].tolist()
+
+
+@needs_slabs
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_an_fp32_matmul_rounded_once(num_tokens, with_bias):
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight = torch.randn(48, 96, generator=gen).bfloat16()
+    bias = torch.randn(48, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(num_tokens, 96, generator=gen).bfloat16()
+    slab_bias = bias if with_bias else torch.empty(0, dtype=torch.bfloat16)
+    out = KERNELS.small_batch_linear(x, pack_slabs(weight), slab_bias, False)
+    assert out.shape == (num_tokens, 48) and out.dtype == torch.bfloat16
+    expected = reference(x, weight, bias)
+    # One bf16 rounding of an fp32 sum: within half a bf16 ulp of the value, plus the fp32 order.
+    torch.testing.assert_close(out.float(), expected, atol=1e-3, rtol=2**-8)
+    # Unrounded (logits): the fp32 sums, equal to fp32 products summed in another order.
+    out = KERNELS.small_batch_linear(x, pack_slabs(weight), slab_bias, True)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+
+
+@needs_slabs
+def test_rejects_mismatched_shapes():
+    slabs = pack_slabs(torch.randn(16, 8).bfloat16())
+    empty = torch.empty(0, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="features disagree"):
+        KERNELS.small_batch_linear(torch.randn(2, 10).bfloat16(), slabs, empty, False)
+    with pytest.raises(RuntimeError, match="bf16"):
+        KERNELS.small_batch_linear(torch.randn(2, 8), slabs, empty, False)
+    with pytest.raises(RuntimeError, match="bias"):
+        KERNELS.small_batch_linear(torch.randn(2, 8).bfloat16(), slabs, torch.zeros(15, dtype=torch.bfloat16), False)
+
+
+@needs_slabs
+def test_plan_without_amx_takes_slabs_for_every_step_and_drops_onednns_copy():
+    plan = plan_slabs(torch.bfloat16, 1 << 20, NO_AMX)
+    assert plan is not None and plan.max_tokens is None
+    weight, bias = torch.randn(32, 64).bfloat16(), torch.randn(32).bfloat16()
+    linear = PackedLinear(weight, bias, 8, plan)
+    assert linear.packed_weight is None and linear.slabs is not None
+    for num_tokens in (1, 100):
+        x = torch.randn(num_tokens, 64).bfloat16()
+        torch.testing.assert_close(linear(x).float(), reference(x, weight, bias), atol=1e-3, rtol=2**-8)
+
+
+@needs_slabs
+def test_plan_with_amx_keeps_onednn_for_big_steps():
+    plan = plan_slabs(torch.bfloat16, 1 << 20, AMX)
+    assert plan is not None and plan.max_tokens == SMALL_BATCH_MAX_TOKENS
+    linear = PackedLinear(torch.randn(32, 64).bfloat16(), None, 8, plan)
+    assert linear.packed_weight is not None and linear.slabs is not None
+    calls = []
+    real = plan.kernels
+
+    class Spy:
+        def small_batch_linear(self, *args):
+            calls.append(args[0].shape[0])
+            return real.small_batch_linear(*args)
+
+    linear.slab_plan = type(plan)(Spy(), plan.max_tokens)
+    linear(torch.randn(SMALL_BATCH_MAX_TOKENS, 64).bfloat16())
+    linear(torch.randn(SMALL_BATCH_MAX_TOKENS + 1, 64).bfloat16())
+    assert calls == [SMALL_BATCH_MAX_TOKENS]
+    assert plan_slabs(torch.bfloat16, 5 << 30, AMX) is None  # too big to copy
+
+
+def test_no_slabs_for_fp32_or_shapes_that_do_not_fit():
+    assert plan_slabs(torch.float32, 1 << 20, NO_AMX) is None
+    if HAS_SLABS:
+        plan = plan_slabs(torch.bfloat16, 1 << 20, NO_AMX)
+        odd = PackedLinear(torch.randn(40, 64).bfloat16(), None, 8, plan)  # 40 features: no whole slabs
+        assert odd.slabs is None and odd.packed_weight is not None
