@@ -17,7 +17,6 @@ import torch
 
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
-from engine.huge_pages import zeros_on_huge_pages
 from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
@@ -25,6 +24,7 @@ from engine.distributed.messages import StepInputs
 from engine.distributed.parallel_layers import num_local_kv_heads
 from engine.distributed.parallel_state import TensorParallelGroup, threads_per_rank
 from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
+from engine.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack, plan_slabs

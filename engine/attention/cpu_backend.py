@@ -48,6 +48,7 @@ class _SharedDecodePlan:
 # tokens: below it, scoring each sequence on its own costs no more than the tile's transposes.
 MIN_SHARED_TOKENS = 64
 
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 

@@ -1,0 +1,20 @@
+"""scripts/validate_simulator.py's comparison: a prediction against the mean of repeated runs."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from validate_simulator import compare, suffix  # noqa: E402
+
+
+def test_prediction_is_compared_with_the_mean_of_the_runs():
+    report = compare({"total_tokens_per_s": (990.0, [880.0, 920.0]), "tpot_p50_s": (0.02, [0.025])})
+    assert report["total_tokens_per_s"]["measured"] == 900.0
+    assert report["total_tokens_per_s"]["error_pct"] == 10.0
+    assert report["total_tokens_per_s"]["measured_runs"] == [880.0, 920.0]
+    assert abs(report["tpot_p50_s"]["error_pct"] - -20.0) < 1e-9
+
+
+def test_the_first_run_keeps_the_plain_file_names():
+    assert [suffix(i) for i in range(3)] == ["", "_2", "_3"]
