@@ -12,6 +12,8 @@ torch::Tensor paged_decode_attention(
 void paged_prefill_attention(
     torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor seq_indices, double scale);
+
+// paged_shared_decode_attention.cpp
 void paged_shared_decode_attention(
     torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor members, torch::Tensor group_starts,

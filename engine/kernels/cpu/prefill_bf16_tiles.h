@@ -1,4 +1,4 @@
-// The bf16 tile steps of paged_prefill_attention.cpp, for CPUs with AVX512_BF16: keys,
+// The bf16 tile steps of attention_tiles.h, for CPUs with AVX512_BF16: keys,
 // values and probabilities packed in 32-bit pairs so that one vdpbf16ps adds two products
 // for 16 lanes. Included by that file only, inside its anonymous namespace (it uses its
 // Shape and kRowChunk).
