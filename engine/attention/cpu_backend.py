@@ -1,6 +1,6 @@
 """The CPU attention backend: the torch backend's cache layout, with attention in C++ kernels.
 
-Both kernels read each sequence's blocks in place through its block table
+The kernels read each sequence's blocks in place through its block table
 instead of gathering them into copies:
 
 - decodes (one query token) in engine/kernels/cpu/paged_decode_attention.cpp,
@@ -12,11 +12,12 @@ instead of gathering them into copies:
   on a short chunk after a long cached prefix reached a small part of the
   matmul rate;
 - decodes whose sequences share a cached prefix (a system prompt: their block
-  tables start with the same blocks) in the same file's shared-decode tiles: the
-  group's query rows go through each shared block together, as a prompt's do,
-  so the block is read and scored once per group, not once per sequence (a
-  decode of 64 sequences behind four 1,024-token prompts spent most of its time
-  re-scoring the prompts). Each sequence's own blocks follow, for its rows only.
+  tables start with the same blocks) in paged_shared_decode_attention.cpp, on the
+  prefill kernel's tiles (attention_tiles.h): the group's query rows go through
+  each shared block together, as a prompt's do, so the block is read and scored
+  once per group, not once per sequence (a decode of 64 sequences behind four
+  1,024-token prompts spent most of its time re-scoring the prompts). Each
+  sequence's own blocks follow, for its rows only.
 """
 
 from __future__ import annotations
