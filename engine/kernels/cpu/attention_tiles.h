@@ -387,20 +387,30 @@ int64_t check_sequence(const Inputs& in, int64_t seq, int64_t num_cache_blocks) 
   return query_len;
 }
 
-// Runs run(task, scratch) for every task on the intra-op threads, largest first, dealt
-// round-robin: tasks differ in cost, and a contiguous split would give one thread all the
-// long ones. Reorders `tasks`.
+// Runs run(task, scratch, q, k, v, o) for every task on the intra-op threads, with the
+// tensors' data as pointers of their dtype (q, k, v and o: query, k_cache, v_cache, out),
+// largest task first, dealt round-robin: tasks differ in cost, and a contiguous split
+// would give one thread all the long ones.
 template <typename TaskT, typename Fn>
-void run_tasks(std::vector<TaskT>& tasks, const std::vector<int64_t>& costs, const Shape& shape, Fn run) {
+void run_tasks(const std::vector<TaskT>& tasks, const std::vector<int64_t>& costs, const Shape& shape,
+               const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+               const torch::Tensor& out, Fn run) {
+  if (tasks.empty()) return;
   std::vector<int64_t> order(tasks.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
-  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(shape, std::max(shape.block_size, kTileTokens));
-    for (int64_t worker = begin; worker < end; ++worker) {
-      for (size_t i = worker; i < order.size(); i += num_workers) run(tasks[order[i]], scratch);
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged attention tiles", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* k = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v = v_cache.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch(shape, std::max(shape.block_size, kTileTokens));
+      for (int64_t worker = begin; worker < end; ++worker) {
+        for (size_t i = worker; i < order.size(); i += num_workers) run(tasks[order[i]], scratch, q, k, v, o);
+      }
+    });
   });
 }
 

@@ -87,16 +87,10 @@ void paged_prefill_attention(
       }
     }
   }
-  if (tasks.empty()) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_prefill_attention", [&] {
-    const scalar_t* q = query.data_ptr<scalar_t>();
-    const scalar_t* k = k_cache.data_ptr<scalar_t>();
-    const scalar_t* v = v_cache.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    run_tasks(tasks, costs, in.shape, [&](const Task& task, Scratch& scratch) {
-      prefill_task<scalar_t>(task, q, k, v, in.tables + task.seq * in.max_num_blocks, in.lens[task.seq],
-                             in.starts[task.seq], in.starts[task.seq + 1] - in.starts[task.seq], in.shape,
-                             static_cast<float>(scale), scratch, o);
-    });
-  });
+  run_tasks(tasks, costs, in.shape, query, k_cache, v_cache, out,
+            [&](const Task& task, Scratch& scratch, const auto* q, const auto* k, const auto* v, auto* o) {
+              prefill_task(task, q, k, v, in.tables + task.seq * in.max_num_blocks, in.lens[task.seq],
+                           in.starts[task.seq], in.starts[task.seq + 1] - in.starts[task.seq], in.shape,
+                           static_cast<float>(scale), scratch, o);
+            });
 }

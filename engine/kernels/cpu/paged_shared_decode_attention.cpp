@@ -96,15 +96,9 @@ void paged_shared_decode_attention(
       }
     }
   }
-  if (tasks.empty()) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_shared_decode_attention", [&] {
-    const scalar_t* q = query.data_ptr<scalar_t>();
-    const scalar_t* k = k_cache.data_ptr<scalar_t>();
-    const scalar_t* v = v_cache.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    run_tasks(tasks, costs, in.shape, [&](const SharedTask& task, Scratch& scratch) {
-      shared_decode_task<scalar_t>(task, seqs, q, k, v, in.tables, in.max_num_blocks, in.lens, in.starts, in.shape,
-                                   static_cast<float>(scale), scratch, o);
-    });
-  });
+  run_tasks(tasks, costs, in.shape, query, k_cache, v_cache, out,
+            [&](const SharedTask& task, Scratch& scratch, const auto* q, const auto* k, const auto* v, auto* o) {
+              shared_decode_task(task, seqs, q, k, v, in.tables, in.max_num_blocks, in.lens, in.starts, in.shape,
+                                 static_cast<float>(scale), scratch, o);
+            });
 }
