@@ -30,7 +30,6 @@
 
 namespace {
 
-using tokenloom_cpu::prefetch_rows;
 using tokenloom_cpu::reduce_add;
 using tokenloom_cpu::Vec;
 
@@ -49,22 +48,50 @@ inline Vec load_float(const scalar_t* ptr) {
   }
 }
 
+// Blocks ahead of the one in use that are prefetched. One block is too close: its rows
+// arrive after a task has already scored them (blocks lie anywhere in the pool, so the
+// hardware prefetcher cannot guess them). Into L2, not L1: a 2 KB block is 32 lines, more
+// than the L1's miss buffers hold, and the prefetch instructions then stall the loop.
+constexpr int64_t kPrefetchBlocks = 2;
+
+// The blocks of one (sequence, KV head) in one cache, for prefetching: block i's rows
+// start at base + table[i] * the block stride.
+struct BlockRun {
+  const char* base = nullptr;
+  const int32_t* table = nullptr;
+  int64_t num_blocks = 0;
+};
+
 struct TaskShape {
   int64_t group, head_dim, block_size, block_stride, head_offset;
+  BlockRun after;  // what is read after this pass: its first blocks are prefetched as the pass ends
 };
+
+template <typename scalar_t>
+BlockRun block_run(const scalar_t* cache, const int32_t* block_table, int64_t seq_len, const TaskShape& s) {
+  return {reinterpret_cast<const char*>(cache + s.head_offset), block_table, (seq_len + s.block_size - 1) / s.block_size};
+}
+
+inline void prefetch_to_l2(const char* rows, int64_t num_bytes) {
+  for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(rows + offset, 0, 2);  // prefetcht1 on x86
+}
 
 // Calls fn(rows, start, num_tokens) for each block of one sequence's cached rows of this
 // task's KV head, in position order: `rows` is the block's first row, `start` the
-// position of that row, and the next block is prefetched first (blocks lie anywhere in
-// the pool, so the hardware prefetcher cannot guess them).
+// position of that row. Prefetches run kPrefetchBlocks ahead, into s.after's blocks at the end.
 template <typename scalar_t, typename Fn>
 inline void for_each_block(const scalar_t* cache, const int32_t* block_table, int64_t seq_len, const TaskShape& s,
                            Fn fn) {
   const int64_t block_bytes = s.block_size * s.head_dim * sizeof(scalar_t);
+  const int64_t stride_bytes = s.block_stride * sizeof(scalar_t);
+  const BlockRun run = block_run(cache, block_table, seq_len, s);
   for (int64_t start = 0; start < seq_len; start += s.block_size) {
     const int64_t block_index = start / s.block_size;
-    if (start + s.block_size < seq_len) {
-      prefetch_rows(cache + block_table[block_index + 1] * s.block_stride + s.head_offset, block_bytes);
+    const int64_t ahead = block_index + kPrefetchBlocks;
+    if (ahead < run.num_blocks) {
+      prefetch_to_l2(run.base + run.table[ahead] * stride_bytes, block_bytes);
+    } else if (ahead - run.num_blocks < s.after.num_blocks) {
+      prefetch_to_l2(s.after.base + s.after.table[ahead - run.num_blocks] * stride_bytes, block_bytes);
     }
     fn(cache + block_table[block_index] * s.block_stride + s.head_offset, start,
        std::min(s.block_size, seq_len - start));
@@ -298,17 +325,20 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
     score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, true);
   } else {
     const bool vectorized = shape.head_dim % Vec::size() == 0 && shape.group <= kMaxGroup;
+    // The K pass runs into this task's V blocks; the V pass into whatever `shape.after` says.
+    TaskShape k_shape = shape;
+    k_shape.after = block_run(v_cache, block_table, seq_len, shape);
     if (vectorized) {
       // The group size is a template argument so the group's sums live in registers.
       with_group(shape.group, [&](auto group) {
         if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHasBf16Dot) {
           if (shape.head_dim % 32 == 0) {
-            score_rows_bf16<group()>(query, scale, k_cache, block_table, seq_len, shape, scores);
+            score_rows_bf16<group()>(query, scale, k_cache, block_table, seq_len, k_shape, scores);
           } else {
-            score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, shape, scores);
+            score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
           }
         } else {
-          score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, shape, scores);
+          score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
         }
         softmax_rows(scores, shape.group, seq_len);
         weigh<scalar_t, group()>(scores, v_cache, block_table, seq_len, shape, acc);
@@ -374,6 +404,9 @@ torch::Tensor paged_decode_attention(
     shared = tables[order[i] * max_num_blocks] == tables[order[i - 1] * max_num_blocks];
   }
 
+  auto task_seq = [&](int64_t task) { return shared ? order[task % num_seqs] : task / num_kv_heads; };
+  auto task_head = [&](int64_t task) { return shared ? task / num_seqs : task % num_kv_heads; };
+
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* k = k_cache.data_ptr<scalar_t>();
@@ -383,10 +416,14 @@ torch::Tensor paged_decode_attention(
     at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_seq_len);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t seq = shared ? order[task % num_seqs] : task / num_kv_heads;
-        const int64_t kv_head = shared ? task / num_seqs : task % num_kv_heads;
+        const int64_t seq = task_seq(task), kv_head = task_head(task);
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
-        const TaskShape shape{group, head_dim, block_size, block_stride, kv_head * block_size * head_dim};
+        TaskShape shape{group, head_dim, block_size, block_stride, kv_head * block_size * head_dim};
+        if (task + 1 < end) {  // the next task's K blocks follow this task's V blocks
+          TaskShape next = shape;
+          next.head_offset = task_head(task + 1) * block_size * head_dim;
+          shape.after = block_run(k, tables + task_seq(task + 1) * max_num_blocks, lens[task_seq(task + 1)], next);
+        }
         decode_task<scalar_t>(q + offset, k, v, tables + seq * max_num_blocks, lens[seq], shape,
                               static_cast<float>(scale), q_buf.data(), scores.data(), acc.data(), o + offset);
       }
