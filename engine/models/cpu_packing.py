@@ -19,7 +19,8 @@ bf16 on a CPU with AVX512_BF16 but no AMX (this project's Zen 4) takes the slabs
 of engine/kernels/cpu/small_batch_linear.cpp instead: oneDNN streamed the weights
 of a one-token step at about 18 GB/s (the machine reads about 30), and the slabs
 match or beat its rate at every step size here (64 to 1,024 tokens: 380-450
-GFLOP/s against oneDNN's 350-440). In the engine a one-sequence decode step went
+GFLOP/s against oneDNN's 350-440 in one session; 370-376 in another, at its clock's
+dot-product peak). In the engine a one-sequence decode step went
 from 25 to 13 ms, 64 sequences from 89 to 75 ms. With AMX, oneDNN's tiles win
 big steps: slabs then take only steps of up to SMALL_BATCH_MAX_TOKENS tokens, as
 a second copy of the weights, and not for models whose weights pass

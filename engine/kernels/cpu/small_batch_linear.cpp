@@ -12,8 +12,9 @@
 // A slab streams from memory front to back; one vdpbf16ps adds two products for 16
 // outputs, with the token's pair broadcast, so there are no horizontal sums. Up to
 // kMaxRows tokens share each weight load; more tokens take further passes over the
-// slab, which is then in cache, and are bound by the dot products instead (380-450
-// GFLOP/s here on 64-1,024 tokens, where oneDNN did 350-440). Sums are fp32; the output
+// slab, which is then in cache, and are bound by the dot products instead: from 64
+// tokens up they run at the vdpbf16ps peak (370-450 GFLOP/s on two cores here, with the
+// host's clock; oneDNN did 350-440). Sums are fp32; the output
 // is rounded to bf16 once, or left in fp32 (logits).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
