@@ -56,6 +56,30 @@ def test_matches_an_fp32_matmul_rounded_once(num_tokens, with_bias):
 
 
 @needs_slabs
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_every_slab_is_computed_once_whatever_the_share_out(num_threads):
+    # 65 slabs: chunks of 4 (2 threads) or 2 (3 threads) leave a remainder, and with more
+    # threads than the machine has cores one may take several chunks in a row.
+    gen = torch.Generator().manual_seed(num_threads)
+    weight = torch.randn(65 * 16, 64, generator=gen).bfloat16()
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = KERNELS.small_batch_linear(x, pack_slabs(weight), torch.empty(0, dtype=torch.bfloat16), True)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, reference(x, weight, None), atol=1e-4, rtol=1e-5)
+
+
+@needs_slabs
+def test_no_output_features_gives_an_empty_result():
+    slabs = torch.empty(0, 4, 16, dtype=torch.int32)
+    out = KERNELS.small_batch_linear(torch.randn(3, 8).bfloat16(), slabs, torch.empty(0, dtype=torch.bfloat16), False)
+    assert out.shape == (3, 0)
+
+
+@needs_slabs
 def test_rejects_mismatched_shapes():
     slabs = pack_slabs(torch.randn(16, 8).bfloat16())
     empty = torch.empty(0, dtype=torch.bfloat16)

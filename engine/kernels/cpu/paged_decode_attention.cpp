@@ -10,12 +10,14 @@
 //
 // Decode attention is bound by the KV read (every context token's K and V, each
 // step), so the kernel's job is to keep up with memory: each row is converted
-// to fp32 in vector registers once and used by the whole GQA group, the next
-// block is prefetched while this one is used (blocks lie anywhere in the pool,
-// so the hardware prefetcher cannot guess them). Tasks are split with ATen's
-// parallel_for: a raw `omp parallel` region here, with tasks handed out from a
-// shared counter, made the kernel 2.3x slower inside the engine (between oneDNN's
-// regions) though not in isolation.
+// to fp32 in vector registers once and used by the whole GQA group, and blocks
+// are prefetched two ahead of use (blocks lie anywhere in the pool, so the
+// hardware prefetcher cannot guess them). Tasks are split with ATen's
+// parallel_for in equal contiguous ranges: a raw `omp parallel` region here, with
+// tasks handed out from a shared counter, made the kernel 2.3x slower inside the
+// engine (between oneDNN's regions) though not in isolation, and handing them out
+// from a counter inside parallel_for (as run_slabs does) gained nothing and broke
+// the prefetch from one task into the next.
 #include "vec_capability.h"
 #include "vec_reduce.h"
 

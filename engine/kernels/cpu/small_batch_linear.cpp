@@ -95,6 +95,7 @@ constexpr SlabRowsFn<out_t> kSlabRows[kMaxRows] = {
 template <typename out_t>
 void run_slabs(const uint32_t* x_pairs, int64_t num_tokens, int64_t num_pairs, const uint32_t* w,
                const at::BFloat16* b, int64_t num_slabs, out_t* o) {
+  if (num_slabs == 0) return;
   const int64_t out_features = num_slabs * 16;
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_slabs);
   const int64_t chunk = std::max<int64_t>(1, num_slabs / (num_threads * kChunksPerThread));
