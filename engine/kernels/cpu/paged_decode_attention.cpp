@@ -32,6 +32,7 @@
 
 namespace {
 
+using tokenloom_cpu::prefetch_rows;
 using tokenloom_cpu::reduce_add;
 using tokenloom_cpu::Vec;
 
@@ -74,10 +75,6 @@ BlockRun block_run(const scalar_t* cache, const int32_t* block_table, int64_t se
   return {reinterpret_cast<const char*>(cache + s.head_offset), block_table, (seq_len + s.block_size - 1) / s.block_size};
 }
 
-inline void prefetch_to_l2(const char* rows, int64_t num_bytes) {
-  for (int64_t offset = 0; offset < num_bytes; offset += 64) __builtin_prefetch(rows + offset, 0, 2);  // prefetcht1 on x86
-}
-
 // Calls fn(rows, start, num_tokens) for each block of one sequence's cached rows of this
 // task's KV head, in position order: `rows` is the block's first row, `start` the
 // position of that row. Prefetches run kPrefetchBlocks ahead, into s.after's blocks at the end.
@@ -91,9 +88,9 @@ inline void for_each_block(const scalar_t* cache, const int32_t* block_table, in
     const int64_t block_index = start / s.block_size;
     const int64_t ahead = block_index + kPrefetchBlocks;
     if (ahead < run.num_blocks) {
-      prefetch_to_l2(run.base + run.table[ahead] * stride_bytes, block_bytes);
+      prefetch_rows<2>(run.base + run.table[ahead] * stride_bytes, block_bytes);
     } else if (ahead - run.num_blocks < s.after.num_blocks) {
-      prefetch_to_l2(s.after.base + s.after.table[ahead - run.num_blocks] * stride_bytes, block_bytes);
+      prefetch_rows<2>(s.after.base + s.after.table[ahead - run.num_blocks] * stride_bytes, block_bytes);
     }
     fn(cache + block_table[block_index] * s.block_stride + s.head_offset, start,
        std::min(s.block_size, seq_len - start));
