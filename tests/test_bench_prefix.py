@@ -136,3 +136,29 @@ def test_peers_table_shows_the_shared_prefix_workload(tmp_path):
     ours, vllm = json.loads((tmp_path / "summary.json").read_text())
     assert ours["engine"] == "ours" and ours["shared_prefix_caching_on_vs_off"] == 3.0
     assert ours["shared_prefix_offline_vs_vllm"] == 1.5 and vllm["shared_prefix_hit_rate"] == 0.9
+
+
+def test_peers_table_takes_the_median_of_the_serving_repeats(tmp_path):
+    import json
+    import subprocess
+
+    def write(engine, rep, ttft_p99, out_tok_s):
+        report = {"median_ttft_ms": 100.0, "p99_ttft_ms": ttft_p99, "median_tpot_ms": 20.0,
+                  "output_throughput": out_tok_s, "failed": 0}
+        (tmp_path / f"{engine}_serving_defaults_rate2_rep{rep}.json").write_text(json.dumps(report))
+
+    for rep, (ours, theirs) in enumerate([(300.0, 400.0), (200.0, 500.0), (260.0, 300.0)], start=1):
+        write("ours", rep, ours, 100.0 * rep)
+        write("vllm", rep, theirs, 50.0 * rep)
+    # A single run's file from an older layout is ignored when numbered repeats exist.
+    (tmp_path / "ours_serving_defaults_rate2.json").write_text(json.dumps({"p99_ttft_ms": 1.0}))
+    result = subprocess.run([sys.executable, "scripts/peers_table.py", str(tmp_path), "--configs", "defaults",
+                             "--rates", "2", "--workloads"],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    ours, vllm = json.loads((tmp_path / "summary.json").read_text())
+    assert ours["rate2_ttft_p99_ms"] == 260.0 and vllm["rate2_ttft_p99_ms"] == 400.0
+    assert ours["rate2_ttft_p99_ms_runs"] == [300.0, 200.0, 260.0]
+    assert ours["rate2_ttft_p99_ms_vs_vllm"] == 260.0 / 400.0
+    assert ours["rate2_out_tok_s_vs_vllm"] == 2.0 and "rate2_out_tok_s_vs_vllm" not in vllm
+    assert "_runs" not in result.stdout  # the table shows the medians only
