@@ -80,7 +80,7 @@ for arg in "$@"; do
   case "$arg" in
     --ours) RUN_OURS=1 ;;
     --install-only) INSTALL_ONLY=1 ;;
-    -h|--help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
