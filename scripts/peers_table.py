@@ -61,10 +61,13 @@ def workload_row(report: dict | None, workload: str) -> dict:
 
 def serving_reports(folder: Path, engine: str, config: str, rate: str) -> list[dict]:
     """The repeats of one serving run, in repeat order (a single unnumbered run counts as one)."""
-    single = load(folder / f"{engine}_serving_{config}_rate{rate}.json")
-    pattern = re.compile(rf"{re.escape(f'{engine}_serving_{config}_rate{rate}')}_rep(\d+)\.json")
+    stem = f"{engine}_serving_{config}_rate{rate}"
+    pattern = re.compile(rf"{re.escape(stem)}_rep(\d+)\.json")
     numbered = sorted((int(m.group(1)), path) for path in folder.iterdir() if (m := pattern.fullmatch(path.name)))
-    return [json.loads(path.read_text()) for _, path in numbered] or ([single] if single else [])
+    if numbered:
+        return [json.loads(path.read_text()) for _, path in numbered]
+    single = load(folder / f"{stem}.json")
+    return [single] if single else []
 
 
 def serving_row(reports: list[dict], rate: str) -> dict:
