@@ -30,7 +30,7 @@ from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.models.fused import select_fused_ops
 from engine.request import Request
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import Sampler, SamplingBatch, sampling_kernels
 from engine.scheduler import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class ModelRunner:
         num_kv_heads = num_local_kv_heads(model_config.num_kv_heads, config.tensor_parallel_size)
         shape = self.backend.kv_cache_shape(num_kv_blocks, config.block_size, num_kv_heads, model_config.head_dim)
         self.kv_caches = [(self._new_cache(shape), self._new_cache(shape)) for _ in range(model_config.num_layers)]
-        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed), sampling_kernels(self.device))
         self.generators: dict[str, torch.Generator] = {}
         logger.info("KV pool: %d blocks of %d tokens on %s", num_kv_blocks, config.block_size, self.device)
         # Decode steps replay CUDA graphs sized for the longest sequence.

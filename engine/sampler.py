@@ -7,16 +7,25 @@ seed gives the same tokens alone or inside any batch. (The exponential race,
 argmax of p / Exp(1) noise, needs a vocabulary's worth of noise per row: with
 48 rows of a 49,152-token vocabulary that was 2.4M serial draws, a quarter of a
 served decode step on this project's CPU.)
+
+On the CPU, rows without top-k, top-p or min-p go through one C++ kernel
+(engine/kernels/cpu/sample_rows.cpp): the same draw (the first token whose
+cumulative mass reaches the row's target) and the same argmax for greedy rows,
+in 0.8 ms for 48 rows at temperature 1 instead of the torch ops' 6.7 ms.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from engine.scheduler import SampledToken
 from ipc.messages import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,9 +45,23 @@ class SamplingBatch:
     needs_min_p: bool
 
 
+def sampling_kernels(device: torch.device) -> ModuleType | None:
+    """The C++ CPU kernels where they apply (on the CPU, where they build), else None."""
+    if device.type != "cpu":
+        return None
+    try:
+        from engine.kernels.cpu_extension import load_cpu_kernels
+
+        return load_cpu_kernels()
+    except Exception as exc:  # no compiler: the torch ops sample the same way, slower
+        logger.info("sampling with torch ops: no CPU kernels (%s)", exc)
+        return None
+
+
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(self, generator: torch.Generator, kernels: ModuleType | None = None) -> None:
         self.generator = generator  # for rows without a seed of their own
+        self._kernels = kernels  # engine/kernels/cpu/sample_rows.cpp's module, or None: torch ops only
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         # logits: [num_rows, vocab_size]
@@ -49,11 +72,28 @@ class Sampler:
         for row, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[row, banned] = float("-inf")
-        if batch.is_all_greedy:
+        filtered = batch.needs_top_k or batch.needs_top_p or batch.needs_min_p
+        if self._kernels is not None and logits.device.type == "cpu" and not filtered:
+            uniforms = torch.zeros(logits.shape[0]) if batch.is_all_greedy else self._draw_uniforms(batch)
+            token_ids = self._kernels.sample_rows(logits, batch.temperatures.float(), uniforms)
+        elif batch.is_all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample_random(logits, batch)
         return self._collect(token_ids.tolist(), raw_logprobs, batch)
+
+    def _draw_uniforms(self, batch: SamplingBatch) -> torch.Tensor:
+        """One draw in [0, 1) per row, on the CPU, where the generators live, so a seed
+        gives the same tokens on any device: the shared generator's rows in one call,
+        each seeded row from its own."""
+        uniforms = torch.empty(len(batch.generators))  # [num_rows]
+        shared_rows = [row for row, g in enumerate(batch.generators) if g is None]
+        if shared_rows:
+            uniforms[shared_rows] = torch.rand(len(shared_rows), generator=self.generator)
+        for row, generator in enumerate(batch.generators):
+            if generator is not None:
+                uniforms[row] = torch.rand(1, generator=generator)
+        return uniforms
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy = batch.temperatures == 0
@@ -66,17 +106,9 @@ class Sampler:
         if batch.needs_min_p:
             threshold = probs.amax(dim=-1, keepdim=True) * batch.min_ps.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # The draws come from the CPU, where the generators live, so a seed gives the
-        # same tokens on any device. u in (0, 1], scaled by the row's mass (below 1
-        # after min-p), picks the first token whose cumulative mass reaches it: never
-        # a token of probability 0.
-        uniforms = torch.empty(probs.shape[0])  # [num_rows]
-        shared_rows = [row for row, g in enumerate(batch.generators) if g is None]
-        if shared_rows:
-            uniforms[shared_rows] = torch.rand(len(shared_rows), generator=self.generator)
-        for row, generator in enumerate(batch.generators):
-            if generator is not None:
-                uniforms[row] = torch.rand(1, generator=generator)
+        # 1 - u in (0, 1], scaled by the row's mass (below 1 after min-p), picks the first
+        # token whose cumulative mass reaches it: never a token of probability 0.
+        uniforms = self._draw_uniforms(batch)
         cdf = probs.cumsum(dim=-1)  # [num_rows, vocab_size]
         targets = (1.0 - uniforms.to(probs.device)) * cdf[:, -1]  # [num_rows]
         sampled = torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[1] - 1)

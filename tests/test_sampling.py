@@ -5,6 +5,7 @@ tokens, stop tokens, log-probs)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -15,7 +16,25 @@ from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SamplingBatch
 from test_model_equivalence import make_tiny_model
 
-# ---- Sampler on hand-made logits ----
+# ---- Sampler on hand-made logits, through the torch ops and through the CPU kernel ----
+
+
+def load_kernels():
+    from engine.kernels.cpu_extension import load_cpu_kernels
+
+    try:
+        return load_cpu_kernels()
+    except Exception as exc:  # no compiler here; under CI the build is part of `make test`
+        if os.environ.get("CI"):
+            pytest.fail(f"CPU kernels unavailable: {exc}")
+        pytest.skip(f"CPU kernels unavailable: {exc}")
+
+
+@pytest.fixture(params=["torch ops", "cpu kernel"])
+def kernels(request):
+    """None: the torch ops sample; else engine/kernels/cpu/sample_rows.cpp does, for the rows
+    without top-k, top-p or min-p (those rows stay on the torch ops either way)."""
+    return None if request.param == "torch ops" else load_kernels()
 
 PROBS = [0.5, 0.3, 0.15, 0.05]  # tokens 0..3, most likely first
 NUM_DRAWS = 4000
@@ -49,24 +68,24 @@ def make_sampling_batch(
     )
 
 
-def draw(probs: list[float], num_draws: int = NUM_DRAWS, seed: int = 0, **batch_kwargs) -> torch.Tensor:
+def draw(probs: list[float], num_draws: int = NUM_DRAWS, seed: int = 0, kernels=None, **batch_kwargs) -> torch.Tensor:
     """Token counts over num_draws rows of the same logits, in one sampler call."""
     logits = torch.tensor(probs).log().expand(num_draws, -1).clone()
-    sampler = Sampler(torch.Generator().manual_seed(seed))
+    sampler = Sampler(torch.Generator().manual_seed(seed), kernels)
     tokens = sampler.sample(logits, make_sampling_batch(num_draws, len(probs), **batch_kwargs))
     return torch.bincount(torch.tensor([t.token_id for t in tokens]), minlength=len(probs))
 
 
-def test_plain_sampling_follows_the_distribution():
-    counts = draw(PROBS)
+def test_plain_sampling_follows_the_distribution(kernels):
+    counts = draw(PROBS, kernels=kernels)
     frequencies = counts / NUM_DRAWS
     assert torch.allclose(frequencies, torch.tensor(PROBS), atol=0.03), frequencies
 
 
-def test_temperature_flattens_and_sharpens():
-    hot = draw(PROBS, temperature=100.0) / NUM_DRAWS
+def test_temperature_flattens_and_sharpens(kernels):
+    hot = draw(PROBS, temperature=100.0, kernels=kernels) / NUM_DRAWS
     assert torch.allclose(hot, torch.full((4,), 0.25), atol=0.03), hot
-    cold = draw(PROBS, temperature=0.05)
+    cold = draw(PROBS, temperature=0.05, kernels=kernels)
     assert cold[0] == NUM_DRAWS
 
 
@@ -120,28 +139,28 @@ def test_top_k_top_p_min_p_per_row_in_one_batch():
     assert seen[2] == {0}  # min-p 0.9 of the top keeps only the top
 
 
-def test_greedy_rows_and_banned_tokens():
+def test_greedy_rows_and_banned_tokens(kernels):
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0], [3.0, 2.0, 1.0, 0.0]])
     batch = make_sampling_batch(3, 4, temperature=0.0, banned=[[], [1], [0, 1, 2]])
-    tokens = Sampler(torch.Generator().manual_seed(0)).sample(logits.clone(), batch)
+    tokens = Sampler(torch.Generator().manual_seed(0), kernels).sample(logits.clone(), batch)
     assert [t.token_id for t in tokens] == [1, 2, 3]
     # a greedy row inside a sampled batch is still the argmax (of what is not banned)
     batch = make_sampling_batch(3, 4, banned=[[], [1], [0, 1, 2]])
     batch.temperatures = torch.tensor([0.0, 0.0, 1.0])
-    tokens = Sampler(torch.Generator().manual_seed(0)).sample(logits.clone(), batch)
+    tokens = Sampler(torch.Generator().manual_seed(0), kernels).sample(logits.clone(), batch)
     assert [t.token_id for t in tokens] == [1, 2, 3]
-    counts = draw(PROBS, banned=[[0]] * NUM_DRAWS)
+    counts = draw(PROBS, banned=[[0]] * NUM_DRAWS, kernels=kernels)
     assert counts[0] == 0 and counts[1] > counts[2] > counts[3]
 
 
-def test_a_seeded_row_draws_the_same_in_any_batch():
+def test_a_seeded_row_draws_the_same_in_any_batch(kernels):
     probs = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(3)), 0).tolist()
     logits = torch.tensor(probs).log()
 
     def sample_seeded_row(num_rows: int, row: int, shared_seed: int) -> list[int]:
         generators = [None] * num_rows
         generators[row] = torch.Generator().manual_seed(1234)
-        sampler = Sampler(torch.Generator().manual_seed(shared_seed))
+        sampler = Sampler(torch.Generator().manual_seed(shared_seed), kernels)
         batch = make_sampling_batch(num_rows, 50, generators=generators)
         return [sampler.sample(logits.expand(num_rows, -1).clone(), batch)[row].token_id for _ in range(20)]
 
@@ -151,19 +170,47 @@ def test_a_seeded_row_draws_the_same_in_any_batch():
     assert len(set(alone)) > 1
 
 
-def test_logprobs_are_of_the_raw_distribution_sorted_and_of_length_n():
+def test_the_kernel_takes_torchs_argmax_and_draws_by_inverse_cdf_over_a_whole_vocabulary():
+    kernels = load_kernels()
+    vocab_size, num_rows = 49152, 64
+    generator = torch.Generator().manual_seed(0)
+    # Greedy: quantised logits tie often, and torch.argmax takes the first of the ties;
+    # a banned (-inf) stretch and a vocabulary that is not a whole number of vectors too.
+    ties = torch.randint(0, 50, (num_rows, vocab_size), generator=generator).float()
+    ties[:, :1000] = float("-inf")
+    for logits in (ties, ties[:, : vocab_size - 5].contiguous()):
+        ids = kernels.sample_rows(logits, torch.zeros(num_rows), torch.rand(num_rows, generator=generator))
+        assert torch.equal(ids, logits.argmax(dim=-1))
+    # Draws: mass spread over every chunk of the scan. Each token must be where the row's
+    # cumulative mass (float64 here) crosses (1 - u) of the total, to within float32 rounding.
+    logits = torch.randn(num_rows, vocab_size, generator=generator) * 2
+    logits[:, 7::11] = float("-inf")  # banned tokens: never drawn
+    temperatures = torch.linspace(0.3, 2.0, num_rows)
+    uniforms = torch.rand(num_rows, generator=generator)
+    uniforms[:2] = torch.tensor([0.0, 1.0 - 2**-24])  # the target at the whole mass, at almost none
+    ids = kernels.sample_rows(logits, temperatures, uniforms)
+    probs = torch.softmax(logits.double() / temperatures.double().unsqueeze(1), dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    for row, token in enumerate(ids.tolist()):
+        assert probs[row, token] > 0
+        target = (1 - float(uniforms[row])) * float(cdf[row, -1])
+        before = float(cdf[row, token - 1]) if token > 0 else 0.0
+        assert before - 1e-5 <= target <= float(cdf[row, token]) + 1e-5, (row, token)
+
+
+def test_logprobs_are_of_the_raw_distribution_sorted_and_of_length_n(kernels):
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0]])
     expected = torch.log_softmax(logits[0], 0)
     for temperature in (0.0, 0.5):
         batch = make_sampling_batch(1, 5, temperature=temperature, banned=[[1]], num_logprobs=3)
-        (token,) = Sampler(torch.Generator().manual_seed(0)).sample(logits.clone(), batch)
+        (token,) = Sampler(torch.Generator().manual_seed(0), kernels).sample(logits.clone(), batch)
         assert token.logprobs.token_id == token.token_id
         assert token.logprobs.logprob == pytest.approx(float(expected[token.token_id]), abs=1e-6)
         # the banned token still shows in the model's own top-N
         assert token.logprobs.top_token_ids == [1, 2, 0]
         assert token.logprobs.top_logprobs == pytest.approx(expected[[1, 2, 0]].tolist(), abs=1e-6)
     batch = make_sampling_batch(1, 5, temperature=0.0, num_logprobs=0)
-    (token,) = Sampler(torch.Generator().manual_seed(0)).sample(logits.clone(), batch)
+    (token,) = Sampler(torch.Generator().manual_seed(0), kernels).sample(logits.clone(), batch)
     assert token.logprobs.top_token_ids == [] and token.logprobs.logprob == pytest.approx(float(expected[1]))
 
 

@@ -19,6 +19,9 @@ void paged_shared_decode_attention(
     torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor members, torch::Tensor group_starts,
     torch::Tensor shared_blocks, double scale);
 
+// sample_rows.cpp
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor uniforms);
+
 // small_batch_linear.cpp
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor slabs, torch::Tensor bias, bool out_fp32);
 bool has_small_batch_linear();
@@ -36,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention for query chunks, into out (CPU)");
   m.def("paged_shared_decode_attention", &paged_shared_decode_attention,
         "decodes of sequences sharing their first blocks, one tile per group, into out (CPU)");
+  m.def("sample_rows", &sample_rows, "one token per row: greedy, or an inverse-CDF draw at a temperature (CPU)");
   m.def("small_batch_linear", &small_batch_linear, "bf16 linear for a few tokens, weights in 16-feature slabs (CPU)");
   m.def("has_small_batch_linear", &has_small_batch_linear, "whether this build has small_batch_linear (AVX512_BF16)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rmsnorm(residual) * weight, in place (CPU)");
