@@ -1,4 +1,5 @@
-"""KV-cache tensors on transparent huge pages, where Linux offers them on request.
+"""KV-cache tensors (and the CPU's bf16 weight slabs, engine.models.cpu_packing) on
+transparent huge pages, where Linux offers them on request.
 
 Decode attention reads each sequence's blocks wherever they lie in the pool: a few
 KB here, a few KB there, each on a different 4 KB page, so nearly every block costs

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from engine.dtype_policy import CpuFeatures
-from engine.models.cpu_packing import SMALL_BATCH_MAX_TOKENS, PackedLinear, pack_slabs, plan_slabs
+from engine.models.cpu_packing import (
+    SMALL_BATCH_MAX_TOKENS, PackedLinear, gather_slabs_on_huge_pages, pack_slabs, plan_slabs,
+)
 
 try:
     from engine.kernels.cpu_extension import load_cpu_kernels
@@ -130,3 +132,25 @@ def test_no_slabs_for_fp32_or_shapes_that_do_not_fit():
         plan = plan_slabs(torch.bfloat16, 1 << 20, NO_AMX)
         odd = PackedLinear(torch.randn(40, 64).bfloat16(), None, 8, plan)  # 40 features: no whole slabs
         assert odd.slabs is None and odd.packed_weight is not None
+
+
+@needs_slabs
+def test_gathering_slabs_onto_huge_pages_keeps_every_output(monkeypatch):
+    plan = plan_slabs(torch.bfloat16, 1 << 20, NO_AMX)
+    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.ModuleList(
+        PackedLinear(torch.randn(n, k, generator=generator).bfloat16(), None, 8, plan) for n, k in [(32, 64), (48, 32), (4096, 64)]
+    )
+    inputs = [torch.randn(5, linear.in_features, generator=generator).bfloat16() for linear in model]
+    before = [linear(x) for linear, x in zip(model, inputs)]
+    old_slabs = [linear.slabs.clone() for linear in model]
+    monkeypatch.setattr("engine.models.cpu_packing.huge_pages_on_request", lambda: True)
+    moved = gather_slabs_on_huge_pages(model)
+    assert moved == sum(s.numel() * 4 for s in old_slabs)
+    storage = model[0].slabs.untyped_storage().data_ptr()
+    for linear, old, x, out in zip(model, old_slabs, inputs, before):
+        assert linear.slabs.untyped_storage().data_ptr() == storage  # one tensor: one run of huge pages
+        assert torch.equal(linear.slabs, old)
+        assert torch.equal(linear(x), out)
+    monkeypatch.setattr("engine.models.cpu_packing.huge_pages_on_request", lambda: False)
+    assert gather_slabs_on_huge_pages(model) == 0  # where Linux will not give them, nothing moves

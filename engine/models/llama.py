@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         """Move every matmul, the logits' too, onto oneDNN-prepacked weights (and with
         `slabs`, an engine.models.cpu_packing.SlabPlan, onto bf16 slabs)."""
         from engine.distributed.parallel_layers import RowParallelLinear
-        from engine.models.cpu_packing import PackedLinear, prepack_linears
+        from engine.models.cpu_packing import PackedLinear, gather_slabs_on_huge_pages, prepack_linears
 
         prepack_linears(self, batch_size_hint, slabs)  # an untied lm_head among them
         for module in self.modules():
@@ -150,6 +150,8 @@ class LlamaForCausalLM(nn.Module):
                 module.prepack(batch_size_hint, slabs)
         self.logits_head = self.lm_head or PackedLinear(self.embed_tokens.weight, None, batch_size_hint, slabs)
         self.logits_head.out_fp32 = True
+        if slabs is not None:
+            gather_slabs_on_huge_pages(self)
 
     def load_weights(self, weights) -> None:
         """Copy Hugging Face-named tensors in, merging q/k/v and gate/up as they arrive.
