@@ -13,9 +13,11 @@
 // outputs, with the token's pair broadcast, so there are no horizontal sums. Up to
 // kMaxRows tokens share each weight load; more tokens take further passes over the
 // slab, which is then in cache, and are bound by the dot products instead: from 64
-// tokens up they run at the vdpbf16ps peak (370-450 GFLOP/s on two cores here, with the
-// host's clock; oneDNN did 350-440). Sums are fp32; the output
-// is rounded to bf16 once, or left in fp32 (logits).
+// tokens up they run within 10% of the vdpbf16ps peak on two cores, which moves with the
+// host's clock (a register-only loop: 360-375 GFLOP/s in one session, 430-460 in another;
+// the slabs 420-440 at 128 tokens then, with the weights on huge pages, see
+// engine/models/cpu_packing.py). Sums are fp32; the output is rounded to bf16 once, or
+// left in fp32 (logits).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
