@@ -130,15 +130,20 @@ class ModelRunner:
         and on a worker rank)."""
         input_ids, positions, metadata, sample_rows = self._to_tensors(inputs)
         if self.cuda_graphs.can_run(metadata):
-            hidden = self.cuda_graphs.run(input_ids, positions, metadata)  # [num_tokens, hidden_size]
+            hidden = self.cuda_graphs.run(input_ids, positions, metadata)[sample_rows]  # [num_sampled, hidden_size]
         elif self.compiled_forward is not None:
             with attention_step(self.backend, metadata, self.kv_caches):
-                hidden = self.compiled_forward(input_ids, positions)  # [num_tokens, hidden_size]
+                hidden = self.compiled_forward(input_ids, positions)[sample_rows]  # [num_sampled, hidden_size]
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend)  # [num_tokens, hidden_size]
+            # Only the sampled rows leave the last layer. A decode step samples every row, in
+            # order; a step that samples none (a prompt's middle chunk) runs it whole, so no
+            # matmul or all-reduce ever sees zero rows.
+            every_row = len(inputs.sample_rows) in (0, len(inputs.input_ids))
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend,
+                                None if every_row else sample_rows)  # [num_sampled, hidden_size]
         if not inputs.sample_rows:
             return None
-        return self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab_size]
+        return self.model.compute_logits(hidden)  # [num_sampled, vocab_size]
 
     def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":  # blocks are read scattered: fewer TLB misses on huge pages

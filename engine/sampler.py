@@ -11,7 +11,8 @@ served decode step on this project's CPU.)
 On the CPU, rows without top-k, top-p or min-p go through one C++ kernel
 (engine/kernels/cpu/sample_rows.cpp): the same draw (the first token whose
 cumulative mass reaches the row's target) and the same argmax for greedy rows,
-in 0.8 ms for 48 rows at temperature 1 instead of the torch ops' 6.7 ms.
+about 1 ms a step for 48 rows at temperature 1 where the torch ops took 6.7
+(0.35 against 2.0 ms greedy).
 """
 
 from __future__ import annotations

@@ -141,3 +141,19 @@ def test_tiny_models_match_transformers(case, tmp_path):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in outputs] == expected, engine_kwargs
         assert llm.engine.block_manager.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_the_last_layer_runs_on_the_sampled_rows_only(tmp_path):
+    """Only a prompt's last row is sampled, so the last layer's MLP (and attention output)
+    sees only the sampled rows, while every row's K and V still reach the cache."""
+    path, hf_model = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=4)
+    model = llm.engine.model_runner.model
+    rows_seen = {"first": [], "last": []}
+    model.layers[0].mlp.register_forward_pre_hook(lambda module, args: rows_seen["first"].append(args[0].shape[0]))
+    model.layers[-1].mlp.register_forward_pre_hook(lambda module, args: rows_seen["last"].append(args[0].shape[0]))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [1, 2, 3]]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf_model, p, 3) for p in prompts]
+    assert rows_seen["first"] == [10, 2, 2]  # the prompt step, then two decode steps
+    assert rows_seen["last"] == [2, 2, 2]  # the prompts' last rows alone, then every decode

@@ -141,7 +141,7 @@ class PackedLinear(nn.Module):
 
 def gather_slabs_on_huge_pages(model: nn.Module) -> int:
     """Copy every PackedLinear's slabs in `model` into one tensor on transparent huge pages,
-    one layer after another, where Linux gives them on request. Returns the bytes moved."""
+    where Linux gives them on request. Returns the bytes moved (0: nothing moved)."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.slabs is not None]
     if not linears or not huge_pages_on_request():
         return 0
