@@ -119,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """[num_tokens] ids -> [num_tokens or num_out, hidden_size] final hidden states.
         Only the sampled rows' (a prompt's last) final states are ever used, so with
-        `output_rows` the last layer runs its attention output, MLP and norms on those
+        `output_rows` the last layer runs its o_proj, MLP and post-attention norm on those
         rows alone: every row's K and V are in the cache by then. For a prompt that is 84%
         of a layer's matmuls left out, 2.8% of the model's."""
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
