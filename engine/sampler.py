@@ -17,7 +17,6 @@ about 1 ms a step for 48 rows at temperature 1 where the torch ops took 6.7
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,8 +24,6 @@ import torch
 
 from engine.scheduler import SampledToken
 from ipc.messages import TokenLogprobs
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,13 +47,9 @@ def sampling_kernels(device: torch.device) -> ModuleType | None:
     """The C++ CPU kernels where they apply (on the CPU, where they build), else None."""
     if device.type != "cpu":
         return None
-    try:
-        from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.kernels.cpu_extension import load_cpu_kernels_or_none
 
-        return load_cpu_kernels()
-    except Exception as exc:  # no compiler: the torch ops sample the same way, slower
-        logger.info("sampling with torch ops: no CPU kernels (%s)", exc)
-        return None
+    return load_cpu_kernels_or_none("sampling with torch ops")  # the same draws, slower
 
 
 class Sampler:

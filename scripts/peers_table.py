@@ -86,7 +86,7 @@ def add_ratios_to_vllm(rows: list[dict], rates: list[str]) -> None:
     """Ours over vLLM's, per configuration, in our rows: offline throughput per workload, and
     the serving medians (TTFT, TPOT, output throughput) per rate."""
     vllm_rows = {row["config"]: row for row in rows if row["engine"] == "vllm"}
-    serving = [f"rate{rate}_{key}" for rate in rates for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "out_tok_s")]
+    serving = [f"rate{rate}_{key}" for rate in rates for key, _ in SERVING_KEYS if key != "failed"]
     for row in rows:
         theirs = vllm_rows.get(row["config"]) if row["engine"] == "ours" else None
         for key in [k for k in row if k.endswith("offline_total_tok_s")] if theirs else []:

@@ -70,6 +70,16 @@ def load_cpu_kernels() -> ModuleType:
     return _module
 
 
+def load_cpu_kernels_or_none(fallback: str) -> ModuleType | None:
+    """The compiled module, or None where it cannot be built (no compiler, say), logging
+    `fallback`: what runs instead."""
+    try:
+        return load_cpu_kernels()
+    except Exception as exc:
+        logger.info("%s: no CPU kernels (%s)", fallback, exc)
+        return None
+
+
 def main() -> None:
     """Build ahead of time (`make` runs this), so no engine start pays the compile."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
