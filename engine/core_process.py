@@ -48,6 +48,7 @@ from ipc.sockets import bind_router, drain_messages, is_loopback_host, parse_add
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
+GRAMMAR_WAIT_POLL_MS = 2  # a core with only compiling grammars waits this long for messages between looks
 HEARTBEAT_S = 1.0  # an idle core's sign of life; a busy one sends a message every step
 # A model that fails this many steps in a row is broken, not unlucky: the core gives up.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -91,6 +92,8 @@ class EngineCoreProcess:
             self._drain_inbox()
             if self.engine.has_unfinished_requests():
                 self._step()
+                if not self.engine.has_schedulable_requests():  # only grammars compiling: let them have the CPU
+                    self.sock.poll(GRAMMAR_WAIT_POLL_MS, zmq.POLLIN)
             elif self.num_steps % 64 == 0:
                 self._check_parent()
 
@@ -110,6 +113,9 @@ class EngineCoreProcess:
             self._on_step_failed(e)
             return
         self.num_consecutive_step_failures = 0
+        for request_id, reason in self.engine.request_errors:
+            self._send(EngineError(reason, request_id=request_id, engine_id=self.engine_id))
+        self.engine.request_errors.clear()
         self._send_outputs(outputs)
 
     def _on_step_failed(self, error: StepError) -> None:

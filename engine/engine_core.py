@@ -21,6 +21,7 @@ from engine.models.config import ModelConfig
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.static_scheduler import StaticScheduler
+from engine.structured_output import GrammarCompilerPool, RequestGrammar
 from ipc.messages import RequestOutput, SchedulerStats
 from ipc.request_checks import check_request
 from ipc.sampling_params import SamplingParams
@@ -95,6 +96,10 @@ class EngineCore:
         )
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
+        self.grammar_compiler: GrammarCompilerPool | None = None  # made for the first structured request
+        # (request id, reason) for requests failed outside a step's model run (a grammar that did not
+        # compile); the core process reports them, then clears the list.
+        self.request_errors: list[tuple[str, str]] = []
 
     @property
     def vocab_size(self) -> int:
@@ -115,7 +120,16 @@ class EngineCore:
         params = check_request(prompt_token_ids, sampling_params, vocab_size=self.vocab_size,
                                max_model_len=self.max_model_len, cap_max_tokens=True)
         request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time)
+        if params.structured_outputs is not None:
+            request.grammar = RequestGrammar(self._grammar_compiler().submit(params.structured_outputs),
+                                             self.config.grammar_compile_timeout_s)
         self.scheduler.add_request(request)
+
+    def _grammar_compiler(self) -> GrammarCompilerPool:
+        if self.grammar_compiler is None:
+            self.grammar_compiler = GrammarCompilerPool(self.model_path, self.vocab_size,
+                                                        self.model_config.eos_token_ids)
+        return self.grammar_compiler
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = self.scheduler.abort_requests(request_ids)
@@ -125,6 +139,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_schedulable_requests(self) -> bool:
+        """False while every unfinished request waits for its grammar's compile."""
+        return self.scheduler.has_schedulable_requests()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -141,14 +159,20 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
         if self.executor is not None:
             self.executor.shutdown()
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.shutdown()
 
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> update. If the model raises, the step's requests fail
         (StepError names them, already removed) and the engine stays usable."""
         start_time = time.perf_counter()
+        failed = self.scheduler.take_grammar_failures() if self.scheduler.compiling else []
+        for output, reason in failed:
+            logger.info("request %s failed: %s", output.request_id, reason)
+            self.request_errors.append((output.request_id, reason))
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            return [output for output, _ in failed]
         try:
             sampled = self.model_runner.execute(scheduler_output)
         except EngineDeadError:
@@ -159,7 +183,7 @@ class EngineCore:
             for output in self.scheduler.fail_requests(request_ids):
                 self.model_runner.release(output.request_id)
             raise StepError(request_ids, e) from e
-        outputs = self.scheduler.update(scheduler_output, sampled)
+        outputs = [output for output, _ in failed] + self.scheduler.update(scheduler_output, sampled)
         for output in outputs:
             if output.finish_reason is not None:
                 self.model_runner.release(output.request_id)

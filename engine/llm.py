@@ -1,20 +1,31 @@
-"""The offline API, in vLLM's style: `LLM(model=...).generate(prompts, params)`."""
+"""The offline API, in vLLM's style: `LLM(model=...).generate(prompts, params)` and `.chat(messages)`.
+
+It drives an `EngineCore` through its public API only (add_request, step,
+abort_requests) and makes its text with the server's own code: prompts and chat
+templates through the shared torch-free `ipc.text.tokenizer.Tokenizer`, each step's
+outputs through `ipc.text.output_processor.OutputProcessor` (detokenizer and stop
+strings). So a request gets the same text offline as from the server.
+"""
 
 from __future__ import annotations
 
 import gc
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine_core import EngineCore, StepError
-from engine.request import Request
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
 from ipc.sampling_params import SamplingParams
-from frontend.text_stream import TextStream
+from ipc.text.output_processor import OutputProcessor, RequestDelta
+from ipc.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+Conversation = list[dict[str, Any]]
 
 
 @dataclass
@@ -29,7 +40,7 @@ class RequestTimes:
 @dataclass
 class CompletionOutput:
     request_id: str
-    prompt: str | None
+    prompt: str | None  # the text given, or the rendered chat template; None for token ids
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
@@ -38,21 +49,38 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_token_id: int | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # Every engine output of this request, in order: fields not copied above are read here.
+    engine_outputs: list[RequestOutput] = field(default_factory=list)
 
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, skip_tokenizer_init: bool = False, **engine_kwargs) -> None:
         """`skip_tokenizer_init`: token ids in and out only (no text), for folders without a tokenizer."""
         self.engine = EngineCore(EngineConfig(model=model, **engine_kwargs))
-        self.tokenizer = None
-        if not skip_tokenizer_init:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_path)
+        self.tokenizer = None if skip_tokenizer_init else Tokenizer(self.engine.model_path)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    def apply_chat_template(self, messages: Conversation, add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation's prompt token ids, rendered exactly as the server's chat route does."""
+        return self._need_tokenizer("chat").encode_chat(messages, add_generation_prompt, tools)
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[CompletionOutput]:
+        """Generate a reply to one conversation (a list of message dicts) or to each of a list of them."""
+        tokenizer = self._need_tokenizer("chat")
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        texts = [tokenizer.apply_chat_template(list(c), add_generation_prompt, tools) for c in conversations]
+        # The template writes the special tokens itself: no second BOS (Tokenizer.encode_chat).
+        prompts = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+        return self._generate(prompts, sampling_params, use_tqdm)
 
     def generate(
         self,
@@ -63,26 +91,49 @@ class LLM:
         """Generate for every prompt (text or token ids); results come back in input order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        tokenized = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                tokenized.append((prompt, self._need_tokenizer("text prompts").encode(prompt)))
+            else:
+                tokenized.append((None, list(prompt)))
+        return self._generate(tokenized, sampling_params, use_tqdm)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (else when the LLM is garbage-collected or at exit)."""
+        self.engine.shutdown()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prefix blocks that no request holds; returns how many."""
+        return self.engine.reset_prefix_cache()
+
+    def _need_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} need a tokenizer; pass token ids, or drop skip_tokenizer_init")
+        return self.tokenizer
+
+    def _generate(self, prompts: list[tuple[str | None, list[int]]],
+                  sampling_params: SamplingParams | list[SamplingParams] | None,
+                  use_tqdm: bool) -> list[CompletionOutput]:
+        """Add every (prompt text, prompt token ids) as one request, run them all, return them in order."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-
         requests: dict[str, _OfflineRequest] = {}
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for index, ((prompt, token_ids), params) in enumerate(zip(prompts, sampling_params)):
+                if params.stop:
+                    self._need_tokenizer("stop strings")
                 request_id = str(next(self._request_counter))
-                if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
-                    raise ValueError("text prompts and stop strings need a tokenizer; "
-                                     "pass token ids and no stop strings, or drop skip_tokenizer_init")
-                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                self.engine.add_request(request_id, token_ids, params)
-                text_stream = None if self.tokenizer is None else TextStream(self.tokenizer, token_ids, params)
-                requests[request_id] = _OfflineRequest(prompt if isinstance(prompt, str) else None, text_stream)
+                arrival_time = time.time()
+                self.engine.add_request(request_id, token_ids, params, arrival_time)
+                requests[request_id] = _OfflineRequest(request_id, prompt, token_ids, arrival_time)
+                self.output_processor.add_request(request_id, token_ids, params, index)
         except ValueError:
-            self.engine.abort_requests(list(requests))  # all or nothing: leave no half-added batch behind
+            self._forget(list(requests))  # all or nothing: leave no half-added batch behind
             raise
         # No cyclic garbage collection while the steps run: a full collection walks every
         # object torch, transformers and the model left behind (4-8% of a step here), and the
@@ -93,22 +144,18 @@ class LLM:
         try:
             self._run(requests, use_tqdm)
         finally:
+            self.output_processor.remove_requests(requests)  # only if the run broke off
             if was_enabled:
                 gc.enable()
-        return [self._to_output(request) for request in requests.values()]
+        return [request.to_output() for request in requests.values()]
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers now (else when the LLM is garbage-collected or at exit)."""
-        self.engine.shutdown()
-
-    def reset_prefix_cache(self) -> int:
-        """Forget cached prefix blocks that no request holds; returns how many."""
-        return self.engine.reset_prefix_cache()
+    def _forget(self, request_ids: list[str]) -> None:
+        self.engine.abort_requests(request_ids)
+        self.output_processor.remove_requests(request_ids)
 
     def _run(self, requests: dict[str, _OfflineRequest], use_tqdm: bool) -> None:
-        """Step until every request has finished, building each one's text as the server does."""
+        """Step until every request has finished, its text made by the shared output processor."""
         engine = self.engine
-        live = dict(engine.scheduler.requests)  # the Request objects, kept after they retire
         progress = None
         if use_tqdm:
             from tqdm import tqdm
@@ -119,57 +166,69 @@ class LLM:
                 outputs = engine.step()
             except StepError as e:  # logged by the engine; those requests end with finish_reason "error"
                 outputs = [RequestOutput(request_id, [], FinishReason.ERROR) for request_id in e.request_ids]
-            stopped_request_ids = []
-            for output in outputs:
-                request = requests[output.request_id]
-                finish_reason = request.add_output(output)
-                if finish_reason is None:
-                    continue
-                request.finish(live[output.request_id], finish_reason)
-                if output.finish_reason is None:  # a stop string: the engine is still generating it
-                    stopped_request_ids.append(output.request_id)
-                if progress is not None:
-                    progress.update(1)
-            if stopped_request_ids:
-                engine.abort_requests(stopped_request_ids)
+            processed = self.output_processor.process_outputs(outputs)
+            now = time.time()
+            finished = [requests[request_id].fail(now) for request_id in processed.failed_request_ids]
+            for delta in processed.deltas:
+                request = requests[delta.request_id]
+                request.add_delta(delta, now)
+                if delta.finish_reason is not None:
+                    finished.append(request)
+            if processed.request_ids_to_abort:  # a stop string ended them: the engine is still generating
+                engine.abort_requests(processed.request_ids_to_abort)
+            if progress is not None and finished:
+                progress.update(len(finished))
         if progress is not None:
             progress.close()
-
-    def _to_output(self, offline: _OfflineRequest) -> CompletionOutput:
-        request = offline.request
-        return CompletionOutput(
-            request_id=request.request_id,
-            prompt=offline.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
-            text="".join(offline.text_parts),
-            finish_reason=offline.finish_reason.openai_name if offline.finish_reason is not None else None,
-            metrics=RequestTimes(request.arrival_time, request.first_token_time, request.finish_time),
-            logprobs=request.logprobs,
-            stop_token_id=request.stop_token_id,
-            num_cached_tokens=request.num_cached_tokens,
-        )
 
 
 @dataclass
 class _OfflineRequest:
-    """What `generate` keeps per request beside the engine's own: its text so far and how it ended."""
+    """What `generate` gathers per request from its deltas, and the times it records itself."""
 
+    request_id: str
     prompt: str | None
-    text_stream: TextStream | None  # None without a tokenizer: token ids only
+    prompt_token_ids: list[int]
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
-    request: Request | None = None  # the engine's record, once finished
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    engine_outputs: list[RequestOutput] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
 
-    def add_output(self, output: RequestOutput) -> FinishReason | None:
-        """Add one step's tokens to the text; return the finish reason if the request is now done."""
-        if self.text_stream is None:
-            return output.finish_reason
-        text, hit_stop = self.text_stream.add_tokens(output.new_token_ids, is_last=output.finish_reason is not None,
-                                                     stop_token_id=output.stop_token_id)
-        self.text_parts.append(text)
-        return FinishReason.STOP if hit_stop else output.finish_reason
+    def add_delta(self, delta: RequestDelta, now: float) -> None:
+        if delta.token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        self.token_ids.extend(delta.token_ids)
+        self.text_parts.append(delta.text)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        self.engine_outputs.append(delta.output)
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason, self.finish_time = delta.finish_reason, now
+            self.stop_token_id = delta.output.stop_token_id
 
-    def finish(self, request: Request, finish_reason: FinishReason) -> None:
-        self.request = request
-        self.finish_reason = finish_reason
+    def fail(self, now: float) -> _OfflineRequest:
+        """Detokenizing failed (logged by the output processor): the request ends with "error"."""
+        self.finish_reason, self.finish_time = FinishReason.ERROR, now
+        return self
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.token_ids,
+            text="".join(self.text_parts),
+            finish_reason=self.finish_reason.openai_name if self.finish_reason is not None else None,
+            metrics=RequestTimes(self.arrival_time, self.first_token_time, self.finish_time),
+            logprobs=self.logprobs,
+            stop_token_id=self.stop_token_id,
+            num_cached_tokens=self.num_cached_tokens,
+            engine_outputs=self.engine_outputs,
+        )

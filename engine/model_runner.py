@@ -30,6 +30,8 @@ from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.models.fused import select_fused_ops
 from engine.request import Request
+from engine.logits_processing import LogitsProcessingState, bad_word_bans
+from engine.prompt_logprobs import PromptLogprobRows, PromptLogprobsCollector
 from engine.sampler import Sampler, SamplingBatch, sampling_kernels
 from engine.scheduler import SampledToken, SchedulerOutput
 
@@ -95,8 +97,11 @@ class ModelRunner:
         num_kv_heads = num_local_kv_heads(model_config.num_kv_heads, config.tensor_parallel_size)
         shape = self.backend.kv_cache_shape(num_kv_blocks, config.block_size, num_kv_heads, model_config.head_dim)
         self.kv_caches = [(self._new_cache(shape), self._new_cache(shape)) for _ in range(model_config.num_layers)]
-        self.sampler = Sampler(torch.Generator().manual_seed(config.seed), sampling_kernels(self.device))
+        kernels = sampling_kernels(self.device)
+        self.logits_state = LogitsProcessingState(model_config.vocab_size, self.device, kernels)
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed), kernels, self.logits_state)
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_logprobs = PromptLogprobsCollector()
         logger.info("KV pool: %d blocks of %d tokens on %s", num_kv_blocks, config.block_size, self.device)
         # Decode steps replay CUDA graphs sized for the longest sequence.
         self.cuda_graphs = CudaGraphRunner(
@@ -114,14 +119,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the model on the step's flat batch; return a new token for each request that reached its end."""
-        inputs, sampled_requests = self._prepare_inputs(scheduler_output)
+        inputs, sampled_requests, sampled_rows, prompt_plans = self._prepare_inputs(scheduler_output)
         if self.executor is None:
-            logits = self.forward_step(inputs)  # [num_sampled, vocab_size]
+            logits = self.forward_step(inputs)  # [num_logits_rows, vocab_size]
         else:
             logits = self.executor.run_step(inputs, self.forward_step)  # every rank runs it
+        if prompt_plans:
+            self.prompt_logprobs.collect(logits, prompt_plans)
+            logits = logits[sampled_rows]  # [num_sampled, vocab_size]
         if not sampled_requests:
             return {}
         tokens = self.sampler.sample(logits, self._prepare_sampling(sampled_requests))
+        for request, token in zip(sampled_requests, tokens):
+            token.prompt_logprobs = self.prompt_logprobs.take(request)
         return {request.request_id: token for request, token in zip(sampled_requests, tokens)}
 
     @torch.inference_mode()
@@ -152,6 +162,8 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.prompt_logprobs.release(request_id)
+        self.logits_state.release(request_id)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput):
         block_size = self.block_size
@@ -161,8 +173,10 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         query_lens: list[int] = []
-        sample_rows: list[int] = []
+        logits_rows: list[int] = []  # rows whose logits come back: prompt log-prob rows, then the sampled row
         sampled_requests: list[Request] = []
+        sampled_rows: list[int] = []  # indices into logits_rows
+        prompt_plans: list[PromptLogprobRows] = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             start = request.num_computed_tokens
@@ -174,14 +188,21 @@ class ModelRunner:
             query_start_loc.append(len(input_ids))
             query_lens.append(end - start)
             seq_lens.append(end)
+            prompt_positions = self.prompt_logprobs.positions_to_compute(request, start, end)
+            if prompt_positions:
+                prompt_plans.append(PromptLogprobRows(request, len(logits_rows), prompt_positions.start,
+                                                      len(prompt_positions)))
+                first_row = query_start_loc[-2] - start
+                logits_rows.extend(first_row + p for p in prompt_positions)
             if scheduled.is_sampling:
-                sample_rows.append(len(input_ids) - 1)
+                sampled_rows.append(len(logits_rows))
+                logits_rows.append(len(input_ids) - 1)
                 sampled_requests.append(request)
         max_num_blocks = max(len(s.request.block_ids) for s in scheduler_output.scheduled)
         block_tables = [s.request.block_ids + [0] * (max_num_blocks - len(s.request.block_ids)) for s in scheduler_output.scheduled]
         inputs = StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, query_lens, block_tables,
-                            sample_rows)
-        return inputs, sampled_requests
+                            logits_rows)
+        return inputs, sampled_requests, sampled_rows, prompt_plans
 
     def _to_tensors(self, inputs: StepInputs):
         pin = self.device.type == "cuda"
@@ -220,7 +241,7 @@ class ModelRunner:
             generators.append(self._generator_for(request))
             needs_more = request.num_output_tokens < params.min_tokens
             stop_ids = ([] if params.ignore_eos else eos_ids) + list(params.stop_token_ids)
-            banned.append(stop_ids if needs_more else [])
+            banned.append((stop_ids if needs_more else []) + bad_word_bans(request))
             num_logprobs.append(params.logprobs)
         device = self.device
         return SamplingBatch(
@@ -235,6 +256,7 @@ class ModelRunner:
             needs_top_k=any(k < vocab_size for k in top_ks),
             needs_top_p=any(p < 1.0 for p in top_ps),
             needs_min_p=any(p > 0.0 for p in min_ps),
+            processing=self.logits_state.prepare(requests),
         )
 
     def _generator_for(self, request: Request) -> torch.Generator | None:

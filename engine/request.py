@@ -66,6 +66,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
         self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., once computed
+        # Structured outputs: the matcher that follows the accepted tokens (engine.structured_output)
+        self.grammar = None
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None

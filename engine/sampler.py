@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from engine.logits_processing import LogitsProcessing, LogitsProcessingState, apply_logits_processing
 from engine.scheduler import SampledToken
 from ipc.messages import TokenLogprobs
 
@@ -35,12 +36,13 @@ class SamplingBatch:
     top_ps: torch.Tensor  # [num_rows] float
     min_ps: torch.Tensor  # [num_rows] float
     generators: list[torch.Generator | None]  # per row; None: the engine's shared generator
-    banned_token_ids: list[list[int]]  # per row: EOS/stop ids masked until min_tokens is reached
+    banned_token_ids: list[list[int]]  # per row: bad words' tokens, EOS/stop ids until min_tokens is reached
     num_logprobs: list[int | None]  # per row
     is_all_greedy: bool
     needs_top_k: bool
     needs_top_p: bool
     needs_min_p: bool
+    processing: LogitsProcessing | None = None  # allowed tokens, biases, grammar, penalties (None: no row has any)
 
 
 def sampling_kernels(device: torch.device) -> ModuleType | None:
@@ -53,9 +55,11 @@ def sampling_kernels(device: torch.device) -> ModuleType | None:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator, kernels: ModuleType | None = None) -> None:
+    def __init__(self, generator: torch.Generator, kernels: ModuleType | None = None,
+                 logits_state: LogitsProcessingState | None = None) -> None:
         self.generator = generator  # for rows without a seed of their own
         self._kernels = kernels  # engine/kernels/cpu/sample_rows.cpp's module, or None: torch ops only
+        self.logits_state = logits_state  # the penalties' counts, kept across steps
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         # logits: [num_rows, vocab_size]
@@ -66,6 +70,8 @@ class Sampler:
         for row, banned in enumerate(batch.banned_token_ids):
             if banned:
                 logits[row, banned] = float("-inf")
+        if batch.processing is not None:
+            apply_logits_processing(logits, batch.processing, self.logits_state)
         filtered = batch.needs_top_k or batch.needs_top_p or batch.needs_min_p
         if self._kernels is not None and logits.device.type == "cpu" and not filtered:
             uniforms = torch.zeros(logits.shape[0]) if batch.is_all_greedy else self._draw_uniforms(batch)
@@ -74,6 +80,8 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample_random(logits, batch)
+        if self.logits_state is not None:
+            self.logits_state.record(batch.processing, token_ids)
         return self._collect(token_ids.tolist(), raw_logprobs, batch)
 
     def _draw_uniforms(self, batch: SamplingBatch) -> torch.Tensor:

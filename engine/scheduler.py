@@ -75,6 +75,7 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with a request's first token, if it asked
 
 
 class Scheduler:
@@ -95,6 +96,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.requests: dict[str, Request] = {}
+        self.compiling: dict[str, Request] = {}  # waiting requests whose grammar may still be compiling
         self.num_preemptions = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.num_prefix_cache_queries = 0  # tokens looked up at admission, cumulative
@@ -107,6 +109,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.grammar is not None:
+            self.compiling[request.request_id] = request
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         return self._remove(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -125,12 +129,32 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
+            self.compiling.pop(request_id, None)
             self._finish(request, status)
             outputs.append(RequestOutput(request_id, [], request.status.finish_reason, None, request.num_prompt_tokens))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_schedulable_requests(self) -> bool:
+        """False when every unfinished request waits for its grammar: nothing to step yet."""
+        num_compiling = sum(1 for r in self.compiling.values() if not r.grammar.is_ready)
+        return bool(self.running) or len(self.waiting) > num_compiling
+
+    def take_grammar_failures(self) -> list[tuple[RequestOutput, str]]:
+        """Forget the requests whose grammar is ready, and end those whose grammar failed to
+        compile or ran out of time, each with the reason, for the client."""
+        errors = {}
+        for request_id, request in list(self.compiling.items()):
+            error = request.grammar.check()
+            if error is not None:
+                errors[request_id] = error
+            if error is not None or request.grammar.is_ready:
+                del self.compiling[request_id]
+        if not errors:
+            return []
+        return [(output, errors[output.request_id]) for output in self.fail_requests(list(errors))]
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -186,8 +210,12 @@ class Scheduler:
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         pending_hashes = self._pending_block_hashes()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        num_compiling = 0  # requests passed over while their grammar compiles: they keep their place
+        while len(self.waiting) > num_compiling and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[num_compiling]
+            if request.grammar is not None and not request.grammar.is_ready:
+                num_compiling += 1
+                continue
             cached_block_ids, next_hash = self._lookup(request)
             if next_hash is not None and next_hash in pending_hashes:
                 break  # a running request is computing that block: wait a step and reuse it
@@ -196,7 +224,7 @@ class Scheduler:
             num_needed = self.block_manager.num_new_blocks(len(cached_block_ids), num_cached_tokens + num_new_tokens)
             if not self.block_manager.can_allocate(num_needed, cached_block_ids):
                 break
-            self.waiting.popleft()
+            del self.waiting[num_compiling]
             self._start(request, self.block_manager.allocate(num_needed, cached_block_ids), len(cached_block_ids))
             pending_hashes.update(request.block_hashes[request.num_registered_blocks :])
             self.running.append(request)
@@ -208,8 +236,8 @@ class Scheduler:
     def _lookup(self, request: Request) -> tuple[list[int], bytes | None]:
         """The cached blocks `request` can start from, and the hash of the first block
         it would compute itself (None when there is none to share or caching is off)."""
-        if not self.enable_prefix_caching:
-            return [], None
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], None  # prompt log-probs need every prompt position computed
         # Stop before the block holding the last token: it must be recomputed for its logits.
         num_lookup_blocks = (request.num_tokens - 1) // self.block_manager.block_size
         block_hashes = request.extend_block_hashes(num_lookup_blocks, self.block_manager.block_size)
@@ -272,6 +300,8 @@ class Scheduler:
             request.append_token(token.token_id)
             if token.logprobs is not None:
                 request.logprobs.append(token.logprobs)
+            if token.prompt_logprobs is not None:
+                request.prompt_logprobs = token.prompt_logprobs
             status = self._check_stop(request, token.token_id)
             if status is not None:
                 self.running.remove(request)
@@ -285,12 +315,19 @@ class Scheduler:
                     num_prompt_tokens=request.num_prompt_tokens,
                     stop_token_id=request.stop_token_id,
                     num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=token.prompt_logprobs,
                 )
             )
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.grammar is not None:
+            if not request.grammar.accept(token_id):
+                return RequestStatus.FINISHED_ERROR
+            if request.grammar.is_terminated:  # it accepted a stop token: the answer is complete
+                request.stop_token_id = token_id
+                return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if token_id in self.eos_token_ids and not params.ignore_eos:
                 request.stop_token_id = token_id

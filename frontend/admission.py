@@ -1,6 +1,6 @@
 """Admission control: the checks an API request passes before any handler sees it.
 
-A pure ASGI middleware, in this order, on the API routes (/v1/*, /generate):
+A pure ASGI middleware, in this order, on the API routes (/v1/*, /generate, /tokenize, /detokenize):
 
     API key        401  `Authorization: Bearer KEY`, compared in constant time
     draining       503  the server got SIGTERM and takes no new requests
@@ -95,7 +95,7 @@ class Admission:
 
 
 def is_api_path(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/generate"
+    return path.startswith("/v1/") or path in ("/generate", "/tokenize", "/detokenize")
 
 
 class AdmissionMiddleware:

@@ -2,7 +2,8 @@
 
     POST /generate               vLLM's simple API ({"text": [prompt + output]}, NUL-separated stream)
     POST /v1/completions         OpenAI completions (SSE when "stream": true)
-    POST /v1/chat/completions    OpenAI chat completions
+    POST /v1/chat/completions    OpenAI chat completions (tools, response_format, structured outputs)
+    POST /tokenize, /detokenize  vLLM's: a prompt or messages to token ids, and back
     GET  /v1/models              the served model
     GET  /health                 200; 503 while an engine core is dead or the server is draining
     GET  /metrics                Prometheus text
@@ -38,6 +39,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.admission import Admission, AdmissionConfig, AdmissionMiddleware
+from frontend.chat_tools import ToolOptions
 from frontend.engine_client import AsyncEngineClient
 from frontend.engine_connection import EngineStartError
 from frontend.errors import (
@@ -49,7 +51,8 @@ from frontend.metrics import CONTENT_TYPE
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerateBody
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion, generate
-from frontend.server_args import admission_config, engine_client_config, make_parser
+from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from frontend.server_args import admission_config, engine_client_config, make_parser, tool_options
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +61,11 @@ DRAIN_BACKSTOP_S = 5.0  # uvicorn cancels what is left this long after our own g
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-def build_app(client: AsyncEngineClient, admission: Admission | None = None) -> FastAPI:
+def build_app(client: AsyncEngineClient, admission: Admission | None = None,
+              tools: ToolOptions | None = None) -> FastAPI:
     app = FastAPI(title="tokenloom", summary="OpenAI-compatible LLM inference server")
     admission = admission or Admission(AdmissionConfig())
+    tools = tools or ToolOptions()
     app.state.client = client
     app.state.admission = admission
     created = int(time.time())
@@ -105,7 +110,19 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None) -> 
     async def chat_completions(raw_request: Request) -> Response:
         body = await read_body(raw_request, ChatCompletionRequest)
         _check_model(client, body.model)
-        return await create_chat_completion(body, raw_request, client)
+        return await create_chat_completion(body, raw_request, client, tools)
+
+    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
+    async def tokenize_route(raw_request: Request) -> dict:
+        body = await read_body(raw_request, TokenizeRequest)
+        _check_model(client, body.model)
+        return await tokenize(body, client)
+
+    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
+    async def detokenize_route(raw_request: Request) -> dict:
+        body = await read_body(raw_request, DetokenizeRequest)
+        _check_model(client, body.model)
+        return await detokenize(body, client)
 
     app.add_exception_handler(FrontendError, _on_frontend_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
@@ -202,6 +219,7 @@ async def _drain(client: AsyncEngineClient, admission: Admission, grace_s: float
 async def run_frontend(args: argparse.Namespace) -> None:
     """Start the cores, serve HTTP (and the local socket) until a signal, drain, then shut the cores down."""
     admission = Admission(admission_config(args))
+    tools = tool_options(args)
     client = await AsyncEngineClient.start(engine_client_config(args))
     local_server = None
     drain_tasks = []
@@ -221,7 +239,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
         raise_open_file_limit()  # each connection is a file; thousands of idle ones must not run out
         # uvicorn's own timeout is a backstop: by then our drain has ended every request.
         # The protocol is uvicorn's httptools one with bounded header size and time.
-        config = uvicorn.Config(build_app(client, admission), host=args.host, port=args.port, loop="uvloop",
+        config = uvicorn.Config(build_app(client, admission, tools), host=args.host, port=args.port, loop="uvloop",
                                 http=guarded_protocol(admission.config), log_level=args.log_level,
                                 timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_BACKSTOP_S)

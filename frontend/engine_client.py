@@ -3,7 +3,7 @@
     handler ──generate()──▶ AsyncEngineClient ──AddRequest──▶ least-loaded core
        ▲                                                          │ EngineOutputs
        │                    output pump (one task per core) ◀─────┘
-       └── per-request asyncio.Queue ◀── RequestState.make_delta (detokenize, stop strings)
+       └── per-request asyncio.Queue ◀── OutputProcessor (ipc.text: detokenize, stop strings)
 
 `generate` tokenizes (off the event loop), validates and sends before it returns (so bad
 input raises at once and the HTTP layer can answer 400), then hands back a
@@ -33,11 +33,12 @@ from msgspec.structs import replace
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection
 from frontend.engine_restarter import EngineRestarter
 from frontend.errors import EngineDeadError, FrontendError, InvalidRequestError, RequestFailedError
+from frontend.grammar_checker import GrammarChecker
 from frontend.metrics import FrontendMetrics
+from frontend.model_folder import resolve_model_folder
 from frontend.prompt_tokenizer import PromptTokenizer
 from frontend.request_checks import check_request
 from frontend.request_state import RequestState, RequestStream
-from frontend.tokenizer import Tokenizer, resolve_model_folder
 from ipc.codec import DecodeError
 from ipc.messages import (
     AbortRequests,
@@ -48,8 +49,10 @@ from ipc.messages import (
     ResetPrefixCache,
     SchedulerStats,
 )
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import MAX_BAD_WORDS, SamplingParams, tokenize_bad_words
 from ipc.sockets import serve_messages
+from ipc.text.output_processor import OutputProcessor
+from ipc.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,8 @@ class AsyncEngineClient:
         self.is_healthy = False
         self.dead_reason: str | None = "the engines are not ready yet"
         self._states: dict[str, RequestState] = {}
+        self.output_processor = OutputProcessor(tokenizer)  # the text of every request in _states
+        self.grammar_checker = GrammarChecker()
         self._engine_tasks: dict[int, list[asyncio.Task]] = {}  # per core: its output pump and death watch
         self.restarter = EngineRestarter(self.ctx, model_folder, self.frontend_id, config.engine_args,
                                          config.engine_command, config.ready_timeout_s)
@@ -152,6 +157,7 @@ class AsyncEngineClient:
         if num_choices > MAX_CHOICES:
             raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), "
                                       f"this one asks for {num_choices}")
+        params = await self._resolve_params(params)
         prompt_ids_list = [await self._tokenize(prompt) for prompt in prompts]
         self._check_healthy()  # the core may have died while we tokenized
         # Per prompt: a missing max_tokens becomes "up to the context length" for that prompt.
@@ -168,13 +174,26 @@ class AsyncEngineClient:
             if prompt_params.seed is not None and choice:
                 choice_params = replace(prompt_params, seed=prompt_params.seed + choice)
             engine = self._pick_engine()
-            state = RequestState(rid, index, prompt_token_ids, choice_params, self.tokenizer, queue, engine.index)
+            state = RequestState(rid, index, queue, engine.index)
+            self.output_processor.add_request(rid, prompt_token_ids, choice_params, index)
             self._states[rid] = state
             engine.request_ids.add(rid)
             engine.send(AddRequest(rid, prompt_token_ids, choice_params, time.time()))
             self.metrics.num_prompt_tokens += len(prompt_token_ids)
             states.append(state)
-        return RequestStream(states, queue, self._abort)
+        return RequestStream(states, queue, self._abort, prompt_ids_list)
+
+    async def _resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """Bad words as token ids; a structured output checked by xgrammar (a 400 with its reason),
+        so that nothing the engine could not compile ever reaches a core."""
+        if params.bad_words:
+            if len(params.bad_words) > MAX_BAD_WORDS:  # before any tokenizing
+                raise InvalidRequestError(f"at most {MAX_BAD_WORDS} bad_words are allowed")
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            params = replace(params, bad_words_token_ids=tokenize_bad_words(params.bad_words, encode))
+        if params.structured_outputs is not None:
+            await self.grammar_checker.check(params.structured_outputs)
+        return params
 
     def _check_healthy(self) -> None:
         if not self.is_healthy:
@@ -187,8 +206,9 @@ class AsyncEngineClient:
             raise InvalidRequestError("the prompt must be a non-empty string")
         return await self.prompt_tokenizer.encode(prompt)
 
-    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        return await self.prompt_tokenizer.encode_chat(messages, add_generation_prompt)
+    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool,
+                            tools: list[dict] | None = None) -> list[int]:
+        return await self.prompt_tokenizer.encode_chat(messages, add_generation_prompt, tools)
 
     def _pick_engine(self) -> EngineConnection:
         # Fewest requests in flight; ties rotate so sequential requests spread over idle cores.
@@ -217,6 +237,7 @@ class AsyncEngineClient:
     def _finish(self, state: RequestState, reason: FinishReason) -> None:
         state.is_finished = True
         self._states.pop(state.request_id, None)
+        self.output_processor.remove_requests([state.request_id])
         self.engines[state.engine_index].request_ids.discard(state.request_id)
         self.metrics.record_finished(reason)
 
@@ -238,19 +259,12 @@ class AsyncEngineClient:
     def _on_outputs(self, engine: EngineConnection, msg: EngineOutputs) -> None:
         engine.stats = msg.stats
         now = time.monotonic()
-        stopped_request_ids = []
-        for output in msg.outputs:
-            state = self._states.get(output.request_id)
-            if state is None:
-                continue  # finished here already (stop string, abort): late outputs are dropped
-            self.metrics.num_generation_tokens += len(output.new_token_ids)
-            try:
-                delta = state.make_delta(output)
-            except Exception:
-                logger.exception("detokenizing request %s failed", state.request_id)
-                self._fail(state, RequestFailedError("detokenizing the output failed"))
-                stopped_request_ids.append(state.request_id)
-                continue
+        processed = self.output_processor.process_outputs(msg.outputs)
+        for request_id in processed.failed_request_ids:
+            self._fail(self._states[request_id], RequestFailedError("detokenizing the output failed"))
+        for delta in processed.deltas:
+            state = self._states[delta.request_id]
+            self.metrics.num_generation_tokens += len(delta.token_ids)
             if delta.token_ids:
                 if state.last_token_time is None:
                     self.metrics.time_to_first_token.observe(now - state.arrival_time)
@@ -259,11 +273,9 @@ class AsyncEngineClient:
                 state.last_token_time = now
             if delta.finish_reason is not None:
                 self._finish(state, delta.finish_reason)
-                if output.finish_reason is None:  # a stop string: the core is still generating
-                    stopped_request_ids.append(state.request_id)
             state.queue.put_nowait(delta)
-        if stopped_request_ids:
-            engine.send(AbortRequests(stopped_request_ids))
+        if processed.request_ids_to_abort:  # a stop string ended them: the core is still generating
+            engine.send(AbortRequests(processed.request_ids_to_abort))
 
     def _on_error(self, engine: EngineConnection, msg: EngineError) -> None:
         logger.error("engine %d reported an error%s: %s", engine.index,
@@ -338,4 +350,5 @@ class AsyncEngineClient:
         for state in list(self._states.values()):
             self._fail(state, EngineDeadError(self.dead_reason))
         self.prompt_tokenizer.shutdown()
+        await self.grammar_checker.close()
         self.ctx.term()

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from frontend.errors import InvalidRequestError
-from frontend.tokenizer import TemplateError, Tokenizer
+from ipc.text.tokenizer import TemplateError, Tokenizer
 
 NUM_TOKENIZE_THREADS = 2
 
@@ -32,14 +32,15 @@ class PromptTokenizer:
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_prompt_bytes = max_model_len * self.tokenizer.max_token_bytes
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_size(text)
-        return await self._run(self.tokenizer.encode, text)
+        return await self._run(self.tokenizer.encode, text, add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
         self.check_size(*(m.get("content") for m in messages))
         try:
-            return await self._run(self.tokenizer.encode_chat, messages, add_generation_prompt)
+            return await self._run(self.tokenizer.encode_chat, messages, add_generation_prompt, tools)
         except TemplateError as e:
             raise InvalidRequestError(str(e)) from None
 

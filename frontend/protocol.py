@@ -14,18 +14,40 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from frontend.chat_tools import ChatTool, ToolChoice
 from frontend.errors import InvalidRequestError
+from frontend.request_fields import check_extra_fields
 from ipc.sampling_params import SamplingParams
+from ipc.structured_outputs import StructuredOutputsParams
 
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]  # the wire carries a signed 64-bit int
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` body field: exactly one form."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def to_params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=bool(self.json_object),
+                                       any_whitespace=not self.disable_any_whitespace)
+
+
 class SamplingFields(BaseModel):
     """Sampling fields shared by every endpoint; the names are vLLM's."""
 
-    # OpenAI clients send null for "default"; unknown fields are ignored like OpenAI does.
-    model_config = ConfigDict(extra="ignore")
+    # OpenAI clients send null for "default". Undeclared fields are refused or logged
+    # (frontend.request_fields), never silently dropped.
+    model_config = ConfigDict(extra="allow")
 
     n: int = 1
     temperature: float | None = None
@@ -39,8 +61,19 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's form: token ids as strings
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The engine's params; `structured_outputs` as resolved by the endpoint (see structured_outputs_fields)."""
+        check_extra_fields(self.model_extra)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -56,7 +89,41 @@ class SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=_logit_bias_pairs(self.logit_bias),
+            allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            bad_words=list(self.bad_words or []),
+            prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=structured_outputs,
         )
+
+    def structured_outputs_fields(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """Every structured-output form this body sets, with the field that set it."""
+        forms = []
+        if self.structured_outputs is not None:
+            forms.append(("structured_outputs", self.structured_outputs.to_params()))
+        return forms
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one structured-output form asked for, or None; two forms at once are a 400."""
+        forms = self.structured_outputs_fields()
+        if len(forms) > 1:
+            raise InvalidRequestError("only one structured output may be asked for, got " +
+                                      ", ".join(name for name, _ in forms))
+        return forms[0][1] if forms else None
+
+
+def _logit_bias_pairs(logit_bias: dict[str, float] | None) -> list[tuple[int, float]]:
+    pairs = []
+    for key, value in (logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}") from None
+        pairs.append((token_id, value))
+    return sorted(pairs)
 
 
 class GenerateBody(SamplingFields):
@@ -74,27 +141,56 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the grammar always holds the answer to the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class OpenAIFields(SamplingFields):
-    """Fields both OpenAI endpoints take; the unsupported ones are rejected, not ignored."""
+    """Fields both OpenAI endpoints take."""
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's older names for structured_outputs' forms; many clients still send them.
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
-        if self.presence_penalty or self.frequency_penalty or (self.repetition_penalty or 1.0) != 1.0:
-            raise InvalidRequestError("presence, frequency and repetition penalties are not supported")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported")
+        check_extra_fields(self.model_extra)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_outputs_fields(self) -> list[tuple[str, StructuredOutputsParams]]:
+        forms = super().structured_outputs_fields()
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                forms.append((name, StructuredOutputsParams(**{kind: value})))
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            forms.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format json_schema needs json_schema.schema")
+            forms.append(("response_format", StructuredOutputsParams(json=response_format.json_schema.schema_)))
+        return forms
+
 
 
 class CompletionRequest(OpenAIFields):
@@ -102,15 +198,19 @@ class CompletionRequest(OpenAIFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError("best_of is not supported (it must equal n)")
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs returns the prompt's log-probs too, as vLLM does."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list; a flat list of ints is one tokenized prompt."""
@@ -148,6 +248,9 @@ class ChatCompletionRequest(OpenAIFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -10,8 +10,10 @@ from frontend.admission import (
     DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONCURRENT_REQUESTS, DEFAULT_MAX_REQUEST_BYTES,
     AdmissionConfig,
 )
+from frontend.chat_tools import ToolOptions
 from frontend.engine_client import EngineClientConfig
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
+from frontend.tool_parsers import TOOL_PARSER_NAMES
 from ipc.engine_config import DEFAULT_MODEL, add_engine_args, engine_argv
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
@@ -34,6 +36,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--engine-ready-timeout", type=float, default=600.0, metavar="S",
                         help="seconds to wait for each core's EngineReady")
+    tools = parser.add_argument_group("tool calling (vLLM's flags)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    tools.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES,
+                       help='how calls are read from a free answer (tool_choice "auto")')
     limits = parser.add_argument_group("limits and faults")
     limits.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                         help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
@@ -82,6 +89,12 @@ def _thread_share_args(args: argparse.Namespace) -> list[str]:
         return []
     num_ranks = args.data_parallel * (args.tensor_parallel_size or 1)  # --master-port (multi-node) is refused with DP
     return ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // num_ranks))]
+
+
+def tool_options(args: argparse.Namespace) -> ToolOptions:
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
 
 
 def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:

@@ -1,4 +1,9 @@
-"""`POST /v1/chat/completions` (OpenAI): the chat template, then the same delta stream as completions."""
+"""`POST /v1/chat/completions` (OpenAI): the chat template, then the same delta stream as completions.
+
+With tools (frontend.chat_tools), the answer's text goes through the request's tool
+parser: calls become `message.tool_calls` (streamed as OpenAI's tool-call deltas:
+index, id and name first, then pieces of arguments) and `finish_reason: "tool_calls"`.
+"""
 
 from __future__ import annotations
 
@@ -8,58 +13,96 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from frontend.chat_tools import ToolMode, ToolOptions, resolve_tool_mode, template_messages
 from frontend.engine_client import AsyncEngineClient
+from frontend.errors import InvalidRequestError
 from frontend.protocol import ChatCompletionRequest
 from frontend.request_state import RequestDelta, RequestStream
 from frontend.serving_utils import (
     ClientDisconnected, Usage, chat_logprobs, collect, now_s, random_id, run_unless_disconnected, sse_stream,
 )
+from frontend.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
 
 
-async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request,
-                                 client: AsyncEngineClient) -> Response:
+async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, client: AsyncEngineClient,
+                                 tool_options: ToolOptions | None = None) -> Response:
     body.check_supported()
-    messages = [message.to_template_dict() for message in body.messages]
-    prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt)
+    tool_mode = resolve_tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, tool_options or ToolOptions())
+    structured_outputs = body.structured_outputs_params()
+    if tool_mode.structured_outputs is not None:
+        if structured_outputs is not None:
+            raise InvalidRequestError(f'tool_choice "{tool_mode.kind}" cannot be combined with a structured output')
+        structured_outputs = tool_mode.structured_outputs
+    messages = template_messages([message.to_template_dict() for message in body.messages])
+    prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, tool_mode.template_tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = body.to_sampling_params(max_tokens, body.num_logprobs)
+    params = body.to_sampling_params(max_tokens, body.num_logprobs, structured_outputs)
     request_id = random_id("chatcmpl")
     stream = await client.generate(None, params, request_id, prompt_token_ids=prompt_token_ids, n=body.n)
     header = {"id": request_id, "created": now_s(), "model": client.model_name}
     if body.stream:
-        return StreamingResponse(_stream_chat(stream, body, header, client), media_type="text/event-stream")
+        return StreamingResponse(_stream_chat(stream, body, header, client, tool_mode),
+                                 media_type="text/event-stream")
     usage = Usage(body.n)
     try:
         results = await run_unless_disconnected(raw_request, collect(stream, usage))
     except ClientDisconnected:
         return Response(status_code=499)
-    choices = [
-        {"index": result.index,
-         "message": {"role": "assistant", "content": result.text},
-         "logprobs": chat_logprobs(client.tokenizer, result.logprobs) if body.logprobs else None,
-         "finish_reason": result.finish_reason}
-        for result in results
-    ]
+    choices = []
+    for result in results:
+        message, finish_reason = _message(result.text, result.finish_reason, tool_mode.new_parser())
+        choices.append({"index": result.index, "message": message,
+                        "logprobs": chat_logprobs(client.tokenizer, result.logprobs) if body.logprobs else None,
+                        "finish_reason": finish_reason})
     return JSONResponse({**header, "object": "chat.completion", "choices": choices, "usage": usage.to_dict()})
 
 
+def _message(text: str, finish_reason: str | None, parser: ToolParser | None) -> tuple[dict, str | None]:
+    if parser is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parser.extract(text)
+    if not calls:
+        return {"role": "assistant", "content": content or ""}, finish_reason
+    message = {"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in calls]}
+    return message, _tool_finish_reason(finish_reason)
+
+
+def _tool_finish_reason(finish_reason: str | None) -> str | None:
+    # A call cut short by max_tokens still says "length".
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def _stream_chat(stream: RequestStream, body: ChatCompletionRequest, header: dict,
-                 client: AsyncEngineClient) -> AsyncIterator[str]:
+                 client: AsyncEngineClient, tool_mode: ToolMode) -> AsyncIterator[str]:
+    parsers = {index: tool_mode.new_parser() for index in range(len(stream.states))}
+
     def make_choice(delta: RequestDelta) -> dict | None:
         finish_reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
-        if not delta.text and finish_reason is None and not (body.logprobs and delta.logprobs):
+        message = {"content": delta.text} if delta.text else {}
+        parser = parsers[delta.index]
+        if parser is not None:
+            content, call_deltas = parser.feed(delta.text)
+            if finish_reason is not None:
+                more_content, more_deltas = parser.finish()
+                content, call_deltas = content + more_content, call_deltas + more_deltas
+                if parser.has_tool_calls:
+                    finish_reason = _tool_finish_reason(finish_reason)
+            message = {"content": content} if content else {}
+            if call_deltas:
+                message["tool_calls"] = [d.to_openai() for d in call_deltas]
+        if not message and finish_reason is None and not (body.logprobs and delta.logprobs):
             return None
         return {
             "index": delta.index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": message,
             "logprobs": chat_logprobs(client.tokenizer, delta.logprobs or []) if body.logprobs else None,
             "finish_reason": finish_reason,
         }
 
     # OpenAI opens every choice with a role-only delta.
     opening_choices = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None} for index in range(body.n)]
+                        "finish_reason": None} for index in range(len(stream.states))]
     return sse_stream(stream, {**header, "object": "chat.completion.chunk"}, body.n, body.include_usage,
                       make_choice, opening_choices)

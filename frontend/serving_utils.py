@@ -13,8 +13,9 @@ from typing import AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 from fastapi import Request
 
 from frontend.errors import FrontendError
-from frontend.request_state import RequestDelta, RequestStream
+from frontend.request_state import RequestStream
 from ipc.messages import TokenLogprobs
+from ipc.text.output_processor import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when asked for
 
     @property
     def text(self) -> str:
@@ -112,6 +114,8 @@ async def collect(stream: RequestStream, usage: Usage) -> list[ChoiceResult]:
             choice = choices[delta.index]
             choice.text_parts.append(delta.text)
             choice.logprobs.extend(delta.logprobs or ())
+            if delta.output is not None and delta.output.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.output.prompt_logprobs
             choice.num_output_tokens = delta.num_output_tokens
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason.openai_name
@@ -153,9 +157,19 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer, logprobs: list[TokenLogprobs], text_offset: int = 0) -> dict:
-    """The legacy completions `logprobs` object: parallel lists over the sampled tokens."""
+def completion_logprobs(tokenizer, logprobs: list[TokenLogprobs], text_offset: int = 0,
+                        first_prompt_token_id: int | None = None) -> dict:
+    """The legacy completions `logprobs` object: parallel lists over the tokens. With
+    `first_prompt_token_id` (echo), `logprobs` begins with the prompt's and the prompt's
+    first token leads with no log-prob, as vLLM writes it."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    if first_prompt_token_id is not None:
+        text = token_text(tokenizer, first_prompt_token_id)
+        tokens.append(text)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        offsets.append(text_offset)
+        text_offset += len(text)
     for lp in logprobs:
         text = token_text(tokenizer, lp.token_id)
         tokens.append(text)
@@ -165,6 +179,20 @@ def completion_logprobs(tokenizer, logprobs: list[TokenLogprobs], text_offset: i
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
+
+
+def prompt_logprobs_field(tokenizer, prompt_logprobs: list[TokenLogprobs] | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, decoded_token}}
+    for the token itself and its top alternatives."""
+    if prompt_logprobs is None:
+        return None
+    entries: list[dict | None] = [None]
+    for lp in prompt_logprobs:
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "decoded_token": token_text(tokenizer, lp.token_id)}}
+        for token_id, value in zip(lp.top_token_ids, lp.top_logprobs):
+            entry.setdefault(str(token_id), {"logprob": value, "decoded_token": token_text(tokenizer, token_id)})
+        entries.append(entry)
+    return entries
 
 
 def chat_logprobs(tokenizer, logprobs: list[TokenLogprobs]) -> dict:

@@ -73,6 +73,8 @@ class EngineConfig:
         "host of node 0, where the ranks meet (its TCP store); non-loopback needs --allow-remote"))
     master_port: int = field(default=0, metadata=_flag(
         "port of that store (0: any free port, one host only)"))
+    grammar_compile_timeout_s: float = field(default=30.0, metadata=_flag(
+        "structured outputs: a grammar still compiling after this many seconds fails its request"))
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -104,7 +106,7 @@ class EngineConfig:
         return [f.name for f in fields(cls)]
 
 
-_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str}
+_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str, "float": float}
 
 
 def flag_name(field_name: str) -> str:

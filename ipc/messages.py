@@ -134,6 +134,8 @@ class RequestOutput(_Record):
     stop_token_id: TokenId | None = None
     # Prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: NumTokens = 0
+    # With the first token of a request that asked for prompt_logprobs: prompt tokens 1.. (the first has none).
+    prompt_logprobs: Annotated[list[TokenLogprobs], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
 
 
 class SchedulerStats(_Record):

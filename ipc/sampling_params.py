@@ -13,10 +13,18 @@ from typing import Annotated
 
 from msgspec import Meta, Struct, field
 
+from ipc.structured_outputs import StructuredOutputsParams
+
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI's own limit is 300
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI clamps biases to [-100, 100]
+MAX_ALLOWED_TOKEN_IDS = 262_144  # beyond any vocabulary in use
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 64  # a bad word's tokens, per spelling
+MAX_PENALTY = 2.0  # presence/frequency in [-2, 2] and repetition in (0, 2], as vLLM checks
 MAX_INT = 2**31 - 1  # counts and token ids: far beyond any context length, and they fit int32 tensors
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit int on the wire
 # Temperatures below this are greedy, as in vLLM: dividing logits by ~1e-40 overflows to inf/NaN.
@@ -27,6 +35,7 @@ MAX_TOKEN_ID = 2**31 - 1  # token ids index int32 tensors on the engine side
 TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 Int64 = Annotated[int, Meta(ge=MIN_SEED, le=MAX_SEED)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+BadWordTokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]
 
 
 class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
@@ -44,6 +53,35 @@ class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
     logprobs: Int64 | None = None  # None: no log-probs; N: chosen token plus top-N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Appended fields (the wire is append-only). Penalties as vLLM applies them: repetition over
+    # the prompt's and the output's tokens, presence and frequency over the output's only.
+    repetition_penalty: float = 1.0  # 1: off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # (token id, bias) pairs, added to the logits; a dict given in Python becomes pairs.
+    logit_bias: Annotated[list[tuple[TokenId, float]], Meta(max_length=MAX_LOGIT_BIAS)] = field(default_factory=list)
+    allowed_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    # Words never to write: the strings (kept for the record) and their spellings as token ids,
+    # which the frontend or the offline LLM fills in from the strings.
+    bad_words: Annotated[list[StopString], Meta(max_length=MAX_BAD_WORDS)] = field(default_factory=list)
+    bad_words_token_ids: Annotated[list[BadWordTokenIds], Meta(max_length=2 * MAX_BAD_WORDS)] = \
+        field(default_factory=list)
+    prompt_logprobs: Int64 | None = None  # None: none; N: each prompt token's log-prob plus top-N
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = sorted(self.logit_bias.items())
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Whether anything beyond temperature and the filters touches this row's logits."""
+        return (self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids) or self.structured_outputs is not None)
 
     @property
     def is_greedy(self) -> bool:
@@ -88,6 +126,68 @@ class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        self._validate_logits_processing(vocab_size)
+
+    def _validate_logits_processing(self, vocab_size: int | None) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, list) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries")
+        for entry in self.logit_bias:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not _is_int(entry[0]) \
+                    or not _is_number(entry[1]) or not math.isfinite(entry[1]):
+                raise ValueError("logit_bias must map token ids to finite numbers")
+        _check_token_ids("logit_bias", [t for t, _ in self.logit_bias], vocab_size)
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            _check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
+        if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS \
+                or not all(isinstance(w, str) and 0 < len(w) <= MAX_STOP_STRING_LEN for w in self.bad_words):
+            raise ValueError(f"bad_words must be at most {MAX_BAD_WORDS} non-empty strings of at most "
+                             f"{MAX_STOP_STRING_LEN} characters")
+        if not isinstance(self.bad_words_token_ids, list) or len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+            raise ValueError("bad_words_token_ids must be a list of token-id lists")
+        for ids in self.bad_words_token_ids:
+            if not isinstance(ids, list) or not 0 < len(ids) <= MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens long")
+            _check_token_ids("bad_words", ids, vocab_size)
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
+
+
+def tokenize_bad_words(words: list[str], encode) -> list[list[int]]:
+    """vLLM's spellings of each bad word: as written and with a leading space (the word inside a
+    sentence), each encoded without special tokens by `encode(text) -> token ids`."""
+    spellings: list[list[int]] = []
+    for word in words:
+        for prefix in ("", " "):
+            token_ids = encode(prefix + word.lstrip())
+            if token_ids and token_ids not in spellings:
+                spellings.append(token_ids)
+    return spellings
+
+
+def clamp_logit_bias(value: float) -> float:
+    """OpenAI's rule: biases beyond [-100, 100] act as the bound."""
+    return max(-MAX_LOGIT_BIAS_VALUE, min(MAX_LOGIT_BIAS_VALUE, value))
+
+
+def _check_token_ids(name: str, token_ids: list, vocab_size: int | None) -> None:
+    limit = vocab_size if vocab_size is not None else MAX_INT + 1
+    if not all(_is_int(t) and 0 <= t < limit for t in token_ids):
+        raise ValueError(f"{name} must hold token ids in [0, {limit})")
 
 
 def _is_int(value) -> bool:

@@ -12,7 +12,7 @@ from engine.core_process import parse_args
 from ipc.engine_config import engine_config_from_args
 from frontend.engine_client import AsyncEngineClient, EngineClientConfig
 from frontend.metrics import FrontendMetrics
-from frontend.request_state import RequestDelta
+from ipc.text.output_processor import RequestDelta
 from frontend.server_args import engine_args_from, make_parser
 from frontend.serving_utils import Usage
 from ipc.messages import SchedulerStats

@@ -9,7 +9,7 @@ import pytest
 
 from frontend.errors import InvalidRequestError
 from frontend.prompt_tokenizer import PromptTokenizer
-from frontend.tokenizer import Tokenizer
+from ipc.text.tokenizer import Tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 24_000  # ~1 MiB
 

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from frontend.errors import EngineDeadError
-from frontend.request_state import RequestDelta, RequestStream
+from frontend.request_state import RequestStream
 from frontend.serving_utils import sse_stream
 from ipc.messages import FinishReason
+from ipc.text.output_processor import RequestDelta
 
 HEADER = {"id": "x", "object": "chunk"}
 

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).parent / "cpu" / name
     for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "paged_shared_decode_attention.cpp",
-                 "fused_ops.cpp", "small_batch_linear.cpp", "sample_rows.cpp", "bindings.cpp")
+                 "fused_ops.cpp", "small_batch_linear.cpp", "sample_rows.cpp", "apply_penalties.cpp", "bindings.cpp")
 ]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

@@ -22,6 +22,11 @@ void paged_shared_decode_attention(
 // sample_rows.cpp
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor uniforms);
 
+// apply_penalties.cpp
+void apply_penalties(torch::Tensor logits, torch::Tensor rows, torch::Tensor slots, torch::Tensor counts,
+                     torch::Tensor prompt_mask, torch::Tensor repetition, torch::Tensor frequency,
+                     torch::Tensor presence);
+
 // small_batch_linear.cpp
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor slabs, torch::Tensor bias, bool out_fp32);
 bool has_small_batch_linear();
@@ -40,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_shared_decode_attention", &paged_shared_decode_attention,
         "decodes of sequences sharing their first blocks, one tile per group, into out (CPU)");
   m.def("sample_rows", &sample_rows, "one token per row: greedy, or an inverse-CDF draw at a temperature (CPU)");
+  m.def("apply_penalties", &apply_penalties, "repetition, frequency and presence penalties in place (CPU)");
   m.def("small_batch_linear", &small_batch_linear, "bf16 linear for a few tokens, weights in 16-feature slabs (CPU)");
   m.def("has_small_batch_linear", &has_small_batch_linear, "whether this build has small_batch_linear (AVX512_BF16)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rmsnorm(residual) * weight, in place (CPU)");

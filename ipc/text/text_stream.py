@@ -1,16 +1,16 @@
 """One sequence's output text as its tokens arrive: final text deltas, cut at stop strings.
 
-The server (`frontend.request_state.RequestState`) and the offline API
-(`engine.llm.LLM`) both feed each engine step's new token ids through a
-`TextStream`, so a prompt gets the same text, the same held-back characters and
-the same stop-string cut on either path.
+`ipc.text.output_processor.OutputProcessor` keeps one per request and feeds it
+each engine step's new token ids, for the server and the offline API alike, so a
+prompt gets the same text, the same held-back characters and the same stop-string
+cut on either path.
 """
 
 from __future__ import annotations
 
 from ipc.sampling_params import SamplingParams
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.stop_checker import StopChecker
+from ipc.text.detokenizer import IncrementalDetokenizer
+from ipc.text.stop_checker import StopChecker
 
 
 class TextStream:

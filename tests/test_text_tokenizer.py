@@ -1,4 +1,4 @@
-"""frontend.tokenizer (torch-free) must agree with transformers' AutoTokenizer on the same folder."""
+"""ipc.text.tokenizer (torch-free) must agree with transformers' AutoTokenizer on the same folder."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from conftest import cached_default_model
 from fake_engine import write_fake_model
 
-from frontend.tokenizer import TemplateError, Tokenizer
+from ipc.text.tokenizer import TemplateError, Tokenizer
 
 TEXTS = ["Hello world, how are you today?", "  leading spaces\nand lines\n", "你好，世界 😀 café",
          "<|im_start|>user\nhi<|im_end|>"]
@@ -77,3 +77,24 @@ def test_template_errors(tmp_path):
 def test_folder_without_tokenizer_json_is_refused(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer(tmp_path)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city, café style",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS_TEMPLATE = ("{% if tools is not none %}TOOLS {{ tools | tojson }}\n{% endif %}"
+                  "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_tools_reach_the_template_as_in_transformers(tmp_path, tools):
+    from transformers import AutoTokenizer
+
+    folder = write_fake_model(tmp_path / "model")
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    messages = CONVERSATIONS[0]
+    text = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tools=tools, tokenize=False)
+    assert Tokenizer(folder).apply_chat_template(messages, tools=tools) == text
+    assert text.startswith("TOOLS [{") == (tools is not None)

@@ -1,13 +1,14 @@
-"""A torch-free tokenizer for the frontend: HF `tokenizer.json` plus the chat template.
+"""A torch-free tokenizer: HF `tokenizer.json` plus the chat template, for server and offline API.
 
 transformers' AutoTokenizer would do, but importing it pulls torch in whenever torch
 is installed (transformers 5 checks for torch at import time and loads it), and the
-frontend must never import torch. AutoTokenizer's fast tokenizers run on the
+frontend must never import torch. The offline `LLM` uses this one too, so both paths
+encode prompts and render chat templates with the same code. AutoTokenizer's fast tokenizers run on the
 `tokenizers` library anyway, so we load `tokenizer.json` with it directly and render
 the chat template with jinja2 the way transformers does (sandboxed, trim_blocks,
 lstrip_blocks, `raise_exception`, `tojson`).
 
-The API is the subset of PreTrainedTokenizerFast the frontend uses: `encode`,
+The API is the subset of PreTrainedTokenizerFast both paths use: `encode`,
 `decode` (all the incremental detokenizer needs), `convert_ids_to_tokens`,
 `apply_chat_template`, `all_special_ids`, `eos_token_id`.
 
@@ -17,9 +18,6 @@ Reference: transformers/utils/chat_template_utils.py (_compile_jinja_template).
 from __future__ import annotations
 
 import json
-import logging
-import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -27,8 +25,6 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as RustTokenizer
-
-logger = logging.getLogger(__name__)
 
 # Special-token names a chat template may refer to, as in transformers.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -78,45 +74,28 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return [self._tokenizer.id_to_token(i) or "" for i in token_ids]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render the conversation as prompt text (encode it with add_special_tokens=False)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render the conversation as prompt text (encode it with add_special_tokens=False).
+
+        `tools`: JSON-schema tool definitions, handed to the template as `tools` (None when
+        absent), as transformers does."""
         if self._template is None:
             if not self.chat_template:
                 raise TemplateError(f"the model at {self.folder} has no chat template")
             self._template = _compile_template(self.chat_template)
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self.special_tokens
             )
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # Like transformers' apply_chat_template(tokenize=True): the template already
         # writes the special tokens, so the post-processor must not add a second BOS.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
-
-
-def load_tokenizer(model: str) -> Tokenizer:
-    return Tokenizer(resolve_model_folder(model))
-
-
-def resolve_model_folder(model: str) -> str:
-    """A local folder for `model`: the folder itself, or `engine.model_files`' cached conversion.
-
-    The conversion (download + dequantize) imports torch, so it runs in a child process;
-    once converted, the child just prints the cached folder.
-    """
-    if Path(model).expanduser().is_dir():
-        return str(Path(model).expanduser())
-    logger.info("resolving model %r with engine.model_files", model)
-    result = subprocess.run(
-        [sys.executable, "-m", "engine.model_files", model], stdout=subprocess.PIPE, text=True, check=False
-    )
-    lines = result.stdout.strip().splitlines()
-    if result.returncode != 0 or not lines:
-        raise ValueError(f"cannot resolve model {model!r} (engine.model_files exited with {result.returncode})")
-    return lines[-1]
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict:

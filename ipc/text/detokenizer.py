@@ -25,7 +25,7 @@ can differ from a full decode in characters that were already complete (and
 sent). Complete text always matches.
 
 The tokenizer only needs `decode(ids, skip_special_tokens=...)`; this module
-imports nothing heavy (the frontend must never import torch).
+imports nothing heavy (neither ipc nor the frontend may import torch).
 """
 
 import logging

@@ -1,0 +1,148 @@
+"""The one output path: engine `RequestOutput`s in, per-request text deltas out.
+
+Both consumers of an engine core go through here: the server's
+`frontend.engine_client.AsyncEngineClient` (each `EngineOutputs` message) and the
+offline `engine.llm.LLM` (each `EngineCore.step()`). Per request it keeps a
+`TextStream` (incremental detokenizer + stop checker) and the usage counts, so both
+paths make the same text, hold back the same characters and cut at the same stop
+string. Like vLLM V1's `OutputProcessor.process_outputs`, a step's outputs come back
+as deltas plus the request ids the engine must abort: a stop string ended them here
+while the core was still generating them.
+
+A request is forgotten as soon as a delta finishes it (or `remove_requests` says it
+ended elsewhere); later outputs for it, such as its abort's, are dropped. The
+consumer keeps its own queues, timings and metrics: this is only the text logic.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
+from ipc.sampling_params import SamplingParams
+from ipc.text.text_stream import TextStream
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step added to one request (one choice of an HTTP request)."""
+
+    index: int  # the consumer's tag: the choice of an n > 1 request, the offline prompt's position
+    text: str  # final text only: never retracted later
+    token_ids: list[int]
+    finish_reason: FinishReason | None  # a stop-string hit reads STOP
+    logprobs: list[TokenLogprobs] | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative, for usage
+    num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    request_id: str = ""
+    # The engine's record this delta came from: read any field not copied above here
+    # (stop_token_id, and whatever later fields RequestOutput grows).
+    output: RequestOutput | None = None
+
+
+@dataclass
+class ProcessedOutputs:
+    """One step's result: deltas in output order, and what the engine must be told."""
+
+    deltas: list[RequestDelta] = field(default_factory=list)
+    # Ended here (a stop string, a failure) while the engine is still generating them.
+    request_ids_to_abort: list[str] = field(default_factory=list)
+    # Detokenizing raised (logged): these got no delta, are forgotten, and should fail.
+    failed_request_ids: list[str] = field(default_factory=list)
+
+
+class _RequestText:
+    """One request's text state: its TextStream (None: token ids only) and usage counts."""
+
+    def __init__(self, request_id: str, index: int, num_prompt_tokens: int, text_stream: TextStream | None):
+        self.request_id = request_id
+        self.index = index
+        self.num_prompt_tokens = num_prompt_tokens
+        self.text_stream = text_stream
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+
+    def make_delta(self, output: RequestOutput) -> RequestDelta:
+        token_ids = output.new_token_ids
+        self.num_output_tokens += len(token_ids)
+        # Kept from the first output on: a later one (an abort) may not carry it.
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        finish_reason = output.finish_reason
+        text = ""
+        if self.text_stream is not None:
+            text, hit_stop = self.text_stream.add_tokens(token_ids, is_last=finish_reason is not None,
+                                                         stop_token_id=output.stop_token_id)
+            if hit_stop:
+                finish_reason = FinishReason.STOP
+        return RequestDelta(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            logprobs=output.new_logprobs,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            request_id=self.request_id,
+            output=output,
+        )
+
+
+class OutputProcessor:
+    """Owns every live request's text state; `process_outputs` turns a step into deltas.
+
+    `tokenizer`: anything with `decode(ids, skip_special_tokens=...)` (the shared
+    `ipc.text.tokenizer.Tokenizer`); None makes token-id-only deltas (text "")."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestText] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    index: int = 0) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer")
+        text_stream = None if self.tokenizer is None else TextStream(self.tokenizer, prompt_token_ids, params)
+        self._requests[request_id] = _RequestText(request_id, index, len(prompt_token_ids), text_stream)
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget requests that ended elsewhere (aborted, failed); unknown ids are ignored."""
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def process_outputs(self, outputs: Iterable[RequestOutput]) -> ProcessedOutputs:
+        """Turn one engine step's outputs into text deltas; outputs of unknown requests are dropped."""
+        processed = ProcessedOutputs()
+        for output in outputs:
+            request = self._requests.get(output.request_id)
+            if request is None:
+                continue  # finished here already (stop string, abort): a late output
+            try:
+                delta = request.make_delta(output)
+            except Exception:
+                logger.exception("detokenizing request %s failed", output.request_id)
+                del self._requests[output.request_id]
+                processed.failed_request_ids.append(output.request_id)
+                if output.finish_reason is None:
+                    processed.request_ids_to_abort.append(output.request_id)
+                continue
+            processed.deltas.append(delta)
+            if delta.finish_reason is not None:
+                del self._requests[output.request_id]
+                if output.finish_reason is None:  # a stop string: the engine is still generating it
+                    processed.request_ids_to_abort.append(output.request_id)
+        return processed
