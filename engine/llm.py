@@ -9,6 +9,7 @@ strings). So a request gets the same text offline as from the server.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -16,10 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec.structs import replace
+
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine_core import EngineCore, StepError
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams, tokenize_bad_words
 from ipc.text.output_processor import OutputProcessor, RequestDelta
 from ipc.text.tokenizer import Tokenizer
 
@@ -49,8 +52,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_token_id: int | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
-    # Every engine output of this request, in order: fields not copied above are read here.
-    engine_outputs: list[RequestOutput] = field(default_factory=list)
+    # vLLM's prompt_logprobs: None for the first prompt token, then each one's (with prompt_logprobs set)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -125,8 +128,11 @@ class LLM:
         requests: dict[str, _OfflineRequest] = {}
         try:
             for index, ((prompt, token_ids), params) in enumerate(zip(prompts, sampling_params)):
-                if params.stop:
-                    self._need_tokenizer("stop strings")
+                if params.stop or params.bad_words:
+                    tokenizer = self._need_tokenizer("stop strings and bad words")
+                    if params.bad_words:
+                        encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+                        params = replace(params, bad_words_token_ids=tokenize_bad_words(params.bad_words, encode))
                 request_id = str(next(self._request_counter))
                 arrival_time = time.time()
                 self.engine.add_request(request_id, token_ids, params, arrival_time)
@@ -193,7 +199,7 @@ class _OfflineRequest:
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    engine_outputs: list[RequestOutput] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     num_cached_tokens: int = 0
@@ -207,7 +213,8 @@ class _OfflineRequest:
         self.text_parts.append(delta.text)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
-        self.engine_outputs.append(delta.output)
+        if delta.output.prompt_logprobs is not None:
+            self.prompt_logprobs = [None, *delta.output.prompt_logprobs]
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.finish_reason is not None:
             self.finish_reason, self.finish_time = delta.finish_reason, now
@@ -230,5 +237,5 @@ class _OfflineRequest:
             logprobs=self.logprobs,
             stop_token_id=self.stop_token_id,
             num_cached_tokens=self.num_cached_tokens,
-            engine_outputs=self.engine_outputs,
+            prompt_logprobs=self.prompt_logprobs,
         )

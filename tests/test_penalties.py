@@ -124,3 +124,25 @@ def test_penalised_greedy_matches_the_reference(case, penalised_setup):
         assert output.token_ids == reference_penalised_greedy(model, prompt, params)
     # The prompts repeat themselves: the penalty changes the answers.
     assert any(o.token_ids != b.token_ids for o, b in zip(outputs, unpenalised))
+
+
+@pytest.mark.slow
+def test_penalised_seeded_requests_give_the_same_tokens_alone_in_a_batch_and_across_preemption(default_model_path):
+    penalised = [SamplingParams(temperature=0.8, seed=seed, max_tokens=24, ignore_eos=True, repetition_penalty=1.2,
+                                frequency_penalty=0.4, presence_penalty=0.3, logit_bias={28: 2.0})
+                 for seed in (7, 8)]
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5], [9, 8, 7, 9, 8, 7]]
+    llm = LLM(default_model_path, dtype="float32", block_size=8)
+    alone = [llm.generate(p, params, use_tqdm=False)[0].token_ids for p, params in zip(prompts, penalised)]
+    # 48 mixed requests: plain greedy, plain sampled, other penalties, and the two under test.
+    mixed_params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                    SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+                    SamplingParams(temperature=0.5, top_p=0.9, max_tokens=20, ignore_eos=True, presence_penalty=1.0)]
+    batch_prompts = [[10 + i, 20 + i, 30 + i] for i in range(46)] + prompts
+    batch_params = [mixed_params[i % 3] for i in range(46)] + penalised
+    in_batch = [o.token_ids for o in llm.generate(batch_prompts, batch_params, use_tqdm=False)[-2:]]
+    assert in_batch == alone
+    tight = LLM(default_model_path, dtype="float32", block_size=8, num_kv_blocks=20)
+    preempted = [o.token_ids for o in tight.generate(batch_prompts[-8:], batch_params[-8:], use_tqdm=False)[-2:]]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert preempted == alone

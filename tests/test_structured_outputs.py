@@ -1,0 +1,141 @@
+"""Structured outputs in the engine, on the default model: the mask on fp32 and bf16 logits,
+fidelity (a grammar that allows what the model writes anyway changes no token), the matcher
+across preemption, several requests of one grammar, and compiles that never stall the loop."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.structured_output import GrammarCompilerPool
+from engine.structured_output.bitmask import GrammarBitmask
+from ipc.structured_outputs import StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+QUESTION = [{"role": "user", "content": "Give me a JSON object describing a person named Bob aged 31."}]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_path):
+    return LLM(default_model_path, dtype="float32", block_size=8)
+
+
+def greedy(max_tokens: int = 60, **fields) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **fields)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mask_leaves_only_the_grammars_tokens(default_model_path, dtype):
+    pool = GrammarCompilerPool(default_model_path, 49152, [2])
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(pool.submit(StructuredOutputsParams(regex="[0-9]")).result())
+    logits = torch.randn(3, 49152).to(dtype)
+    original = logits.clone()
+    GrammarBitmask().apply(logits, [1], [_Grammar(matcher)])
+    allowed = torch.isfinite(logits[1]).nonzero().squeeze(1).tolist()
+    from ipc.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_path)
+    assert allowed and all(re.fullmatch("[0-9]", tokenizer.decode([t])) for t in allowed)
+    assert torch.equal(logits[1, allowed], original[1, allowed])  # allowed logits untouched
+    assert torch.equal(logits[[0, 2]], original[[0, 2]])  # other rows untouched
+    pool.shutdown()
+
+
+class _Grammar:
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def test_a_grammar_that_allows_the_models_answer_changes_no_token(llm):
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    free = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    assert free.text == "The capital of France is Paris." and free.finish_reason == "stop"
+    constrained = llm.generate(prompt, greedy(structured_outputs=StructuredOutputsParams(choice=[free.text])),
+                               use_tqdm=False)[0]
+    assert constrained.token_ids == free.token_ids
+    # A JSON answer the model writes by itself, held to a schema that allows exactly it.
+    person = llm.apply_chat_template([{"role": "user", "content": "Reply with a JSON object with keys name and age "
+                                                                  "for Bob, 31 years old. Only JSON."}])
+    free_json = llm.generate(person, greedy(100), use_tqdm=False)[0]
+    value = json.loads(free_json.text)
+    assert value == {"name": "Bob", "age": 31}
+    exact = {"type": "object", "properties": {k: {"const": v} for k, v in value.items()}, "required": list(value)}
+    held = llm.generate(person, greedy(100, structured_outputs=StructuredOutputsParams(json=exact)), use_tqdm=False)[0]
+    assert held.token_ids == free_json.token_ids
+
+
+def test_schema_answers_parse_greedy_and_sampled_and_n_of_one_grammar(llm):
+    prompt = llm.apply_chat_template(QUESTION)
+    so = StructuredOutputsParams(json=PERSON)
+    params = [greedy(100, structured_outputs=so)] + [
+        SamplingParams(temperature=0.8, seed=seed, max_tokens=100, structured_outputs=so) for seed in range(4)]
+    outputs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    for output in outputs:
+        assert output.finish_reason == "stop", output.text
+        value = json.loads(output.text)
+        assert isinstance(value["name"], str) and isinstance(value["age"], int)
+    regex = llm.generate(prompt, greedy(20, structured_outputs=StructuredOutputsParams(regex=r"[A-Z][a-z]+ \d\d")),
+                         use_tqdm=False)[0]
+    assert re.fullmatch(r"[A-Z][a-z]+ \d\d", regex.text) and regex.finish_reason == "stop"
+
+
+def test_the_matcher_follows_the_tokens_across_preemption(default_model_path, llm):
+    prompt = llm.apply_chat_template(QUESTION)
+    params = greedy(100, structured_outputs=StructuredOutputsParams(json=PERSON))
+    expected = llm.generate(prompt, params, use_tqdm=False)[0]
+    tight = LLM(default_model_path, dtype="float32", block_size=8, num_kv_blocks=24)
+    fillers = [greedy(80, ignore_eos=True)] * 3
+    outputs = tight.generate([prompt] * 4, [params] + fillers, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert outputs[0].token_ids == expected.token_ids and json.loads(outputs[0].text)
+
+
+def test_a_slow_compile_does_not_stall_other_requests(llm, monkeypatch):
+    """The compile runs on a worker thread: the plain request streams its tokens meanwhile."""
+    engine = llm.engine
+    pool = engine._grammar_compiler()
+    release = threading.Event()
+    original = pool._compile
+
+    def slow_compile(params):
+        release.wait(30)
+        return original(params)
+
+    monkeypatch.setattr(pool, "_compile", slow_compile)
+    engine.add_request("slow", [1, 2, 3], greedy(5, structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+    engine.add_request("plain", [1, 2, 3], greedy(8, ignore_eos=True))
+    finished = {}
+    start = time.monotonic()
+    while engine.has_unfinished_requests() and time.monotonic() - start < 120:
+        for output in engine.step():
+            if output.finish_reason is not None:
+                finished[output.request_id] = output.finish_reason
+        if "plain" in finished:
+            release.set()
+    assert list(finished) == ["plain", "slow"]  # plain ran to its end while the grammar compiled
+
+
+def test_an_overdue_compile_fails_that_request_alone(default_model_path, monkeypatch):
+    llm = LLM(default_model_path, dtype="float32", grammar_compile_timeout_s=0.5)
+    pool = llm.engine._grammar_compiler()
+    original = pool._compile
+    monkeypatch.setattr(pool, "_compile", lambda params: (time.sleep(3), original(params))[1])
+    slow, plain = llm.generate([[1, 2, 3]] * 2, [greedy(5, structured_outputs=StructuredOutputsParams(regex="a+")),
+                                                 greedy(5, ignore_eos=True)], use_tqdm=False)
+    assert slow.finish_reason == "error" and not slow.token_ids
+    assert plain.finish_reason == "length" and len(plain.token_ids) == 5
+    assert llm.engine.request_errors and "did not compile within" in llm.engine.request_errors[0][1]
