@@ -72,6 +72,7 @@ class EngineClientConfig:
     # A core silent this long is hung (an idle one sends a heartbeat every second); 0: never.
     engine_timeout_s: float = 60.0
     first_start_args: list[str] = field(default_factory=list)  # test hooks (fault injection): first start only
+    max_request_prompt_tokens: int = 0  # all of a request's prompts together; 0: two contexts
 
 
 class AsyncEngineClient:
@@ -80,7 +81,7 @@ class AsyncEngineClient:
     def __init__(self, config: EngineClientConfig, tokenizer: Tokenizer, model_folder: str):
         self.config = config
         self.tokenizer = tokenizer
-        self.prompt_tokenizer = PromptTokenizer(tokenizer)
+        self.prompt_tokenizer = PromptTokenizer(tokenizer, max_request_prompt_tokens=config.max_request_prompt_tokens)
         self.model_folder = model_folder
         self.model_name = config.served_model_name or config.model
         self.frontend_id = f"frontend-{os.getpid()}"
@@ -158,7 +159,7 @@ class AsyncEngineClient:
             raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), "
                                       f"this one asks for {num_choices}")
         params = await self._resolve_params(params)
-        prompt_ids_list = [await self._tokenize(prompt) for prompt in prompts]
+        prompt_ids_list = await self._tokenize(prompts)  # under one budget for all of them
         self._check_healthy()  # the core may have died while we tokenized
         # Per prompt: a missing max_tokens becomes "up to the context length" for that prompt.
         params_list = [check_request(prompt_token_ids, params, n, vocab_size=self.vocab_size,
@@ -199,12 +200,11 @@ class AsyncEngineClient:
         if not self.is_healthy:
             raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
 
-    async def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, (list, tuple)):
-            return list(prompt)
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidRequestError("the prompt must be a non-empty string")
-        return await self.prompt_tokenizer.encode(prompt)
+    async def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        for prompt in prompts:
+            if not isinstance(prompt, (list, tuple)) and (not isinstance(prompt, str) or not prompt):
+                raise InvalidRequestError("the prompt must be a non-empty string")
+        return await self.prompt_tokenizer.encode_prompts(prompts)
 
     async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool,
                             tools: list[dict] | None = None) -> list[int]:

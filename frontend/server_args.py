@@ -46,6 +46,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
     limits.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS, metavar="N",
                         help=f"API requests served at once; more get 429 (default: {DEFAULT_MAX_CONCURRENT_REQUESTS})")
+    limits.add_argument("--max-request-prompt-tokens", type=int, default=0, metavar="N",
+                        help="prompt tokens of one request, all its prompts together; more get 400, counted as they "
+                             "are tokenized (default 0: twice the context length)")
     limits.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
                         help="seconds a connection gets to send a request's line and headers (from connecting, or "
                              f"from the first byte of its next request); then it is closed (default: "
@@ -124,6 +127,7 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         restart_engine=args.restart_engine,
         engine_timeout_s=args.engine_timeout,
         first_start_args=first_start_args,
+        max_request_prompt_tokens=args.max_request_prompt_tokens,
     )
 
 

@@ -40,6 +40,7 @@ from hostile_cases import (
 from hostile_client import Target
 from hostile_conn import big_header, oversized_bodies, slowloris
 from hostile_fuzz import run_fuzz
+from hostile_tokenize import tokenizing_abuse
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -147,6 +148,7 @@ def hostile_run(args: argparse.Namespace, target: Target, engine_timeout: float 
         ("big_header", big_header, target),
         ("slowloris", slowloris, target, args.slowloris, args.slowloris),
         ("big_prompt_does_not_freeze", big_prompt_does_not_freeze, target, 2 if quick else 5),
+        ("tokenizing_abuse", tokenizing_abuse, target, 6.0 if quick else 20.0),
         ("socket_takeover", socket_takeover, target,
          server_command(args, free_port(), engine_timeout is not None), tmp / "second-server.log"),
         ("sigstop_core", sigstop_core, target, engine_timeout or args.engine_timeout),

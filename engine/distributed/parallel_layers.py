@@ -1,4 +1,4 @@
-"""The layers that split a Llama-family decoder across tensor-parallel ranks (Megatron-LM's scheme).
+"""The layers that split a decoder across tensor-parallel ranks (Megatron-LM's scheme).
 
     hidden ──► qkv_proj, gate_up_proj   column-parallel: each rank computes its own heads'
                │                        (its slice of the intermediate size's) outputs; no talk
@@ -15,14 +15,16 @@ The embedding and the LM head are vocab-parallel: each rank holds ceil(vocab / N
 rows (the last padded with zeros). The embedding zeroes the ids outside its rows
 and all-reduces; the LM head's logits are gathered on rank 0, which samples.
 KV heads are split like query heads, or replicated when there are fewer KV heads
-than ranks (each rank then keeps the one KV head its query heads read).
+than ranks (each rank then keeps the one KV head its query heads read). Per-head q/k
+norms and MoE routers are replicated; each MoE expert is split like a dense MLP.
 
 Column-parallel layers are plain `nn.Linear`s of the local size, so the CPU
 prepacking swaps them like any other; at TP = 1 every factory here returns the
 plain module, so that path is exactly the single-process one.
 
 Each rank reads only its shard of each checkpoint tensor (`shard_checkpoint_tensor`,
-through safetensors' lazy slices).
+`shard_rows` for one part of a fused tensor such as Phi-3's qkv_proj, through
+safetensors' lazy slices).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         problems.append(f"{kv} KV heads neither divide among {size} ranks nor replicate evenly over them")
     if config.intermediate_size % size:
         problems.append(f"intermediate size {config.intermediate_size} is not divisible by {size}")
+    if config.moe is not None and config.moe.intermediate_size % size:
+        problems.append(f"expert intermediate size {config.moe.intermediate_size} is not divisible by {size}")
     if problems:
         raise ValueError(f"tensor_parallel_size={size} does not fit this model: {'; '.join(problems)}")
 
@@ -114,27 +118,38 @@ class RowParallelLinear(nn.Module):
         return self.tp.all_reduce(partial)
 
 
+ROW_PARTS = ("q", "k", "v", "gate", "up")  # the parts a column-parallel weight's rows hold
+
+
 def shard_checkpoint_tensor(name: str, tensor, config: ModelConfig, tp: TensorParallelGroup) -> torch.Tensor:
-    """This rank's part of the checkpoint tensor `name` (a Hugging Face name). `tensor` may be
-    a safetensors slice, so only the part is read."""
-    rank, size = tp.rank, tp.size
-    if "q_proj" in name:
-        return _chunk(tensor, 0, rank, size)
-    if "k_proj" in name or "v_proj" in name:
-        kv, head_dim = config.num_kv_heads, config.head_dim
-        if kv >= size:
-            return _chunk(tensor, 0, rank, size)
-        head = rank * kv // size  # the KV head this rank's query heads read
-        return tensor[head * head_dim : (head + 1) * head_dim]
-    if "gate_proj" in name or "up_proj" in name:
-        return _chunk(tensor, 0, rank, size)
+    """This rank's part of the checkpoint tensor `name` (a Hugging Face name, or ours). `tensor` may be
+    a safetensors slice, so only the part is read. A fused tensor (qkv_proj, gate_up_proj) holds
+    several parts: shard each with `shard_rows`."""
+    if "qkv_proj" in name or "gate_up_proj" in name:
+        raise ValueError(f"{name} holds several parts; shard each with shard_rows")
+    for part in ROW_PARTS:
+        if f"{part}_proj" in name:
+            return shard_rows(part, tensor, 0, _shape(tensor)[0], config, tp)
     if "o_proj" in name or "down_proj" in name:
-        return _chunk(tensor, 1, rank, size)
+        return _chunk(tensor, 1, tp.rank, tp.size)
     if "embed_tokens" in name or "lm_head" in name:
-        rows = vocab_rows_per_rank(config.vocab_size, size)
-        part = tensor[rank * rows : min((rank + 1) * rows, config.vocab_size)]
+        rows = vocab_rows_per_rank(config.vocab_size, tp.size)
+        part = tensor[tp.rank * rows : min((tp.rank + 1) * rows, config.vocab_size)]
         return torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])]) if part.shape[0] < rows else part
-    return tensor[:]  # norms: every rank holds them whole
+    return tensor[:]  # norms, routers: every rank holds them whole
+
+
+def shard_rows(part: str, tensor, start: int, num_rows: int, config: ModelConfig,
+               tp: TensorParallelGroup) -> torch.Tensor:
+    """This rank's rows of one part ("q", "k", "v", "gate" or "up") of a column-parallel weight
+    (or bias): the part is rows [start, start + num_rows) of `tensor`, which may hold others too
+    (Phi-3's fused qkv_proj and gate_up_proj)."""
+    rank, size = tp.rank, tp.size
+    if part in ("k", "v") and config.num_kv_heads < size:
+        head = rank * config.num_kv_heads // size  # the KV head this rank's query heads read
+        return tensor[start + head * config.head_dim : start + (head + 1) * config.head_dim]
+    length = num_rows // size
+    return tensor[start + rank * length : start + (rank + 1) * length]
 
 
 def _chunk(tensor, dim: int, rank: int, size: int) -> torch.Tensor:

@@ -1,19 +1,21 @@
-"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, SwiGLU MLP.
+"""Building blocks the decoder families share: RMSNorm and the SwiGLU MLP (rotary lives
+in engine/models/rotary.py, attention in attention.py, the MoE block in moe.py).
 
-The torch code here is the reference; on the eager CPU path the modules call the
-fused C++ kernels instead (engine/models/fused.py), which give the same bits."""
+The torch code here is the reference and the path everywhere the fused C++ kernels do
+not apply. On the eager CPU path engine/models/fast_paths.py hands each block the
+kernels (its `fused` attribute, engine/models/fused.py), which give the same bits."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.rotary import RotaryEmbedding, apply_rotary  # noqa: F401  (re-exported: the kernels' tests use them)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [num_tokens, hidden_size]. Normalise in fp32 like the reference, then cast back before the weight.
+    # x: [..., hidden_size]. Normalise in fp32 like the reference, then cast back before the weight.
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -28,19 +30,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """RMSNorm in vLLM's shape: given the residual stream too, it first adds x into it
     (`residual + x`, the decoder's residual add) and returns (normed, residual), so the
-    fused kernel does the add and the norm in one pass."""
-
-    fused = None  # engine.models.fused.CpuFusedOps, when the eager CPU path uses the C++ kernels
+    fused kernel does the add and the norm in one pass. Also the per-head q/k norm
+    (Qwen3): x is then [num_tokens, num_heads, head_dim], normalised over head_dim."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = None  # engine.models.fused.CpuFusedOps, set by engine.models.fast_paths
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             if self.fused is not None:
-                return self.fused.rms_norm(x, self.weight, self.eps)
+                rows = x.reshape(-1, x.shape[-1])  # the kernel takes [rows, hidden] (a copy if x is strided)
+                return self.fused.rms_norm(rows, self.weight, self.eps).view(x.shape)
             return rms_norm(x, self.weight, self.eps)
         if self.fused is not None:
             return self.fused.add_rms_norm(x, residual, self.weight, self.eps)  # in place
@@ -48,60 +51,8 @@ class RMSNorm(nn.Module):
         return rms_norm(residual, self.weight, self.eps), residual
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent scaling: long wavelengths stretched, short ones kept."""
-    factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_len / low_freq_factor
-    high_freq_wavelen = old_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), cos/sin cached for every position."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        elif rope_type == "linear":
-            inv_freq = inv_freq / scaling["factor"]
-        elif rope_type is not None:
-            raise NotImplementedError(f"rope scaling {rope_type!r} is not supported")
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [max_positions, head_dim/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's angles, looked up once and shared by every layer."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
-        return cos, sin
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
-    cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 class SwiGLUMLP(nn.Module):
-    fused = None  # engine.models.fused.CpuFusedOps, when the eager CPU path uses the C++ kernels
+    """down(silu(gate(x)) * up(x)): the dense MLP, and each expert of the MoE block."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, down_proj: nn.Module | None = None) -> None:
         super().__init__()
@@ -109,6 +60,7 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         # Tensor parallelism passes its row-parallel down_proj (engine.distributed.parallel_layers).
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False) if down_proj is None else down_proj
+        self.fused = None  # engine.models.fused.CpuFusedOps, set by engine.models.fast_paths
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]

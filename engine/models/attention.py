@@ -1,0 +1,94 @@
+"""Grouped-query attention over the paged KV cache, shared by every family: q, k and v
+in one matmul (optional bias), optional per-head q/k RMSNorm before rotary (Qwen3),
+full or partial rotary, then the attention backend and o_proj.
+
+Three ways through, chosen by what the engine handed the module:
+
+- compiled (engine.compilation calls the model with `backend=None`, COMPILED): plain
+  torch ops for inductor to fuse, attention as the opaque op `tokenloom::paged_attention`;
+- eager with the fused CPU kernels (`fused`, set by engine/models/fast_paths.py where they
+  apply: full rotary and no q/k norm): rotary and the KV store in one C++ pass;
+- otherwise the torch ops, then the backend's store_kv: the reference, and the path for
+  q/k norm and partial rotary, which the fused kernel cannot apply.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.distributed.parallel_layers import num_local_kv_heads, row_parallel_linear
+from engine.distributed.parallel_state import NO_TP, TensorParallelGroup
+from engine.models.config import ModelConfig
+from engine.models.layers import RMSNorm
+from engine.models.rotary import apply_rotary
+
+COMPILED = None  # the `backend` engine.compilation passes: the step's cache and backend reach its op another way
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallelGroup = NO_TP, *,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        self.layer_index = layer_index  # which KV cache is ours, for the compiled path's attention op
+        self.num_heads = config.num_heads // tp.size  # this rank's heads
+        self.num_kv_heads = num_local_kv_heads(config.num_kv_heads, tp.size)
+        self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        # q, k and v in one matmul; the loader fills the three parts (column-parallel: this rank's heads).
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        # One weight over head_dim, shared by every head (and every rank).
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, tp)
+        self.fused = None  # engine.models.fused.CpuFusedOps, set by engine.models.fast_paths where it applies
+
+    @property
+    def can_fuse_rotary_store(self) -> str | None:
+        """None if the fused rotary + KV store kernel computes this layer's rotary; else why not."""
+        if self.q_norm is not None:
+            return "q/k RMSNorm before rotary"
+        if self.rotary_dim != self.head_dim:
+            return "partial rotary"
+        return None
+
+    def forward(self, cos_sin, hidden, kv_cache, metadata, backend, output_rows=None) -> torch.Tensor:
+        """[num_tokens, hidden_size] -> the attention block's output for every row, or for
+        `output_rows` only (every row's K and V still reach the cache)."""
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        if self.fused is not None and backend is not COMPILED:
+            # Rotary and the KV store in one pass; k is rotated in place inside qkv.
+            k_cache, v_cache = kv_cache
+            q = self.fused.rotary_store_kv(
+                qkv, cos_sin, metadata.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads
+            )  # [num_tokens, num_heads, head_dim]
+            k, v = self._split_kv(qkv)
+            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
+            return self.o_proj(_rows(out.reshape(num_tokens, self.q_size), output_rows))
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k, v = self._split_kv(qkv)  # [num_tokens, num_kv_heads, head_dim] each
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, cos_sin)
+        if backend is COMPILED:
+            out = torch.ops.tokenloom.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                      self.layer_index, self.scale)
+        else:
+            k_cache, v_cache = kv_cache
+            backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(_rows(out.reshape(num_tokens, self.q_size), output_rows))  # [num_out, hidden_size]
+
+    def _split_kv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = qkv.shape[0]
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return k, v
+
+
+def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x[rows]
