@@ -93,6 +93,7 @@ class EngineCoreProcess:
             if self.engine.has_unfinished_requests():
                 self._step()
                 if not self.engine.has_schedulable_requests():  # only grammars compiling: let them have the CPU
+                    self._send_heartbeat()
                     self.sock.poll(GRAMMAR_WAIT_POLL_MS, zmq.POLLIN)
             elif self.num_steps % 64 == 0:
                 self._check_parent()
@@ -116,7 +117,8 @@ class EngineCoreProcess:
         for request_id, reason in self.engine.request_errors:
             self._send(EngineError(reason, request_id=request_id, engine_id=self.engine_id))
         self.engine.request_errors.clear()
-        self._send_outputs(outputs)
+        if outputs or self.engine.has_schedulable_requests():  # not while only grammars compile: nothing changed
+            self._send_outputs(outputs)
 
     def _on_step_failed(self, error: StepError) -> None:
         # The detail is in this process's log; the clients get a plain message.

@@ -54,6 +54,7 @@ class StepStats:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.grammar_compiler: GrammarCompilerPool | None = None  # made for the first structured request
         self.model_path = resolve_model(config.model)
         self.model_config = ModelConfig.from_folder(self.model_path)
         # The pool is sized from the memory budget unless its block count is given.
@@ -96,7 +97,6 @@ class EngineCore:
         )
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
-        self.grammar_compiler: GrammarCompilerPool | None = None  # made for the first structured request
         # (request id, reason) for requests failed outside a step's model run (a grammar that did not
         # compile); the core process reports them, then clears the list.
         self.request_errors: list[tuple[str, str]] = []

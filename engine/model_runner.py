@@ -28,6 +28,7 @@ from engine.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack, plan_slabs
+from engine.models.fast_paths import apply_fast_paths
 from engine.models.fused import select_fused_ops
 from engine.request import Request
 from engine.logits_processing import LogitsProcessingState, bad_word_bans
@@ -86,13 +87,12 @@ class ModelRunner:
         # Counted before prepacking, which turns weights into opaque oneDNN buffers.
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.num_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if prepack:
-            slabs = plan_slabs(self.dtype, self.num_weight_bytes, detect_cpu_features())
-            self.model.prepack_for_cpu(batch_size_hint=config.max_num_seqs, slabs=slabs)
+        slabs = plan_slabs(self.dtype, self.num_weight_bytes, detect_cpu_features()) if prepack else None
         self.backend = get_attention_backend(config.attention_backend, self.device.type)
         fused_ops = select_fused_ops(self.device, self.backend.name, self.is_compiled)
-        if fused_ops is not None:
-            self.model.use_fused_ops(fused_ops)
+        # Prepacked (or slab) matmuls and the fused element-wise ops, on whatever blocks the model has.
+        apply_fast_paths(self.model, batch_size_hint=config.max_num_seqs if prepack else None, slabs=slabs,
+                         fused_ops=fused_ops, backend_name=self.backend.name, is_compiled=self.is_compiled)
         # One K and one V tensor per layer, in the backend's block layout.
         num_kv_heads = num_local_kv_heads(model_config.num_kv_heads, config.tensor_parallel_size)
         shape = self.backend.kv_cache_shape(num_kv_blocks, config.block_size, num_kv_heads, model_config.head_dim)

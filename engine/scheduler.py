@@ -139,7 +139,7 @@ class Scheduler:
 
     def has_schedulable_requests(self) -> bool:
         """False when every unfinished request waits for its grammar: nothing to step yet."""
-        num_compiling = sum(1 for r in self.compiling.values() if not r.grammar.is_ready)
+        num_compiling = sum(1 for r in self.compiling.values() if is_compiling(r))
         return bool(self.running) or len(self.waiting) > num_compiling
 
     def take_grammar_failures(self) -> list[tuple[RequestOutput, str]]:
@@ -213,7 +213,7 @@ class Scheduler:
         num_compiling = 0  # requests passed over while their grammar compiles: they keep their place
         while len(self.waiting) > num_compiling and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[num_compiling]
-            if request.grammar is not None and not request.grammar.is_ready:
+            if is_compiling(request):
                 num_compiling += 1
                 continue
             cached_block_ids, next_hash = self._lookup(request)
@@ -345,3 +345,8 @@ class Scheduler:
         self.block_manager.free(request.block_ids)
         request.block_ids = []
         del self.requests[request.request_id]
+
+
+def is_compiling(request: Request) -> bool:
+    """Its grammar is not compiled yet: the request waits, passed over, in its place."""
+    return request.grammar is not None and not request.grammar.is_ready

@@ -9,7 +9,7 @@ of the two isolates scheduling.
 
 from __future__ import annotations
 
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput, is_compiling
 
 
 class StaticScheduler(Scheduler):
@@ -19,8 +19,13 @@ class StaticScheduler(Scheduler):
         # Form the whole batch now; its prompts are prefilled over as many
         # steps as the token budget needs, through the running path.
         # Cached prefixes are taken now; the rest is allocated as it is scheduled.
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting.popleft()
+        num_compiling = 0  # requests passed over while their grammar compiles: they keep their place
+        while len(self.waiting) > num_compiling and len(self.running) < self.max_num_seqs:
+            request = self.waiting[num_compiling]
+            if is_compiling(request):
+                num_compiling += 1
+                continue
+            del self.waiting[num_compiling]
             cached_block_ids, _ = self._lookup(request)
             self._start(request, self.block_manager.allocate(0, cached_block_ids), len(cached_block_ids))
             self.running.append(request)

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import struct
 import sys
+from collections import OrderedDict
 
 import msgpack
 
@@ -26,6 +27,7 @@ CHECKER_COMMAND = (sys.executable, "-m", "engine.structured_output.checker")
 HEADER = struct.Struct(">I")
 DEFAULT_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 120.0  # importing torch and xgrammar on a cold, busy machine
+MAX_REMEMBERED = 256
 
 
 class GrammarChecker:
@@ -34,6 +36,7 @@ class GrammarChecker:
         self.command = command
         self._process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
+        self._accepted: OrderedDict[tuple, None] = OrderedDict()  # recent grammars that passed: no second trip
 
     async def check(self, params: StructuredOutputsParams) -> None:
         """Raise InvalidRequestError with xgrammar's reason if it cannot use `params`."""
@@ -46,10 +49,17 @@ class GrammarChecker:
             return  # xgrammar's built-in JSON grammar
         text = choice_grammar(params.choice) if kind == "choice" else getattr(params, kind)
         kind = "grammar" if kind == "choice" else kind
+        key = (kind, text, params.any_whitespace)
+        if key in self._accepted:
+            self._accepted.move_to_end(key)
+            return
         async with self._lock:
-            error = await self._ask(kind, text, params.any_whitespace)
+            error = await self._ask(*key)
         if error is not None:
             raise InvalidRequestError(f"structured output ({params.kind}) is not usable: {error}")
+        self._accepted[key] = None
+        if len(self._accepted) > MAX_REMEMBERED:
+            self._accepted.popitem(last=False)
 
     async def _ask(self, kind: str, text: str, any_whitespace: bool) -> str | None:
         process = await self._ensure_started()

@@ -104,3 +104,12 @@ def test_matcher_state_survives_preemption():
     assert scheduler.num_preemptions > 0
     assert matcher.num_accepted == request.num_output_tokens == 12  # up to the 16-token context
     assert request.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_static_batching_passes_over_a_compiling_request_too():
+    scheduler = make_scheduler(static=True)
+    future = Future()
+    scheduler.add_request(grammar_request("g", future))
+    scheduler.add_request(make_request("a", 4))
+    assert scheduled(step(scheduler)[0]) == {"a": 4}
+    assert [r.request_id for r in scheduler.waiting] == ["g"]

@@ -1,4 +1,10 @@
-"""Model registry: config.json's `architectures` picks the class; weights come from safetensors."""
+"""Model registry: config.json's `architectures` picks the family; weights come from safetensors.
+
+The building blocks (engine/models/): layers.py (RMSNorm, the SwiGLU MLP), rotary.py (full,
+partial; linear, llama3, longrope), attention.py (GQA with optional bias and q/k norm),
+moe.py (the MoE block), decoder.py (the layer stack and the checkpoint loader). A family
+file composes them: llama.py, qwen3.py, phi3.py, mixtral.py. The CPU fast paths are
+applied to the built model by fast_paths.py (the model runner calls it)."""
 
 from __future__ import annotations
 
@@ -9,7 +15,12 @@ import os
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.decoder import DecoderForCausalLM
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from engine.models.rotary import make_rotary
 
 logger = logging.getLogger(__name__)
 
@@ -17,7 +28,12 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -25,7 +41,7 @@ LOAD_FORMATS = ("auto", "dummy")
 
 def load_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str = "auto", tp=None
-) -> LlamaForCausalLM:
+) -> DecoderForCausalLM:
     """Build the model for config.json's architecture; `load_format="dummy"` fills random
     weights instead of reading a checkpoint (timing a model's shape without its weights).
     `tp` (engine.distributed.parallel_state.TensorParallelGroup): build and load this rank's shard."""
@@ -36,16 +52,17 @@ def load_model(
     model_class = MODEL_CLASSES.get(config.architecture)
     if model_class is None:
         raise ValueError(f"architecture {config.architecture!r} is not supported; known: {sorted(MODEL_CLASSES)}")
+    if config.architecture in MOE_ARCHITECTURES and config.moe is None:
+        raise ValueError(f"{config.architecture} needs num_experts (or num_local_experts) in config.json")
     files = sorted(glob.glob(os.path.join(config.path, "*.safetensors")))
     if not files and load_format == "auto":
         raise FileNotFoundError(f"no .safetensors files in {config.path}")
     with torch.device("meta"):
         model = model_class(config) if tp is None else model_class(config, tp)
-    # Materialise on the target device, then fill from the checkpoint; the
-    # rotary cache is recomputed since meta tensors hold no values.
+    # Materialise on the target device, then fill from the checkpoint.
     model = model.to_empty(device=device)
-    model.rotary.__init__(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-    model.rotary.to(device)
+    if config.tie_word_embeddings:  # materialising may have given the two their own tensors
+        model.lm_head.weight = model.embed_tokens.weight
 
     def weights():
         for path in files:
@@ -58,18 +75,22 @@ def load_model(
         _fill_random(model)
     else:
         model.load_weights(weights())
+    # Routers stay fp32 (MoE expert choice); the rotary tables are rebuilt in fp32 after the
+    # cast, since meta tensors hold no values and positions up to 100k+ lose precision in bf16.
+    fp32_params = [(p, p.data) for m in model.modules() if getattr(m, "keeps_fp32", False) for p in m.parameters()]
     model = model.to(dtype=dtype)
-    # The rotary tables stay fp32: positions up to 100k+ lose precision in bf16.
-    model.rotary.float()
+    for param, data in fp32_params:
+        param.data = data.float()
+    model.rotary = make_rotary(config, device)
     logger.info("loaded %s (%s) from %s", config.architecture, dtype, config.path)
     return model.eval()
 
 
 @torch.no_grad()
-def _fill_random(model: LlamaForCausalLM) -> None:
+def _fill_random(model: DecoderForCausalLM) -> None:
     generator = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(0)
     for name, param in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):  # layer norms, the final norm, q/k norms
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)

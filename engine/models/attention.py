@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self.fused = None  # engine.models.fused.CpuFusedOps, set by engine.models.fast_paths where it applies
 
     @property
-    def can_fuse_rotary_store(self) -> str | None:
+    def why_rotary_not_fused(self) -> str | None:
         """None if the fused rotary + KV store kernel computes this layer's rotary; else why not."""
         if self.q_norm is not None:
             return "q/k RMSNorm before rotary"

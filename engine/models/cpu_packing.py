@@ -159,11 +159,5 @@ def prepack_linears(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | No
             if isinstance(child, nn.Linear):
                 setattr(module, name, PackedLinear(child.weight, child.bias, batch_size_hint, slabs))
                 num_packed += 1
-    if slabs is None:
-        how = "oneDNN's layout"
-    elif slabs.max_tokens is None:
-        how = "bf16 slabs (the CPU has AVX512_BF16 and no AMX)"
-    else:
-        how = f"oneDNN's layout, and bf16 slabs for steps of up to {slabs.max_tokens} tokens"
-    logger.info("prepacked %d linear layers: %s", num_packed, how)
+    logger.debug("prepacked %d linear layers", num_packed)  # engine.models.fast_paths logs the summary
     return num_packed

@@ -1,6 +1,6 @@
 """Fused C++ element-wise ops for the eager CPU path (engine/kernels/cpu/fused_ops.cpp).
 
-Between the matmuls, a Llama layer runs a dozen small torch ops (RMSNorm's five,
+Between the matmuls, a decoder layer runs a dozen small torch ops (RMSNorm's five,
 the residual adds, rotary's six, the KV store's index_put, SiLU and the multiply),
 each a pass over memory plus Python dispatch. The kernels fuse them into four
 (vLLM's fused_add_rms_norm and silu_and_mul, and rotary with the KV store) and
@@ -12,8 +12,8 @@ the reference and as the path wherever these do not apply:
 - CUDA, or a CPU without a compiler: the kernels are not there;
 - the Triton backend: its KV cache is token-major, the kernel writes head-major.
 
-`select_fused_ops` decides once per model runner; the model then calls these
-through `LlamaForCausalLM.use_fused_ops`.
+`select_fused_ops` decides once per model runner; engine/models/fast_paths.py then
+hands them to each block that can use them.
 
 Bit-exactness needs two facts about this torch build, probed once at start-up
 (`_probe_lanes`): the fp32 vector width of its sum (RMSNorm's mean) and of its

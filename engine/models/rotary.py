@@ -18,10 +18,14 @@ SCALINGS = ("linear", "llama3", "longrope")
 
 
 def make_rotary(config: ModelConfig, device: torch.device | str | None = None) -> "RotaryEmbedding":
-    """The model's rotary tables, in fp32 (positions up to 100k+ lose precision in bf16)."""
-    with torch.device(device or "cpu"):
-        return RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta,
-                               config.rope_scaling, config.original_max_position_embeddings)
+    """The model's rotary tables, in fp32 (positions up to 100k+ lose precision in bf16), on
+    `device` (None: the current default device)."""
+    args = (config.rotary_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+            config.original_max_position_embeddings)
+    if device is None:
+        return RotaryEmbedding(*args)
+    with torch.device(device):
+        return RotaryEmbedding(*args)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -1,0 +1,181 @@
+"""The decoder every family composes: embeddings, layers of (norm, attention, norm, MLP or
+MoE), a final norm and the LM head, over a paged KV cache; and the checkpoint loader.
+
+Like nanoGPT's model.py in spirit, but the batch is flat: [num_tokens, ...] with no
+batch dimension and no padding. Attention reads and writes the paged cache through an
+attention backend, so the same module runs the torch path on the CPU and Triton kernels
+on a GPU. A family (llama.py, qwen3.py, phi3.py, mixtral.py) says how to build its
+attention and MLP and how its checkpoint names map onto these modules; the CPU fast
+paths are applied from outside (engine/models/fast_paths.py), to whatever blocks it has.
+
+With tensor parallelism (`tp`, engine.distributed) each rank builds the same module with
+its share of the heads, the intermediate size and the vocabulary; at TP = 1 (`NO_TP`)
+every layer is the plain one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+from engine.distributed.parallel_layers import (
+    num_local_kv_heads, row_parallel_linear, shard_checkpoint_tensor, shard_rows, vocab_parallel_embedding,
+)
+from engine.distributed.parallel_state import NO_TP, TensorParallelGroup
+from engine.models.attention import Attention, _rows
+from engine.models.config import ModelConfig
+from engine.models.layers import RMSNorm, SwiGLUMLP
+from engine.models.moe import MoEBlock
+from engine.models.rotary import make_rotary
+
+
+@dataclass(frozen=True)
+class CheckpointName:
+    """How a checkpoint tensor's name (without "model.") becomes one of our parameters'."""
+
+    pattern: str  # a regex, replaced by `ours` (re.sub, so groups like an expert's number carry over)
+    ours: str
+    # The row blocks the tensor holds, in order ("q", "k", "v", "gate", "up"), each written to its
+    # place in our merged weight and sharded on its own under TP. (): the tensor is one whole
+    # parameter, sharded by its name (engine.distributed.parallel_layers.shard_checkpoint_tensor).
+    parts: tuple[str, ...] = ()
+
+
+def dense_mlp(config: ModelConfig, tp: TensorParallelGroup, intermediate_size: int | None = None) -> SwiGLUMLP:
+    local = (intermediate_size or config.intermediate_size) // tp.size
+    return SwiGLUMLP(config.hidden_size, local, down_proj=row_parallel_linear(local, config.hidden_size, tp))
+
+
+def moe_or_dense_mlp(config: ModelConfig, layer_index: int, tp: TensorParallelGroup) -> nn.Module:
+    if config.moe is not None and config.moe.is_moe_layer(layer_index):
+        return MoEBlock(config.hidden_size, config.moe, tp)
+    return dense_mlp(config, tp)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: Attention, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp  # SwiGLUMLP or MoEBlock: [num_tokens, hidden_size] -> the same
+
+    def forward(self, cos_sin, hidden, residual, kv_cache, metadata, backend,
+                output_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's layout: the residual stream travels beside the hidden state, and each
+        residual add happens inside the next norm (one fused pass on the CPU). Returns
+        (the MLP's output, the residual stream before it is added), for `output_rows` only
+        when given: the rows past attention are then those alone."""
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(cos_sin, hidden, kv_cache, metadata, backend, output_rows)
+        hidden, residual = self.post_attention_layernorm(hidden, _rows(residual, output_rows))
+        return self.mlp(hidden), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    """The base of every family. A family sets `checkpoint_names` and, when it differs from
+    the plain layer (GQA attention, dense SwiGLU MLP), overrides `make_layer`."""
+
+    checkpoint_names: tuple[CheckpointName, ...] = ()
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = NO_TP) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(self.make_layer(config, i, tp) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = make_rotary(config)
+        # Vocab-parallel under TP: this rank's rows, as many as the embedding's.
+        self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one parameter, listed once (as embed_tokens.weight)
+
+    def make_layer(self, config: ModelConfig, layer_index: int, tp: TensorParallelGroup) -> DecoderLayer:
+        return DecoderLayer(config, Attention(config, layer_index, tp), dense_mlp(config, tp))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        metadata: AttentionMetadata | None,
+        backend,  # attention.COMPILED (None): compiled, attention through engine.compilation's op
+        output_rows: torch.Tensor | None = None,  # [num_out] int64: the rows to return; None: all
+    ) -> torch.Tensor:
+        """[num_tokens] ids -> [num_tokens or num_out, hidden_size] final hidden states.
+        Only the sampled rows' (a prompt's last) final states are ever used, so with
+        `output_rows` the last layer runs its o_proj, MLP and post-attention norm on those
+        rows alone: every row's K and V are in the cache by then. For a prompt that is 84%
+        of a layer's matmuls left out, 2.8% of the model's."""
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches or [None] * len(self.layers))):
+            rows = output_rows if i == last else None
+            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata, backend, rows)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[num_sampled, vocab_size]; under TP, on rank 0 only (the others return None)."""
+        logits = self.lm_head(hidden)  # [num_sampled, vocab_size / N]
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.gather_to_first(logits)  # [num_sampled, N * vocab_size / N] on rank 0
+        return None if logits is None else logits[:, : self.config.vocab_size]
+
+    def load_weights(self, weights) -> None:
+        """Copy Hugging Face-named tensors in, each renamed by `checkpoint_names` and its parts
+        written to their rows of our merged weights. Under TP each rank keeps its shard (the
+        tensors may be safetensors slices)."""
+        params = dict(self.named_parameters())
+        rules = [(re.compile(rule.pattern), rule) for rule in self.checkpoint_names]
+        loaded = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            parts: tuple[str, ...] = ()
+            for pattern, rule in rules:
+                if pattern.search(name):
+                    name, parts = pattern.sub(rule.ours, name, count=1), rule.parts
+                    break
+            if name not in params:
+                raise KeyError(f"unexpected weight {hf_name!r}")
+            param = params[name]
+            with torch.no_grad():
+                if not parts:
+                    param.copy_(tensor if self.tp.size == 1 else shard_checkpoint_tensor(name, tensor, self.config, self.tp))
+                else:
+                    self._load_parts(param, tensor, parts)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+    def _load_parts(self, param: torch.Tensor, tensor, parts: tuple[str, ...]) -> None:
+        """Each part's rows of `tensor` (this rank's share) into its place in `param`
+        (q, k, v in qkv_proj; gate, up in gate_up_proj)."""
+        config, tp = self.config, self.tp
+        num_rows = list(tensor.shape)[0] if isinstance(tensor, torch.Tensor) else tensor.get_shape()[0]
+        full = {"q": config.num_heads * config.head_dim, "k": config.num_kv_heads * config.head_dim}
+        full["v"] = full["k"]
+        local_q = config.num_heads // tp.size * config.head_dim
+        local_kv = num_local_kv_heads(config.num_kv_heads, tp.size) * config.head_dim
+        place = {"q": 0, "k": local_q, "v": local_q + local_kv, "gate": 0, "up": param.shape[0] // 2}
+        start = 0
+        for part in parts:
+            part_rows = full.get(part, num_rows // len(parts))  # gate and up: equal halves
+            rows = shard_rows(part, tensor, start, part_rows, config, tp)
+            param[place[part] : place[part] + rows.shape[0]].copy_(rows)
+            start += part_rows

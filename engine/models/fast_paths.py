@@ -1,0 +1,103 @@
+"""The CPU fast paths, applied by the model runner to whatever blocks a model is built
+from, so a new family gets them without code of its own:
+
+- prepacked matmuls (engine/models/cpu_packing.py): every nn.Linear (attention, MLPs, MoE
+  experts, the LM head, tied or not) becomes a PackedLinear, on oneDNN's blocked layout or
+  on bf16 slabs per the SlabPlan; a RowParallelLinear packs its matmul and keeps its
+  all-reduce; the slabs then move onto huge pages;
+- the fused element-wise kernels (engine/models/fused.py), handed to each block that can
+  use them: every RMSNorm (with the residual add; the per-head q/k norms too), every
+  SwiGLU MLP's SiLU×up (the MoE experts' too), and rotary with the KV store in attention
+  layers whose rotary the kernel computes. It cannot apply a q/k norm between the
+  projection and rotary (Qwen3) or rotate part of a head (Phi-4-mini): those layers run
+  the torch ops, the reference, and the log says so.
+
+One log line per model says which fast paths it got.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from torch import nn
+
+from engine.distributed.parallel_layers import RowParallelLinear
+from engine.models.attention import Attention
+from engine.models.cpu_packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
+from engine.models.fused import CpuFusedOps
+from engine.models.layers import RMSNorm, SwiGLUMLP
+from engine.models.moe import MoEBlock
+
+logger = logging.getLogger(__name__)
+
+
+def apply_fast_paths(model: nn.Module, *, batch_size_hint: int | None, slabs: SlabPlan | None,
+                     fused_ops: CpuFusedOps | None, backend_name: str, is_compiled: bool) -> list[str]:
+    """Prepack the matmuls (when `batch_size_hint` is given) and hand out the fused ops (when
+    given); returns the notes it logs, one per kind of fast path."""
+    notes = []
+    if is_compiled:
+        notes.append("compiled: inductor prepacks the matmuls and fuses the element-wise ops")
+    elif batch_size_hint is not None:
+        notes.append(f"{prepack_model(model, batch_size_hint, slabs)} matmuls on {_packing(slabs)}")
+    else:
+        notes.append("matmuls: plain F.linear")
+    if fused_ops is not None:
+        notes.append(use_fused_ops(model, fused_ops))
+    elif not is_compiled:
+        notes.append("element-wise ops: torch (no fused kernels for this device and backend)")
+    notes.append(f"attention: {backend_name} backend")
+    num_moe = sum(isinstance(m, MoEBlock) for m in model.modules())
+    if num_moe:
+        notes.append(f"MoE: {num_moe} layers, tokens grouped by expert (steps run without CUDA graphs)")
+    logger.info("%s fast paths: %s", type(model).__name__, "; ".join(notes))
+    return notes
+
+
+def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None = None) -> int:
+    """Move every matmul, the logits' too, onto oneDNN-prepacked weights (with `slabs`, onto
+    bf16 slabs); returns how many."""
+    num_packed = prepack_linears(model, batch_size_hint, slabs)  # the LM head among them, tied or not
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear):  # not nn.Linears: their all-reduce stays
+            module.prepack(batch_size_hint, slabs)
+            num_packed += 1
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, PackedLinear):
+        head.out_fp32 = True
+    if slabs is not None:
+        gather_slabs_on_huge_pages(model)
+    return num_packed
+
+
+def use_fused_ops(model: nn.Module, ops: CpuFusedOps) -> str:
+    """Hand `ops` to every block that can use them; returns what each kind got."""
+    fused: Counter[str] = Counter()
+    unfused: Counter[str] = Counter()  # attention layers on torch rotary, by reason
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = ops
+            fused["RMSNorm"] += 1
+        elif isinstance(module, SwiGLUMLP):
+            module.fused = ops
+            fused["SiLU×up"] += 1
+        elif isinstance(module, Attention):
+            reason = module.why_rotary_not_fused
+            if reason is None:
+                module.fused = ops
+                fused["rotary+KV store"] += 1
+            else:
+                unfused[reason] += 1
+    note = "fused " + ", ".join(f"{kind} ×{n}" for kind, n in fused.items())
+    for reason, n in unfused.items():
+        note += f"; torch rotary and KV store in {n} attention layers ({reason})"
+    return note
+
+
+def _packing(slabs: SlabPlan | None) -> str:
+    if slabs is None:
+        return "oneDNN's prepacked layout"
+    if slabs.max_tokens is None:
+        return "bf16 slabs (the CPU has AVX512_BF16 and no AMX)"
+    return f"oneDNN's layout, and bf16 slabs for steps of up to {slabs.max_tokens} tokens"

@@ -1,0 +1,54 @@
+"""The frontend's grammar checker: xgrammar's reasons as 400s, from a child process that a
+check which takes too long kills (the next check starts a fresh one)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from frontend.errors import InvalidRequestError
+from frontend.grammar_checker import GrammarChecker
+from ipc.structured_outputs import MAX_GRAMMAR_BYTES, StructuredOutputsParams
+
+# Says it is ready, then never answers: a check that hangs.
+HANGING_CHECKER = (sys.executable, "-c",
+                   "import sys, time, msgpack, struct; d = msgpack.packb(['ready']); "
+                   "sys.stdout.buffer.write(struct.pack('>I', len(d)) + d); sys.stdout.flush(); time.sleep(60)")
+
+
+def test_bad_grammars_get_xgrammars_reason_and_good_ones_pass():
+    async def main():
+        checker = GrammarChecker()
+        try:
+            await checker.check(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
+            await checker.check(StructuredOutputsParams(choice=['say "hi"', "naïve\\n"]))
+            await checker.check(StructuredOutputsParams(grammar='root ::= "yes" | "no"'))
+            await checker.check(StructuredOutputsParams(json_object=True))
+            cases = [(StructuredOutputsParams(json={"type": "objectx"}), 'Unsupported type "objectx"'),
+                     (StructuredOutputsParams(regex="a(b"), "parenthesis is not closed"),
+                     (StructuredOutputsParams(grammar="root ::= "), "EBNF parser error"),
+                     (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+                     (StructuredOutputsParams(regex="a", grammar="b"), "exactly one"),
+                     (StructuredOutputsParams(regex="a" * (MAX_GRAMMAR_BYTES + 1)), "over the limit")]
+            for params, reason in cases:
+                with pytest.raises(InvalidRequestError, match=reason):
+                    await checker.check(params)
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
+def test_a_check_that_hangs_is_refused_and_the_next_gets_a_fresh_checker():
+    async def main():
+        checker = GrammarChecker(timeout_s=0.5, command=HANGING_CHECKER)
+        with pytest.raises(InvalidRequestError, match="took longer than 0.5 s"):
+            await checker.check(StructuredOutputsParams(regex="(a+)+b"))
+        assert checker._process is None  # killed
+        checker.command = GrammarChecker().command
+        await checker.check(StructuredOutputsParams(regex="(a+)+b"))  # a fresh, real one answers
+        await checker.close()
+
+    asyncio.run(main())
