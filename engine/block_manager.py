@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 # The hash of the (empty) prefix before a sequence's first block.
 ROOT_HASH = b""
@@ -118,8 +118,8 @@ class BlockManager:
 
     def free(self, block_ids: list[int]) -> None:
         # Checked whole before anything changes, so a bad call leaves the pool as it was.
-        for block_id in set(block_ids):
-            if self.ref_counts[block_id] < block_ids.count(block_id):
+        for block_id, num_frees in Counter(block_ids).items():
+            if self.ref_counts[block_id] < num_frees:
                 raise RuntimeError(f"block {block_id} freed twice: more often than it is held")
         # Freed in reverse so a sequence's tail blocks, the least likely to be shared,
         # are handed out (evicted) before its head blocks, which other requests may reuse.

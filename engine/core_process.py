@@ -29,7 +29,7 @@ import time
 import zmq
 
 from engine.config import DEFAULT_MODEL
-from engine.distributed.executor import EngineDeadError
+from engine.distributed.executor import WorkerDeadError
 from engine.engine_core import StepError
 from ipc.codec import DecodeError
 from ipc.engine_config import add_engine_args, engine_config_from_args
@@ -187,7 +187,7 @@ class EngineCoreProcess:
 
     def report_fatal(self, error: BaseException) -> None:
         # Clients may see this text: the detail (traceback, exception text) stays in our log.
-        if isinstance(error, (ModelBrokenError, EngineDeadError)):
+        if isinstance(error, (ModelBrokenError, WorkerDeadError)):
             message = f"engine core failed: {error}"
         else:
             message = f"engine core failed: unexpected {type(error).__name__} (see the engine core's log)"
@@ -208,7 +208,7 @@ class EngineCoreProcess:
         self.engine.model_runner.model.register_forward_pre_hook(raise_at_step)
 
     def _check_parent(self) -> None:
-        self.engine.check_health()  # raises EngineDeadError when a tensor-parallel worker is gone
+        self.engine.check_health()  # raises WorkerDeadError when a tensor-parallel worker is gone
         if self.parent_pid and os.getppid() != self.parent_pid:
             logger.warning("parent process %d is gone; exiting", self.parent_pid)
             self.should_exit = True

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.distributed.executor import EngineDeadError, TensorParallelExecutor
+from engine.distributed.executor import TensorParallelExecutor, WorkerDeadError
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device_and_dtype
 from engine.models.config import ModelConfig
@@ -151,7 +151,7 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def check_health(self) -> None:
-        """Raise EngineDeadError if a tensor-parallel worker is gone (a no-op in one process)."""
+        """Raise WorkerDeadError if a tensor-parallel worker is gone (a no-op in one process)."""
         if self.executor is not None:
             self.executor.check_workers()
 
@@ -175,7 +175,7 @@ class EngineCore:
             return [output for output, _ in failed]
         try:
             sampled = self.model_runner.execute(scheduler_output)
-        except EngineDeadError:
+        except WorkerDeadError:
             raise  # a rank is gone: not this step's fault, and no later step can run
         except Exception as e:
             request_ids = [s.request.request_id for s in scheduler_output.scheduled]

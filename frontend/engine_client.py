@@ -37,7 +37,6 @@ from frontend.grammar_checker import GrammarChecker
 from frontend.metrics import FrontendMetrics
 from frontend.model_folder import resolve_model_folder
 from frontend.prompt_tokenizer import PromptTokenizer
-from frontend.request_checks import check_request
 from frontend.request_state import RequestState, RequestStream
 from ipc.codec import DecodeError
 from ipc.messages import (
@@ -49,6 +48,7 @@ from ipc.messages import (
     ResetPrefixCache,
     SchedulerStats,
 )
+from ipc.request_checks import check_request
 from ipc.sampling_params import MAX_BAD_WORDS, SamplingParams, tokenize_bad_words
 from ipc.sockets import serve_messages
 from ipc.text.output_processor import OutputProcessor
@@ -162,8 +162,11 @@ class AsyncEngineClient:
         prompt_ids_list = await self._tokenize(prompts)  # under one budget for all of them
         self._check_healthy()  # the core may have died while we tokenized
         # Per prompt: a missing max_tokens becomes "up to the context length" for that prompt.
-        params_list = [check_request(prompt_token_ids, params, n, vocab_size=self.vocab_size,
-                                     max_model_len=self.max_model_len) for prompt_token_ids in prompt_ids_list]
+        try:
+            params_list = [check_request(prompt_token_ids, params, n=n, vocab_size=self.vocab_size,
+                                         max_model_len=self.max_model_len) for prompt_token_ids in prompt_ids_list]
+        except (ValueError, TypeError) as e:
+            raise InvalidRequestError(str(e)) from None
         request_ids = [request_id] if num_choices == 1 else [f"{request_id}-{k}" for k in range(num_choices)]
         if any(rid in self._states for rid in request_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -218,9 +221,14 @@ class AsyncEngineClient:
         return min(alive, key=lambda e: (e.num_in_flight, (e.index - self._num_routed) % num_engines))
 
     def _abort(self, states: list[RequestState]) -> None:
-        request_ids_by_engine = defaultdict(list)
         for state in states:
             self._finish(state, FinishReason.ABORT)
+        self._abort_in_cores(states)
+
+    def _abort_in_cores(self, states: list[RequestState]) -> None:
+        """One AbortRequests per live core, listing its requests among `states`."""
+        request_ids_by_engine = defaultdict(list)
+        for state in states:
             request_ids_by_engine[state.engine_index].append(state.request_id)
         for engine_index, request_ids in request_ids_by_engine.items():
             engine = self.engines[engine_index]
@@ -328,13 +336,10 @@ class AsyncEngineClient:
 
     def fail_all(self, error: FrontendError) -> None:
         """Fail every request in flight with `error` and abort them in their cores (shutdown grace is over)."""
-        request_ids_by_engine = defaultdict(list)
-        for state in list(self._states.values()):
-            request_ids_by_engine[state.engine_index].append(state.request_id)
+        states = list(self._states.values())
+        for state in states:
             self._fail(state, error)
-        for engine_index, request_ids in request_ids_by_engine.items():
-            if self.engines[engine_index].is_alive:
-                self.engines[engine_index].send(AbortRequests(request_ids))
+        self._abort_in_cores(states)
 
     async def shutdown(self) -> None:
         """Stop the pumps and restarts, shut local cores down, fail whatever is still waiting."""

@@ -85,7 +85,8 @@ class PromptTokenizer:
         for prompt in prompts:
             if isinstance(prompt, str):
                 self.check_size(prompt)
-        return await self._run(self._encode_prompts, prompts, self.new_budget())
+        # One prompt is bounded by the context alone (and refused with that reason).
+        return await self._run(self._encode_prompts, prompts, self.new_budget() if len(prompts) > 1 else None)
 
     def _encode_prompts(self, prompts: list[str | list[int]], budget: TokenBudget | None) -> list[list[int]]:
         token_ids_list = []

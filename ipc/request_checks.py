@@ -14,14 +14,22 @@ from msgspec.structs import replace
 from ipc.sampling_params import SamplingParams
 
 
+MAX_N = 128  # choices per prompt: each one is a full engine request
+
+
 def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                  cap_max_tokens: bool = False) -> SamplingParams:
+                  cap_max_tokens: bool = False, n: int = 1) -> SamplingParams:
     """Raise ValueError naming what is wrong, or return `params` with max_tokens resolved
     for this prompt (None becomes "up to the context length").
 
     A max_tokens that runs past the context is an error (the server's 400, as OpenAI's),
-    or with `cap_max_tokens` is cut to fit (the offline API, as vLLM's `LLM`)."""
+    or with `cap_max_tokens` is cut to fit (the offline API, as vLLM's `LLM`). `n`: the
+    frontend's choices per prompt, sampled with seeds seed, seed + 1, ..., seed + n - 1."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be between 1 and {MAX_N}, got {n!r}")
     params.validate(vocab_size=vocab_size)
+    if n > 1 and params.seed is not None:
+        replace(params, seed=params.seed + n - 1).validate()  # the last choice's seed must be valid too
     num_prompt_tokens = len(prompt_token_ids)
     if num_prompt_tokens == 0:
         raise ValueError("the prompt is empty")

@@ -84,8 +84,15 @@ def make_tiny_model(tmp_path, architecture: str, **overrides) -> str:
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "LlamaForCausalLM": transformers.LlamaConfig,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "Phi3ForCausalLM": transformers.Phi3Config,
+        "MixtralForCausalLM": transformers.MixtralConfig,
     }[architecture]
+    # Phi3Config's default special tokens (32000) lie outside a tiny vocabulary.
+    family_defaults = {"Phi3ForCausalLM": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}.get(architecture, {})
     config = config_class(**{
+        **family_defaults,
         "vocab_size": 512,
         "hidden_size": 128,
         "intermediate_size": 256,

@@ -13,7 +13,7 @@ rank runs the model on it, meeting in the all-reduces; rank 0 samples.
 
 Faults: a worker that dies closes its sockets, so the next (or current) collective
 raises on rank 0 at once, and its ZeroMQ link drops. Any step that raises under TP
-is fatal (the ranks may no longer be in step): `run_step` raises `EngineDeadError`,
+is fatal (the ranks may no longer be in step): `run_step` raises `WorkerDeadError`,
 which the core reports and exits on; the frontend answers 503 and, with
 --restart-engine, starts a fresh core, which starts fresh workers. A hung worker
 holds rank 0 in a collective until the collective timeout, or until the frontend's
@@ -50,7 +50,7 @@ POLL_MS = 100
 STOP_GRACE_S = 3.0
 
 
-class EngineDeadError(RuntimeError):
+class WorkerDeadError(RuntimeError):
     """A rank of the group is gone or the group fell out of step: the whole engine is dead."""
 
 
@@ -103,16 +103,16 @@ class TensorParallelExecutor:
             return forward_step(inputs)
         except Exception as e:
             self.check_workers()  # name the dead rank if we can
-            raise EngineDeadError(f"a tensor-parallel step failed: {type(e).__name__}: {str(e)[:200]}") from e
+            raise WorkerDeadError(f"a tensor-parallel step failed: {type(e).__name__}: {str(e)[:200]}") from e
 
     def check_workers(self) -> None:
-        """Raise EngineDeadError if a worker has exited or dropped its connection."""
+        """Raise WorkerDeadError if a worker has exited or dropped its connection."""
         for rank, process in self.processes.items():
             if process.poll() is not None:
-                raise EngineDeadError(f"tensor-parallel worker rank {rank} exited with code {process.returncode}")
+                raise WorkerDeadError(f"tensor-parallel worker rank {rank} exited with code {process.returncode}")
         if self.monitor.poll(0):
             self.monitor.recv_multipart()
-            raise EngineDeadError("a tensor-parallel worker disconnected")
+            raise WorkerDeadError("a tensor-parallel worker disconnected")
 
     def shutdown(self) -> None:
         self._finalizer()
