@@ -172,7 +172,7 @@ class EngineCoreProcess:
     # ---- sending ----
 
     def _send_outputs(self, outputs) -> None:
-        self._send(EngineOutputs(self.engine_id, outputs, self.engine.stats(), time.time()))
+        self._send(EngineOutputs(self.engine_id, outputs, self.engine.stats()))
 
     def _send_heartbeat(self) -> None:
         if time.monotonic() - self.last_send_time >= HEARTBEAT_S:

@@ -131,7 +131,7 @@ class Scheduler:
                 self.waiting.remove(request)
             self.compiling.pop(request_id, None)
             self._finish(request, status)
-            outputs.append(RequestOutput(request_id, [], request.status.finish_reason, None, request.num_prompt_tokens))
+            outputs.append(RequestOutput(request_id, [], request.status.finish_reason))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -312,7 +312,6 @@ class Scheduler:
                     new_token_ids=[token.token_id],
                     finish_reason=request.status.finish_reason,
                     new_logprobs=[token.logprobs] if token.logprobs is not None else None,
-                    num_prompt_tokens=request.num_prompt_tokens,
                     stop_token_id=request.stop_token_id,
                     num_cached_tokens=request.num_cached_tokens,
                     prompt_logprobs=token.prompt_logprobs,

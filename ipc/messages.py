@@ -129,7 +129,6 @@ class RequestOutput(_Record):
     new_token_ids: TokenIds
     finish_reason: FinishReason | None = None
     new_logprobs: Annotated[list[TokenLogprobs], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
-    num_prompt_tokens: NumTokens = 0
     # The stop token id that ended the request, when finish_reason is STOP.
     stop_token_id: TokenId | None = None
     # Prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
@@ -155,7 +154,6 @@ class EngineOutputs(_Message, tag=int(MessageType.ENGINE_OUTPUTS)):
     engine_id: Count
     outputs: Annotated[list[RequestOutput], Meta(max_length=MAX_OUTPUTS_PER_STEP)]
     stats: SchedulerStats
-    timestamp: float = 0.0
 
 
 class EngineError(_Message, tag=int(MessageType.ENGINE_ERROR)):

@@ -117,7 +117,7 @@ class FakeEngineCore:
             elif time.monotonic() > next_heartbeat:
                 next_heartbeat = time.monotonic() + HEARTBEAT_S
                 for identity in self.frontend_identities:
-                    send_message(self.socket, EngineOutputs(self.args.engine_id, [], self.stats(), time.time()),
+                    send_message(self.socket, EngineOutputs(self.args.engine_id, [], self.stats()),
                                  identity)
         self.socket.close(linger=0)
 
@@ -154,8 +154,8 @@ class FakeEngineCore:
         aborted = [self.running.pop(rid) for rid in msg.request_ids if rid in self.running]
         for req in aborted:
             self.log_event("abort", req.request_id)
-        outputs = [RequestOutput(req.request_id, [], FinishReason.ABORT, None, req.num_prompt_tokens) for req in aborted]
-        send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, self.stats(), time.time()), identity)
+        outputs = [RequestOutput(req.request_id, [], FinishReason.ABORT) for req in aborted]
+        send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, self.stats()), identity)
 
     def on_reset_prefix_cache(self, identity: bytes, msg: ResetPrefixCache) -> None:
         self.log_event("reset_prefix_cache", str(self.args.engine_id))
@@ -169,7 +169,7 @@ class FakeEngineCore:
             outputs_by_frontend.setdefault(req.identity, []).append(self.next_output(req))
         stats = self.stats()
         for identity, outputs in outputs_by_frontend.items():
-            send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, stats, time.time()), identity)
+            send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, stats), identity)
 
     def next_output(self, req: FakeRequest) -> RequestOutput:
         token_id = self.script_ids[(req.offset + req.num_output_tokens) % len(self.script_ids)]
@@ -186,7 +186,7 @@ class FakeEngineCore:
             logprobs = [TokenLogprobs(token_id, -0.25, top_ids, [-0.25 - i for i in range(len(top_ids))])]
         if finish_reason is not None:
             del self.running[req.request_id]
-        return RequestOutput(req.request_id, [token_id], finish_reason, logprobs, req.num_prompt_tokens, stop_token_id)
+        return RequestOutput(req.request_id, [token_id], finish_reason, logprobs, stop_token_id)
 
     def stats(self) -> SchedulerStats:
         used = sum(math.ceil((r.num_prompt_tokens + r.num_output_tokens) / BLOCK_SIZE) for r in self.running.values())

@@ -42,7 +42,6 @@ FULL_OUTPUT = RequestOutput(
     new_token_ids=[5, 6],
     finish_reason=FinishReason.STOP,
     new_logprobs=[TokenLogprobs(5, -0.25, [5, 9], [-0.25, -1.5]), TokenLogprobs(6, -0.5)],
-    num_prompt_tokens=3,
     stop_token_id=6,
     num_cached_tokens=16,
 )
@@ -57,7 +56,7 @@ MESSAGES = [
     Hello("frontend-0"),
     ResetPrefixCache(),
     EngineReady(1, "tiny-llama", 2048, 32000, 100, 16, eos_token_ids=[2, 32000], dtype="bfloat16"),
-    EngineOutputs(1, [FULL_OUTPUT, RequestOutput("req-2", [7])], SchedulerStats(1, 2, 3, 4, 5, 6, 7, 8), timestamp=99.0),
+    EngineOutputs(1, [FULL_OUTPUT, RequestOutput("req-2", [7])], SchedulerStats(1, 2, 3, 4, 5, 6, 7, 8)),
     EngineOutputs(0, [], SchedulerStats()),
     EngineError("boom", request_id="req-1", is_fatal=True, engine_id=3),
     EngineError("boom"),
@@ -80,9 +79,9 @@ def test_round_trip(msg):
 
 
 def test_wire_layout_is_positional_with_int_enums():
-    raw = msgpack.unpackb(encode(EngineOutputs(1, [FULL_OUTPUT], SchedulerStats(1, 2, 3, 4, 5), 9.0)))
+    raw = msgpack.unpackb(encode(EngineOutputs(1, [FULL_OUTPUT], SchedulerStats(1, 2, 3, 4, 5))))
     assert raw[0] == int(MessageType.ENGINE_OUTPUTS) and type(raw[0]) is int
-    assert raw[1] == 1 and raw[3] == [1, 2, 3, 4, 5, 0, 0, 0] and raw[4] == 9.0
+    assert raw[1] == 1 and raw[3] == [1, 2, 3, 4, 5, 0, 0, 0] and len(raw) == 4
     assert raw[2][0][:3] == ["req-1", [5, 6], int(FinishReason.STOP)]
     assert raw[2][0][3][0] == [5, -0.25, [5, 9], [-0.25, -1.5]]
 
@@ -95,7 +94,7 @@ def test_enums_come_back_as_enums():
 
 def test_missing_trailing_fields_take_defaults():
     # An older core's stats (no prefix-cache counters) and outputs (no cached-token count) still decode.
-    old = decode(msgpack.packb([MessageType.ENGINE_OUTPUTS, 0, [["r", [1], None, None, 3, None]], [1, 2, 3, 4, 5], 0.0]))
+    old = decode(msgpack.packb([MessageType.ENGINE_OUTPUTS, 0, [["r", [1], None, None, None]], [1, 2, 3, 4, 5]]))
     assert old.stats == SchedulerStats(1, 2, 3, 4, 5) and old.outputs[0].num_cached_tokens == 0
     assert decode(msgpack.packb([MessageType.HELLO])) == Hello()
     assert decode(msgpack.packb([MessageType.ADD_REQUEST, "r", [1], []])) == AddRequest("r", [1], SamplingParams())
@@ -260,7 +259,7 @@ def test_router_dealer_exchange():
         sockets.send_message(dealer, MESSAGES[0])
         assert router.poll(5000)
         assert sockets.recv_routed_message(router) == (identity, MESSAGES[0])
-        outputs = EngineOutputs(0, [FULL_OUTPUT], SchedulerStats(1, 0, 2, 8, 0), 1.0)
+        outputs = EngineOutputs(0, [FULL_OUTPUT], SchedulerStats(1, 0, 2, 8, 0))
         sockets.send_message(router, outputs, identity)
         assert dealer.poll(5000) and sockets.recv_message(dealer, flags=zmq.NOBLOCK) == outputs
 

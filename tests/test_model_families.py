@@ -145,3 +145,29 @@ def test_unsupported_rotary_scaling_and_activations_are_refused(tmp_path):
     path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL | dict(hidden_act="gelu"))
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         ModelConfig.from_folder(path)
+
+
+@pytest.mark.parametrize("case", ["phi4_mini", "qwen3_moe"])
+def test_family_tp2_matches_transformers(case, tmp_path):
+    """TP = 2 (gloo on the CPU): Phi-3's fused qkv_proj and gate_up_proj split part by part,
+    Qwen3-MoE's replicated q/k norms and router, and its experts split like dense MLPs."""
+    architecture, overrides = CASES[case]
+    path, hf_model = make_tiny_model(tmp_path, architecture, **SMALL | overrides)
+    expected = [hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts()]
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", **ENGINE_KWARGS)
+    try:
+        outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_tensor_parallel_refuses_experts_that_do_not_split(tmp_path):
+    from engine.distributed.parallel_layers import check_tensor_parallel
+
+    path, _ = make_tiny_model(tmp_path, "Qwen3MoeForCausalLM", **SMALL | dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24))
+    config = ModelConfig.from_folder(path)
+    check_tensor_parallel(config, 2)
+    with pytest.raises(ValueError, match="expert intermediate size 24 is not divisible by 16"):
+        check_tensor_parallel(config, 16)

@@ -47,11 +47,11 @@ def test_text_and_counts_match_a_plain_decode(tokenizer):
     ids = tokenizer.encode(SCRIPT, add_special_tokens=False)
     processor = OutputProcessor(tokenizer)
     processor.add_request("a", PROMPT, SamplingParams(), index=5)
-    texts, reasons, to_abort, deltas = run(processor, stream("a", ids, FinishReason.LENGTH, num_prompt_tokens=3,
-                                                             num_cached_tokens=2))
+    texts, reasons, to_abort, deltas = run(processor, stream("a", ids, FinishReason.LENGTH, num_cached_tokens=2))
     assert texts == {"a": tokenizer.decode(ids)} and reasons == {"a": FinishReason.LENGTH} and not to_abort
     last = deltas[-1]
-    assert (last.index, last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens) == (5, 3, len(ids), 2)
+    assert (last.index, last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens) == \
+        (5, len(PROMPT), len(ids), 2)
     assert not processor.has_request("a") and processor.num_requests == 0
 
 

@@ -38,7 +38,7 @@ def test_chunked_prefill_over_several_steps_samples_only_at_the_end():
 
     output, outputs = step(scheduler)  # the first decode: token 21 needs a sixth block
     assert scheduled(output) == {"a": 1}
-    assert outputs == [RequestOutput("a", [101], FinishReason.LENGTH, None, 20)]
+    assert outputs == [RequestOutput("a", [101], FinishReason.LENGTH)]
     assert a.status == RequestStatus.FINISHED_LENGTH and a.block_ids == []
     assert_pool_free(scheduler)
 

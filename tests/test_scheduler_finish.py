@@ -22,7 +22,7 @@ def test_eos_stops():
     scheduler.add_request(request)
     step(scheduler, token_for=emit(7))
     output, outputs = step(scheduler, token_for=emit(EOS))
-    assert outputs == [RequestOutput("r", [EOS], FinishReason.STOP, None, 3, stop_token_id=EOS)]
+    assert outputs == [RequestOutput("r", [EOS], FinishReason.STOP, None, stop_token_id=EOS)]
     assert request.status == RequestStatus.FINISHED_STOPPED and request.output_token_ids == [7, EOS]
     assert_pool_free(scheduler)
 
@@ -101,8 +101,8 @@ def test_abort_waiting_and_running_requests_frees_their_blocks():
 
     outputs = scheduler.abort_requests(["b", "c", "unknown"])
     assert outputs == [
-        RequestOutput("b", [], FinishReason.ABORT, None, 9),
-        RequestOutput("c", [], FinishReason.ABORT, None, 3),
+        RequestOutput("b", [], FinishReason.ABORT),
+        RequestOutput("c", [], FinishReason.ABORT),
     ]
     assert b.status == c.status == RequestStatus.FINISHED_ABORTED
     assert b.block_ids == [] and scheduler.running == [a] and not scheduler.waiting

@@ -68,7 +68,7 @@ class Attention(nn.Module):
             )  # [num_tokens, num_heads, head_dim]
             k, v = self._split_kv(qkv)
             out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
-            return self.o_proj(_rows(out.reshape(num_tokens, self.q_size), output_rows))
+            return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k, v = self._split_kv(qkv)  # [num_tokens, num_kv_heads, head_dim] each
         if self.q_norm is not None:
@@ -81,7 +81,7 @@ class Attention(nn.Module):
             k_cache, v_cache = kv_cache
             backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
             out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(_rows(out.reshape(num_tokens, self.q_size), output_rows))  # [num_out, hidden_size]
+        return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))  # [num_out, hidden_size]
 
     def _split_kv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = qkv.shape[0]
@@ -90,5 +90,5 @@ class Attention(nn.Module):
         return k, v
 
 
-def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+def take_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x if rows is None else x[rows]

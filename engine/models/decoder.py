@@ -26,7 +26,7 @@ from engine.distributed.parallel_layers import (
     num_local_kv_heads, row_parallel_linear, shard_checkpoint_tensor, shard_rows, vocab_parallel_embedding,
 )
 from engine.distributed.parallel_state import NO_TP, TensorParallelGroup
-from engine.models.attention import Attention, _rows
+from engine.models.attention import Attention, take_rows
 from engine.models.config import ModelConfig
 from engine.models.layers import RMSNorm, SwiGLUMLP
 from engine.models.moe import MoEBlock
@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(cos_sin, hidden, kv_cache, metadata, backend, output_rows)
-        hidden, residual = self.post_attention_layernorm(hidden, _rows(residual, output_rows))
+        hidden, residual = self.post_attention_layernorm(hidden, take_rows(residual, output_rows))
         return self.mlp(hidden), residual
 
 

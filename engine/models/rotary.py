@@ -56,6 +56,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta**exponents)
         positions = torch.arange(max_positions, dtype=torch.float32)  # [max_positions]
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if rope_type == "su":  # early Phi-3 configs' name for longrope
+            rope_type = "longrope"
         attention_factor = 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
