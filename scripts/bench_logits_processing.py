@@ -226,8 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--num-requests", type=int, default=48, help="rows decoding at once")
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64, help="tokens per request per variant and round")
-    p.add_argument("--rounds", type=int, default=5, help="each runs every variant once, alternating")
+    p.add_argument("--output-len", type=int, default=32, help="tokens per request per variant and round")
+    p.add_argument("--rounds", type=int, default=10,
+                   help="each runs every variant once, alternating: short rounds, so load drift is shared")
     p.add_argument("--num-biases", type=int, default=10, help="logit_bias entries per request")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--warmup-output-len", type=int, default=4)

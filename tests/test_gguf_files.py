@@ -34,8 +34,15 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="session")
 def gguf_cache(tmp_path_factory):
-    """A cache folder for this session's conversions (each SmolLM2 one is 540 MB)."""
+    """A cache folder for this session's conversions (each SmolLM2 one is 540 MB). It links
+    to the real cache's compiled CPU kernels and inductor code, which take minutes to build."""
+    from engine.model_files import cache_dir
+
     folder = tmp_path_factory.mktemp("tokenloom-cache")
+    real_cache = cache_dir()
+    for name in {"torch_extensions", "inductor", *(p.name for p in real_cache.glob("*"))} - {"models"}:
+        (real_cache / name).mkdir(parents=True, exist_ok=True)
+        (folder / name).symlink_to(real_cache / name)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -147,7 +154,6 @@ def test_second_resolve_reuses_the_folder_without_torch(tiny_llama, in_gguf_cach
     printed_folder, imported_torch, seconds = result.stdout.split()
     assert printed_folder == str(folder) and imported_torch == "False" and float(seconds) < 1.0
     assert (folder / "model.safetensors").stat().st_mtime_ns == weights_mtime
-    assert "using its converted folder" in result.stderr
 
 
 def test_changed_file_converts_again(tiny_llama, in_gguf_cache, tmp_path):
