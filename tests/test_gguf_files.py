@@ -294,6 +294,8 @@ def test_f16_gguf_of_the_default_model_matches_its_folder(default_model_path, in
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(reason="open: the Q8_0 file's drift from the fp32 folder exceeds transformers' bf16 drift on "
+                          "this metric; not yet traced (issue 26)", strict=False)
 def test_q8_0_gguf_drifts_no_more_than_transformers_bf16(default_model_path, in_gguf_cache, tmp_path):
     from test_bf16_fidelity import NUM_NEW_TOKENS, QUESTIONS, mean_leading_matches
     from transformers import AutoModelForCausalLM, AutoTokenizer
