@@ -145,8 +145,10 @@ class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
         if self.allowed_token_ids is not None:
-            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids \
+                    or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+                                 "token ids")
             _check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
         if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS \
                 or not all(isinstance(w, str) and 0 < len(w) <= MAX_STOP_STRING_LEN for w in self.bad_words):
