@@ -115,7 +115,7 @@ class EngineCoreProcess:
             return
         self.num_consecutive_step_failures = 0
         for request_id, reason in self.engine.request_errors:
-            self._send(EngineError(reason, request_id=request_id, engine_id=self.engine_id))
+            self._send(EngineError(reason, request_id=request_id, engine_id=self.engine_id, is_request_error=True))
         self.engine.request_errors.clear()
         if outputs or self.engine.has_schedulable_requests():  # not while only grammars compile: nothing changed
             self._send_outputs(outputs)
@@ -155,7 +155,8 @@ class EngineCoreProcess:
                 message.request_id, message.prompt_token_ids, message.sampling_params, message.arrival_time or None
             )
         except ValueError as e:
-            self._send(EngineError(str(e), request_id=message.request_id, engine_id=self.engine_id), identity)
+            self._send(EngineError(str(e), request_id=message.request_id, engine_id=self.engine_id,
+                                   is_request_error=True), identity)
 
     def _on_abort_requests(self, identity: bytes, message: AbortRequests) -> None:
         outputs = self.engine.abort_requests(message.request_ids)

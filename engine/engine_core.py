@@ -97,8 +97,9 @@ class EngineCore:
         )
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
-        # (request id, reason) for requests failed outside a step's model run (a grammar that did not
-        # compile); the core process reports them, then clears the list.
+        # (request id, reason) for requests failed by their own parameters outside a step's model run
+        # (a grammar that did not compile, constraints that contradict); the core process reports
+        # them as the client's errors, then clears the list.
         self.request_errors: list[tuple[str, str]] = []
 
     @property
@@ -184,6 +185,9 @@ class EngineCore:
                 self.model_runner.release(output.request_id)
             raise StepError(request_ids, e) from e
         outputs = [output for output, _ in failed] + self.scheduler.update(scheduler_output, sampled)
+        if self.scheduler.constraint_failures:
+            self.request_errors.extend(self.scheduler.constraint_failures)
+            self.scheduler.constraint_failures.clear()
         for output in outputs:
             if output.finish_reason is not None:
                 self.model_runner.release(output.request_id)

@@ -27,6 +27,7 @@ from ipc.text.output_processor import OutputProcessor, RequestDelta
 from ipc.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+GRAMMAR_WAIT_S = 0.002  # the loop's nap while every unfinished request waits for its grammar
 
 Conversation = list[dict[str, Any]]
 
@@ -172,6 +173,10 @@ class LLM:
                 outputs = engine.step()
             except StepError as e:  # logged by the engine; those requests end with finish_reason "error"
                 outputs = [RequestOutput(request_id, [], FinishReason.ERROR) for request_id in e.request_ids]
+            if not outputs and not engine.has_schedulable_requests():
+                # Only grammars compile: spinning here would starve their thread of the GIL.
+                time.sleep(GRAMMAR_WAIT_S)
+                continue
             processed = self.output_processor.process_outputs(outputs)
             now = time.time()
             finished = [requests[request_id].fail(now) for request_id in processed.failed_request_ids]

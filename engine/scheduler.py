@@ -44,6 +44,9 @@ from engine.request import Request, RequestStatus
 from ipc.messages import RequestOutput, SchedulerStats, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+CONTRADICTION_MESSAGE = ("no token satisfies the request's constraints together: its grammar (response_format, "
+                         "structured_outputs or tools) contradicts allowed_token_ids, bad_words, logit_bias or "
+                         "min_tokens, or allows nothing")
 
 
 @dataclass
@@ -97,6 +100,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.requests: dict[str, Request] = {}
         self.compiling: dict[str, Request] = {}  # waiting requests whose grammar may still be compiling
+        # (request id, reason) for requests whose constraints left no token to sample; the
+        # engine reports them as the client's error, then clears the list
+        self.constraint_failures: list[tuple[str, str]] = []
         self.num_preemptions = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.num_prefix_cache_queries = 0  # tokens looked up at admission, cumulative
@@ -322,7 +328,8 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.grammar is not None:
-            if not request.grammar.accept(token_id):
+            if not request.grammar.accept(token_id):  # the mask left no token: the constraints contradict
+                self.constraint_failures.append((request.request_id, CONTRADICTION_MESSAGE))
                 return RequestStatus.FINISHED_ERROR
             if request.grammar.is_terminated:  # it accepted a stop token: the answer is complete
                 request.stop_token_id = token_id

@@ -290,7 +290,8 @@ class AsyncEngineClient:
                      f" for request {msg.request_id}" if msg.request_id else "", msg.message)
         state = self._states.get(msg.request_id) if msg.request_id is not None else None
         if state is not None:
-            self._fail(state, RequestFailedError(msg.message))
+            error_type = InvalidRequestError if msg.is_request_error else RequestFailedError
+            self._fail(state, error_type(msg.message))
         if msg.is_fatal:
             self._on_engine_dead(engine, f"engine {engine.index} failed: {msg.message}")
 

@@ -163,6 +163,7 @@ class EngineError(_Message, tag=int(MessageType.ENGINE_ERROR)):
     request_id: RequestId | None = None
     is_fatal: bool = False
     engine_id: Count = 0
+    is_request_error: bool = False  # the request's own parameters caused it: the client's error (400)
 
 
 class GenerateRequest(_Message, tag=int(MessageType.GENERATE_REQUEST)):

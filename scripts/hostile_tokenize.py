@@ -3,7 +3,7 @@ while a normal client streams. Every abusive request must get its 400 quickly an
 must keep flowing (its largest gap between events is the measure).
 
     python scripts/hostile.py ...                  # one of hostile.py's cases
-    python scripts/hostile_tokenize.py --base-url http://127.0.0.1:8000 [--json out.json]
+    python scripts/hostile_tokenize.py --base-url http://127.0.0.1:8000 [--strict] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,8 +18,14 @@ import requests
 
 from hostile_client import Target
 
-MAX_STREAM_GAP_S = 0.3
+MAX_STREAM_GAP_S = 0.3  # issue #30's targets, on a quiet 2-core machine
 MAX_REFUSAL_S = 0.2
+# What the suite asserts (scripts/hostile.py, run by the tests on a shared CI machine) is
+# looser, because timings there swing: refusals within 1 s still catch tokenizing whole
+# bodies again (#30 found 1.5-6.5 s); the 2 s gap bound only catches a frozen stream. The
+# targets are reported beside it ("meets_targets") and enforced with --strict.
+STALL_STREAM_GAP_S = 2.0
+STALL_REFUSAL_S = 1.0
 
 
 def varied_words(num_chars: int, seed: int) -> str:
@@ -46,7 +52,8 @@ def stream_gaps(base_url: str, num_tokens: int) -> list[float]:
     return gaps
 
 
-def tokenizing_abuse(target: Target, duration_s: float = 10.0, num_stream_tokens: int = 48) -> dict:
+def tokenizing_abuse(target: Target, duration_s: float = 10.0, num_stream_tokens: int = 48,
+                     strict: bool = False) -> dict:
     big = {"prompt": varied_words(1_000_000, 0), "max_tokens": 1}
     many = {"prompt": [varied_words(1024, seed) for seed in range(1, 1001)], "max_tokens": 1}
     refusals: list[tuple[str, int, float]] = []  # (kind, status, seconds)
@@ -82,26 +89,32 @@ def tokenizing_abuse(target: Target, duration_s: float = 10.0, num_stream_tokens
     worst_refusal = max((s for _, _, s in refusals), default=0.0)
     all_4xx = all(400 <= status < 500 for _, status, _ in refusals)
     worst_gap = max(gaps, default=0.0)
+    meets_targets = worst_refusal <= MAX_REFUSAL_S and worst_gap <= MAX_STREAM_GAP_S
+    no_stall = worst_refusal <= STALL_REFUSAL_S and worst_gap <= STALL_STREAM_GAP_S
     return {
-        "passed": bool(refusals) and all_4xx and worst_refusal <= MAX_REFUSAL_S and worst_gap <= MAX_STREAM_GAP_S,
+        "passed": bool(refusals) and bool(gaps) and all_4xx and (meets_targets if strict else no_stall),
+        "meets_targets": meets_targets,
         "stream_max_gap_s": round(worst_gap, 3), "stream_max_gap_idle_s": round(max(baseline_gaps[1:], default=0), 3),
         "num_stream_events": len(gaps), "refusals": by_kind,
         "targets": {"stream_max_gap_s": MAX_STREAM_GAP_S, "refusal_max_s": MAX_REFUSAL_S},
+        "stall_bounds": {"stream_max_gap_s": STALL_STREAM_GAP_S, "refusal_max_s": STALL_REFUSAL_S},
     }
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--strict", action="store_true", help="pass only within #30's targets")
     parser.add_argument("--json")
     args = parser.parse_args()
-    result = tokenizing_abuse(Target(args.base_url), args.duration)
+    result = tokenizing_abuse(Target(args.base_url), args.duration, strict=args.strict)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return 0 if result["passed"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

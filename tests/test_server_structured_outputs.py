@@ -174,6 +174,16 @@ def test_bad_grammars_are_400s_and_the_core_serves_on(server, client):
     assert engine_pid(server) == pid
 
 
+def test_contradicting_constraints_are_400s_with_the_reason(server, client):
+    """Each part is valid; together they leave no token: the engine finds it at the step."""
+    for fields in ({"structured_outputs": {"choice": ["a"]}, "min_tokens": 5},
+                   {"structured_outputs": {"regex": "[0-9]+"}, "allowed_token_ids": [0]}):
+        r = requests.post(f"{server.url}/v1/chat/completions",
+                          json={"messages": ASK_WEATHER, "max_tokens": 8, **fields}, timeout=60)
+        assert r.status_code == 400 and "no token satisfies" in r.json()["error"]["message"], r.text[:300]
+    assert chat(client, ASK_WEATHER, max_tokens=5).choices[0].finish_reason == "length"
+
+
 def test_sampling_fields_through_the_openai_client(server, client):
     prompt = "List the days of the week: Monday, Tuesday,"
     plain = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)

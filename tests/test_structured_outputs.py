@@ -139,3 +139,17 @@ def test_an_overdue_compile_fails_that_request_alone(default_model_path, monkeyp
     assert slow.finish_reason == "error" and not slow.token_ids
     assert plain.finish_reason == "length" and len(plain.token_ids) == 5
     assert llm.engine.request_errors and "did not compile within" in llm.engine.request_errors[0][1]
+
+
+@pytest.mark.parametrize("fields", [
+    {"structured_outputs": StructuredOutputsParams(choice=["a"]), "min_tokens": 5},  # ends, but EOS is banned
+    {"structured_outputs": StructuredOutputsParams(regex="[0-9]+"), "allowed_token_ids": [0]},  # 0: no digit
+], ids=["choice_with_min_tokens", "digits_with_no_digit_allowed"])
+def test_contradicting_constraints_fail_that_request_with_the_reason(llm, fields):
+    llm.engine.request_errors.clear()
+    bad, plain = llm.generate([[1, 2, 3]] * 2, [greedy(8, **fields), greedy(5, ignore_eos=True)], use_tqdm=False)
+    assert bad.finish_reason == "error"
+    assert plain.finish_reason == "length" and len(plain.token_ids) == 5
+    (request_id, reason), = llm.engine.request_errors
+    assert "no token satisfies the request's constraints" in reason
+    assert llm.engine.block_manager.num_used_blocks == 0
