@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 import time
@@ -146,13 +147,31 @@ async def read_body(raw_request: Request, model: type[BodyT]) -> BodyT:
         # jiter also refuses lone surrogate escapes (no tokenizer takes them) and deep nesting.
         obj = pydantic_core.from_json(text, allow_inf_nan=False)
     except ValueError as e:
-        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+        raise InvalidRequestError(f"the request body is not valid JSON: {_non_finite_field(text) or e}") from None
     if not isinstance(obj, dict):
         raise InvalidRequestError(f"the request body must be a JSON object, got {_json_type(obj)}")
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         raise RequestValidationError(e.errors()) from None
+
+
+def _non_finite_field(text: str) -> str | None:
+    """Name the first NaN or Infinity in a body that is JSON but for them, or None."""
+    try:
+        obj = pydantic_core.from_json(text, allow_inf_nan=True)
+    except ValueError:
+        return None
+    stack = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"`{path or 'the body'}` is {value} (JSON has no NaN or Infinity)"
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{key}" if path else str(key), item) for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 def _json_type(obj) -> str:

@@ -44,7 +44,9 @@ BAD_BODIES = [  # (path, raw body or JSON, what the message must name)
     (GEN, b"null", "must be a JSON object, got null"),
     (C, b'{"prompt": "caf\xe9"}', "not valid UTF-8"),
     (C, b'{"prompt": "\\ud800"}', "not valid JSON"),  # a lone surrogate: no tokenizer takes it
-    (C, b'{"prompt": "Hi", "temperature": NaN}', "not valid JSON"),
+    (C, b'{"prompt": "Hi", "temperature": NaN}', "not valid JSON: `temperature` is nan"),
+    (C, b'{"prompt": "Hi", "logit_bias": {"5": -Infinity}}', "`logit_bias.5` is -inf"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "tools": [1, Infinity]}', "`tools[1]` is inf"),
     (C, {"max_tokens": 5}, "prompt: Field required"),
     (CHAT, {"max_tokens": 5}, "messages: Field required"),
     (GEN, {"max_tokens": 5}, "prompt: Field required"),
