@@ -94,7 +94,7 @@ class AsyncEngineClient:
         self.dead_reason: str | None = "the engines are not ready yet"
         self._states: dict[str, RequestState] = {}
         self.output_processor = OutputProcessor(tokenizer)  # the text of every request in _states
-        self.grammar_checker = GrammarChecker()
+        self.grammar_checker = GrammarChecker(tokenizer_folder=model_folder)
         self._engine_tasks: dict[int, list[asyncio.Task]] = {}  # per core: its output pump and death watch
         self.restarter = EngineRestarter(self.ctx, model_folder, self.frontend_id, config.engine_args,
                                          config.engine_command, config.ready_timeout_s)

@@ -2,10 +2,12 @@
 
 xgrammar imports torch, and the frontend never does, so the check runs in a child
 process (`engine.structured_output.checker`, started by command line, not imported)
-that only builds the grammar: milliseconds. One check at a time goes through the
+that builds the grammar and, given the model's tokenizer folder, compiles it as a core
+would (milliseconds for the usual schemas). One check at a time goes through the
 pipe; a check that takes longer than `timeout_s` kills the child (the next check
-starts a fresh one) and refuses the request, so a pathological pattern costs its
-own request a few seconds and nobody else anything.
+starts a fresh one) and refuses the request, so a pathological grammar (one whose
+compile would take a core's compile thread for a minute) costs its own request the
+timeout and the checks queued behind it that long, and the cores nothing.
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ logger = logging.getLogger(__name__)
 
 CHECKER_COMMAND = (sys.executable, "-m", "engine.structured_output.checker")
 HEADER = struct.Struct(">I")
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = 10.0  # the cores allow 30 s (--grammar-compile-timeout-s); busy machines compile slower
 START_TIMEOUT_S = 120.0  # importing torch and xgrammar on a cold, busy machine
 MAX_REMEMBERED = 256
 
 
 class GrammarChecker:
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, command: tuple[str, ...] = CHECKER_COMMAND) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, command: tuple[str, ...] = CHECKER_COMMAND,
+                 tokenizer_folder: str | None = None) -> None:
         self.timeout_s = timeout_s
-        self.command = command
+        self.command = (*command, "--tokenizer", tokenizer_folder) if tokenizer_folder else command
         self._process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._accepted: OrderedDict[tuple, None] = OrderedDict()  # recent grammars that passed: no second trip

@@ -21,7 +21,7 @@ from frontend.request_state import RequestDelta, RequestStream
 from frontend.serving_utils import (
     ClientDisconnected, Usage, chat_logprobs, collect, now_s, random_id, run_unless_disconnected, sse_stream,
 )
-from frontend.tool_parsers import ToolParser
+from frontend.tool_parsers import ToolParser, merge_call_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _stream_chat(stream: RequestStream, body: ChatCompletionRequest, header: dic
                     finish_reason = _tool_finish_reason(finish_reason)
             message = {"content": content} if content else {}
             if call_deltas:
-                message["tool_calls"] = [d.to_openai() for d in call_deltas]
+                message["tool_calls"] = [d.to_openai() for d in merge_call_deltas(call_deltas)]
         if not message and finish_reason is None and not (body.logprobs and delta.logprobs):
             return None
         return {

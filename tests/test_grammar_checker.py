@@ -52,3 +52,26 @@ def test_a_check_that_hangs_is_refused_and_the_next_gets_a_fresh_checker():
         await checker.close()
 
     asyncio.run(main())
+
+
+def test_with_the_tokenizer_a_grammar_slow_to_compile_is_refused(default_model_path):
+    """`(a|b)` 4,000 times builds in milliseconds but compiles against a vocabulary for over a
+    second (20,000 times: a minute of a core's compile thread); the checker measures the compile."""
+    slow = StructuredOutputsParams(regex="(a|b)" * 4000)
+
+    async def main():
+        checker = GrammarChecker(timeout_s=0.25, tokenizer_folder=str(default_model_path))
+        try:
+            await checker.check(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
+            with pytest.raises(InvalidRequestError, match="took longer than 0.25 s"):
+                await checker.check(slow)
+            await checker.check(StructuredOutputsParams(regex="[0-9]{3}"))  # a fresh checker serves the next
+        finally:
+            await checker.close()
+        build_only = GrammarChecker(timeout_s=0.25)
+        try:
+            await build_only.check(slow)
+        finally:
+            await build_only.close()
+
+    asyncio.run(main())

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from frontend.tool_parsers import (TOOL_PARSER_NAMES, ForcedToolCallStream, HermesToolParser, Llama3JsonToolParser,
-                                   ToolCallDelta, calls_from_deltas, get_tool_parser, make_tool_call_id,
+                                   ToolCallDelta, calls_from_deltas, get_tool_parser, make_tool_call_id, merge_call_deltas,
                                    parse_forced_tool_calls)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -274,3 +274,16 @@ def test_import_keeps_torch_out():
             "assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_chunk_carries_one_entry_per_call():
+    """A call's head and its argument pieces in one chunk merge; another call stays its own entry."""
+    deltas = [ToolCallDelta(0, "id-0", "get_weather", ""), ToolCallDelta(0, None, None, '{"city": '),
+              ToolCallDelta(0, None, None, '"Paris"}'), ToolCallDelta(1, "id-1", "get_time", "{}")]
+    merged = merge_call_deltas(deltas)
+    assert [d.to_openai() for d in merged] == [
+        {"index": 0, "id": "id-0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"index": 1, "id": "id-1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    assert merge_call_deltas([ToolCallDelta(0, None, None, "a"), ToolCallDelta(0, None, None, "b")]) == \
+        [ToolCallDelta(0, None, None, "ab")]
+    assert calls_from_deltas(merged) == calls_from_deltas(deltas)

@@ -8,7 +8,7 @@ made once per request and streams (`feed`/`finish`) or parses a whole output
 
 from __future__ import annotations
 
-from frontend.tool_parsers.base import (ToolCall, ToolCallDelta, ToolParser, calls_from_deltas,
+from frontend.tool_parsers.base import (ToolCall, ToolCallDelta, ToolParser, calls_from_deltas, merge_call_deltas,
                                         make_tool_call_id)
 from frontend.tool_parsers.forced import ForcedToolCallStream, parse_forced_tool_calls
 from frontend.tool_parsers.hermes import HermesToolParser
@@ -31,4 +31,4 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 __all__ = ["TOOL_PARSER_NAMES", "ForcedToolCallStream", "HermesToolParser", "Llama3JsonToolParser", "ToolCall",
            "ToolCallDelta", "ToolParser", "calls_from_deltas", "get_tool_parser", "make_tool_call_id",
-           "parse_forced_tool_calls"]
+           "merge_call_deltas", "parse_forced_tool_calls"]

@@ -60,6 +60,20 @@ class ToolCallDelta:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def merge_call_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """One entry per call in a chunk, as OpenAI sends: a call's head and its argument pieces
+    that arrive in the same chunk become one delta (clients merge by index, but some take
+    only the first entry of an index per chunk)."""
+    merged: list[ToolCallDelta] = []
+    for delta in deltas:
+        if merged and merged[-1].index == delta.index and delta.id is None:
+            last = merged[-1]
+            merged[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + delta.arguments)
+        else:
+            merged.append(delta)
+    return merged
+
+
 def calls_from_deltas(deltas: list[ToolCallDelta]) -> list[ToolCall]:
     """Join streamed deltas back into whole calls, in index order."""
     heads: dict[int, ToolCallDelta] = {}
