@@ -34,8 +34,8 @@ from urllib.parse import urlparse
 import requests
 
 from hostile_cases import (
-    big_prompt_does_not_freeze, duplicate_local_id, local_abort_race, oov_stop_token, sigstop_core, socket_takeover,
-    tiny_temperature,
+    big_prompt_does_not_freeze, duplicate_local_id, local_abort_race, oov_stop_token, sigstop_core, slow_grammar_compile,
+    socket_takeover, tiny_temperature, unsatisfiable_grammar,
 )
 from hostile_client import Target
 from hostile_conn import big_header, oversized_bodies, slowloris
@@ -149,6 +149,8 @@ def hostile_run(args: argparse.Namespace, target: Target, engine_timeout: float 
         ("slowloris", slowloris, target, args.slowloris, args.slowloris),
         ("big_prompt_does_not_freeze", big_prompt_does_not_freeze, target, 2 if quick else 5),
         ("tokenizing_abuse", tokenizing_abuse, target, 6.0 if quick else 20.0),
+        ("slow_grammar_compile", slow_grammar_compile, target, 20000 if quick else 30000),
+        ("unsatisfiable_grammar", unsatisfiable_grammar, target),
         ("socket_takeover", socket_takeover, target,
          server_command(args, free_port(), engine_timeout is not None), tmp / "second-server.log"),
         ("sigstop_core", sigstop_core, target, engine_timeout or args.engine_timeout),

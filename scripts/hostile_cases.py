@@ -6,6 +6,7 @@ hostile_fuzz.py. A case may leave the core dead; scripts/hostile.py waits for /h
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -18,6 +19,8 @@ from hostile_client import LocalClient, Target, error_problem, finals
 
 HEALTH_SLACK_S = 10.0  # beyond --engine-timeout, for the frontend to notice and say so
 RESTART_WAIT_S = 120.0  # a fresh core loads the model again
+GRAMMAR_ANSWER_S = 15.0  # the frontend's grammar check gives up after 5 s; a refusal should come soon after
+GRAMMAR_DRAIN_S = 600.0  # how long a slow compile may keep the core's compile thread busy after its case
 
 
 def oov_stop_token(target: Target) -> dict:
@@ -181,3 +184,75 @@ def sigstop_core(target: Target, engine_timeout_s: float) -> dict:
         "healthy_again_after_s": None if back_s is None else round(back_s, 1),
         "request_after_status": after,
     }
+
+
+def slow_grammar_compile(target: Target, num_groups: int) -> dict:
+    """A regex that the frontend's check parses in milliseconds but the core compiles for a minute: "(a|b)"
+    repeated (20,000 times: 100 KB, under the 256 KiB cap). With SmolLM2's vocabulary the compile takes about
+    12 s at 10,000 and 60 s at 20,000 on two idle cores, 64 s and 7.5 minutes on busy ones. Its client
+    should get a 4xx (or its answer) soon, and meanwhile another client's small structured request, a plain
+    request and /health must be served. Afterwards the case waits until a small structured request is
+    served again, so later cases are not hit. Run it with num_groups=20000 (--quick) or 30000."""
+    nonce = f"{random.randrange(10**9):09d}"  # not in any grammar cache
+    slow_body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0,
+                 "structured_outputs": {"regex": "(a|b)" * num_groups + nonce}}
+    slow: dict = {}
+
+    def post_slow() -> None:
+        status, text, seconds = target.post("/v1/completions", slow_body, timeout=GRAMMAR_DRAIN_S)
+        slow.update(status=status, body=text[:200], seconds=round(seconds, 1))
+
+    def small_structured(tag: str) -> tuple[int, str, float]:
+        body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0,
+                "structured_outputs": {"regex": f"[0-9]{{2}}(x{nonce}{tag})?"}}
+        return target.post("/v1/completions", body, timeout=GRAMMAR_DRAIN_S)
+
+    worker = threading.Thread(target=post_slow, daemon=True)
+    worker.start()
+    time.sleep(1.0)  # past the frontend's check: the core is compiling it
+    status, text, seconds = small_structured("other")
+    other = {"status": status, "body": text[:200], "seconds": round(seconds, 1)}
+    status, _, seconds = target.post("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    plain = {"status": status, "seconds": round(seconds, 1)}
+    health_latency = max(target.health()[1] for _ in range(5))
+    worker.join(GRAMMAR_DRAIN_S)
+    start, drained_s = time.monotonic(), None
+    for i in range(100):  # each try waits behind whatever the compile thread still does
+        if small_structured(f"drain{i}")[0] == 200:
+            drained_s = round(time.monotonic() - start, 1)
+            break
+        if time.monotonic() - start > GRAMMAR_DRAIN_S:
+            break
+    slow_ok = (400 <= slow.get("status", 0) < 500 or slow.get("status") == 200) \
+        and slow.get("seconds", GRAMMAR_DRAIN_S) < GRAMMAR_ANSWER_S
+    other_ok = other["status"] == 200 and other["seconds"] < GRAMMAR_ANSWER_S
+    return {"passed": bool(slow_ok and other_ok and plain["status"] == 200 and health_latency < 1.0),
+            "regex_bytes": len(slow_body["structured_outputs"]["regex"]), "slow_request": slow,
+            "other_structured_request": other, "plain_request": plain,
+            "health_max_latency_s": round(health_latency, 3),
+            "structured_served_again_after_s": drained_s}  # None: still not, GRAMMAR_DRAIN_S later
+
+
+def unsatisfiable_grammar(target: Target) -> dict:
+    """Constraints no token can meet: a regex that matches nothing, a grammar that has ended while
+    min_tokens bans the end, a regex whose characters allowed_token_ids leaves out. Each should get a
+    4xx naming the structured output, or a 200 with one of OpenAI's finish reasons (never "error"
+    without a word of why)."""
+    bodies = {
+        "empty_class_regex": {"structured_outputs": {"regex": "[^\\s\\S]"}},
+        "choice_ended_before_min_tokens": {"structured_outputs": {"choice": ["a"]}, "min_tokens": 5,
+                                           "max_tokens": 8},
+        "regex_outside_allowed_token_ids": {"structured_outputs": {"regex": "[0-9]+"},
+                                            "allowed_token_ids": list(range(60, 90))},  # letters, no digits
+    }
+    answers = {}
+    for name, fields in bodies.items():
+        status, text, _ = target.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0,
+                                                           **fields})
+        finish_reasons = None
+        if status == 200:
+            finish_reasons = [c.get("finish_reason") for c in json.loads(text)["choices"]]
+        is_sane = (400 <= status < 500 and error_problem(status, text) is None) or (
+            status == 200 and set(finish_reasons) <= {"stop", "length"})
+        answers[name] = {"status": status, "finish_reasons": finish_reasons, "body": text[:200], "sane": is_sane}
+    return {"passed": all(a["sane"] for a in answers.values()), "answers": answers}
