@@ -19,7 +19,9 @@ from hostile_client import LocalClient, Target, error_problem, finals
 
 HEALTH_SLACK_S = 10.0  # beyond --engine-timeout, for the frontend to notice and say so
 RESTART_WAIT_S = 120.0  # a fresh core loads the model again
-GRAMMAR_ANSWER_S = 15.0  # the frontend's grammar check gives up after 5 s; a refusal should come soon after
+# The frontend's grammar check gives up after 5 s; a request queued behind it then waits for a fresh
+# checker (imports torch and xgrammar: seconds on a busy machine) and its own compile in a core.
+GRAMMAR_ANSWER_S = 20.0
 GRAMMAR_DRAIN_S = 600.0  # how long a slow compile may keep the core's compile thread busy after its case
 
 
