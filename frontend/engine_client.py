@@ -286,8 +286,9 @@ class AsyncEngineClient:
             engine.send(AbortRequests(processed.request_ids_to_abort))
 
     def _on_error(self, engine: EngineConnection, msg: EngineError) -> None:
-        logger.error("engine %d reported an error%s: %s", engine.index,
-                     f" for request {msg.request_id}" if msg.request_id else "", msg.message)
+        level = logging.INFO if msg.is_request_error else logging.ERROR  # a client's bad request is not ours
+        logger.log(level, "engine %d reported an error%s: %s", engine.index,
+                   f" for request {msg.request_id}" if msg.request_id else "", msg.message)
         state = self._states.get(msg.request_id) if msg.request_id is not None else None
         if state is not None:
             error_type = InvalidRequestError if msg.is_request_error else RequestFailedError
