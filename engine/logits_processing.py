@@ -64,7 +64,7 @@ class LogitsProcessingState:
         self.vocab_size = vocab_size
         self.device = device
         self.penalty_state = PenaltyState(vocab_size, device, kernels)
-        self.grammar_bitmask = GrammarBitmask()
+        self.grammar_bitmask = GrammarBitmask(kernels)
         self._tensors: dict[str, _RequestTensors] = {}
 
     def prepare(self, requests: list[Request]) -> LogitsProcessing | None:

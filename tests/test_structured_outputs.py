@@ -33,15 +33,24 @@ def greedy(max_tokens: int = 60, **fields) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **fields)
 
 
+def _kernels_or_none(use_kernels: bool):
+    if not use_kernels:
+        return None
+    from engine.kernels.cpu_extension import load_cpu_kernels
+
+    return load_cpu_kernels()
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["xgrammar_apply", "cpu_kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_mask_leaves_only_the_grammars_tokens(default_model_path, dtype):
+def test_the_mask_leaves_only_the_grammars_tokens(default_model_path, dtype, use_kernels):
     pool = GrammarCompilerPool(default_model_path, 49152, [2])
     import xgrammar
 
     matcher = xgrammar.GrammarMatcher(pool.submit(StructuredOutputsParams(regex="[0-9]")).result())
     logits = torch.randn(3, 49152).to(dtype)
     original = logits.clone()
-    GrammarBitmask().apply(logits, [1], [_Grammar(matcher)])
+    GrammarBitmask(_kernels_or_none(use_kernels)).apply(logits, [1], [_Grammar(matcher)])
     allowed = torch.isfinite(logits[1]).nonzero().squeeze(1).tolist()
     from ipc.text.tokenizer import Tokenizer
 
@@ -50,6 +59,25 @@ def test_the_mask_leaves_only_the_grammars_tokens(default_model_path, dtype):
     assert torch.equal(logits[1, allowed], original[1, allowed])  # allowed logits untouched
     assert torch.equal(logits[[0, 2]], original[[0, 2]])  # other rows untouched
     pool.shutdown()
+
+
+@pytest.mark.parametrize("vocab_size", [49152, 1000, 37])
+def test_the_cpu_kernel_masks_as_xgrammar_does(vocab_size):
+    """Random bitmasks with all-zero, all-one and mixed words, a vocabulary that ends mid-word."""
+    import xgrammar
+
+    kernels = _kernels_or_none(True)
+    generator = torch.Generator().manual_seed(vocab_size)
+    num_words = (vocab_size + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, num_words), dtype=torch.int32, generator=generator)
+    bitmask[:, ::3] = 0
+    bitmask[:, 1::3] = -1
+    logits = torch.randn(5, vocab_size, generator=generator)
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=[0, 2, 3])
+    kernels.apply_token_bitmask(logits, bitmask, torch.tensor([0, 2, 3]))
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[0]).any() and torch.isfinite(logits[0]).any()
 
 
 class _Grammar:

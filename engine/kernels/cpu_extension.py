@@ -1,11 +1,13 @@
 """Builds and loads the C++ CPU kernels (engine/kernels/cpu/*.cpp) once per machine.
 
 torch.utils.cpp_extension compiles them with the host compiler the first time
-(about 20 s) into <cache>/torch_extensions/<cpu key>, and later processes only
-load the shared library; it rebuilds by itself when a source changes. The code
-is compiled for the host's own instruction set (-march=native), so the build
-folder is keyed by the CPU's model and flags: a cache shared with another kind
-of machine never hands it an incompatible binary.
+(about 20 s) into <cache>/torch_extensions/<cpu key>-<source key>, and later
+processes only load the shared library. The code is compiled for the host's own
+instruction set (-march=native), so the folder is keyed by the CPU's model and
+flags: a cache shared with another kind of machine never hands it an incompatible
+binary. It is keyed by the sources, headers and flags too, so two checkouts with
+different kernels (a branch, a worktree) each keep their build instead of
+rebuilding over each other's.
 
 -ffast-math lets the compiler vectorize exp (glibc's libmvec) and reassociate
 fp32 sums; every sum still accumulates in fp32. fused_ops.cpp turns it off for
@@ -27,7 +29,8 @@ logger = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).parent / "cpu" / name
     for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "paged_shared_decode_attention.cpp",
-                 "fused_ops.cpp", "small_batch_linear.cpp", "sample_rows.cpp", "apply_penalties.cpp", "bindings.cpp")
+                 "fused_ops.cpp", "small_batch_linear.cpp", "sample_rows.cpp", "apply_penalties.cpp", "apply_token_bitmask.cpp",
+                 "bindings.cpp")
 ]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h")]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -44,11 +47,14 @@ def _cpu_key() -> str:
     return platform.machine() + "-" + hashlib.sha256(description.encode()).hexdigest()[:12]
 
 
-def _headers_flag() -> str:
-    """torch rebuilds when a source or a flag changes, but does not read headers: their
-    hash goes in as a flag, so editing a header rebuilds too."""
-    digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
-    return f"-DTOKENLOOM_HEADERS_HASH={digest}"
+def _sources_key() -> str:
+    """torch rebuilds when a source or a flag changes, but does not read headers: the
+    folder's name hashes all of them."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    return digest.hexdigest()[:12]
 
 
 def load_cpu_kernels() -> ModuleType:
@@ -57,13 +63,13 @@ def load_cpu_kernels() -> ModuleType:
     if _module is None:
         from torch.utils.cpp_extension import load
 
-        build_dir = cache_dir() / "torch_extensions" / _cpu_key()
+        build_dir = cache_dir() / "torch_extensions" / f"{_cpu_key()}-{_sources_key()}"
         build_dir.mkdir(parents=True, exist_ok=True)
         logger.info("loading CPU kernels (built on first use) from %s", build_dir)
         _module = load(
             name="tokenloom_cpu_kernels",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=CFLAGS + [_headers_flag()],
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
         )

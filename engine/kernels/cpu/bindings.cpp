@@ -27,6 +27,9 @@ void apply_penalties(torch::Tensor logits, torch::Tensor rows, torch::Tensor slo
                      torch::Tensor prompt_mask, torch::Tensor repetition, torch::Tensor frequency,
                      torch::Tensor presence);
 
+// apply_token_bitmask.cpp
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
+
 // small_batch_linear.cpp
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor slabs, torch::Tensor bias, bool out_fp32);
 bool has_small_batch_linear();
@@ -46,6 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decodes of sequences sharing their first blocks, one tile per group, into out (CPU)");
   m.def("sample_rows", &sample_rows, "one token per row: greedy, or an inverse-CDF draw at a temperature (CPU)");
   m.def("apply_penalties", &apply_penalties, "repetition, frequency and presence penalties in place (CPU)");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "the grammar's bitmask on listed rows of logits, in place (CPU)");
   m.def("small_batch_linear", &small_batch_linear, "bf16 linear for a few tokens, weights in 16-feature slabs (CPU)");
   m.def("has_small_batch_linear", &has_small_batch_linear, "whether this build has small_batch_linear (AVX512_BF16)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rmsnorm(residual) * weight, in place (CPU)");
