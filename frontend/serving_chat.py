@@ -66,7 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             reasoning_content, content = reasoning.new_parser(reasoning_state).extract(result.text)
         message, finish_reason = _message(content, result.finish_reason, tool_mode.new_parser())
         if reasoning is not None:
-            message["reasoning_content"] = reasoning_content
+            message["reasoning_content"] = reasoning_content if body.include_reasoning else None
         choices.append({"index": result.index, "message": message,
                         "logprobs": chat_logprobs(client.tokenizer, result.logprobs) if body.logprobs else None,
                         "finish_reason": finish_reason})
@@ -117,7 +117,7 @@ def _stream_chat(stream: RequestStream, body: ChatCompletionRequest, header: dic
             message = {"content": content} if content else {}
             if call_deltas:
                 message["tool_calls"] = [d.to_openai() for d in merge_call_deltas(call_deltas)]
-        if reasoning_text:
+        if reasoning_text and body.include_reasoning:
             message = {"reasoning_content": reasoning_text, **message}
         if not message and finish_reason is None and not (body.logprobs and delta.logprobs):
             return None
