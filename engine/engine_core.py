@@ -123,7 +123,8 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time)
         if params.structured_outputs is not None:
             request.grammar = RequestGrammar(self._grammar_compiler().submit(params.structured_outputs),
-                                             self.config.grammar_compile_timeout_s)
+                                             self.config.grammar_compile_timeout_s,
+                                             params.structured_outputs.reasoning_end_token_ids)
         self.scheduler.add_request(request)
 
     def _grammar_compiler(self) -> GrammarCompilerPool:

@@ -81,7 +81,7 @@ class LogitsProcessingState:
                 processing.allowed.append((row, tensors.allowed_mask))
             if tensors.bias_ids is not None:
                 processing.biases.append((row, tensors.bias_ids, tensors.bias_values))
-            if request.grammar is not None:
+            if request.grammar is not None and not request.grammar.is_dormant:  # dormant: still reasoning
                 processing.grammar_rows.append(row)
                 processing.grammars.append(request.grammar)
             if params.has_penalties:

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from frontend.admission import Admission, AdmissionConfig, AdmissionMiddleware
 from frontend.chat_tools import ToolOptions
+from frontend.reasoning_parsers import ReasoningPrompt, get_reasoning_parser
 from frontend.engine_client import AsyncEngineClient
 from frontend.engine_connection import EngineStartError
 from frontend.errors import (
@@ -63,10 +64,11 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 def build_app(client: AsyncEngineClient, admission: Admission | None = None,
-              tools: ToolOptions | None = None) -> FastAPI:
+              tools: ToolOptions | None = None, reasoning_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="tokenloom", summary="OpenAI-compatible LLM inference server")
     admission = admission or Admission(AdmissionConfig())
     tools = tools or ToolOptions()
+    reasoning = ReasoningPrompt(get_reasoning_parser(reasoning_parser), client.tokenizer) if reasoning_parser else None
     app.state.client = client
     app.state.admission = admission
     created = int(time.time())
@@ -111,7 +113,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
     async def chat_completions(raw_request: Request) -> Response:
         body = await read_body(raw_request, ChatCompletionRequest)
         _check_model(client, body.model)
-        return await create_chat_completion(body, raw_request, client, tools)
+        return await create_chat_completion(body, raw_request, client, tools, reasoning)
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize_route(raw_request: Request) -> dict:
@@ -258,7 +260,7 @@ async def run_frontend(args: argparse.Namespace) -> None:
         raise_open_file_limit()  # each connection is a file; thousands of idle ones must not run out
         # uvicorn's own timeout is a backstop: by then our drain has ended every request.
         # The protocol is uvicorn's httptools one with bounded header size and time.
-        config = uvicorn.Config(build_app(client, admission, tools), host=args.host, port=args.port, loop="uvloop",
+        config = uvicorn.Config(build_app(client, admission, tools, args.reasoning_parser), host=args.host, port=args.port, loop="uvloop",
                                 http=guarded_protocol(admission.config), log_level=args.log_level,
                                 timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_BACKSTOP_S)

@@ -251,6 +251,7 @@ class ChatCompletionRequest(OpenAIFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM's: with --reasoning-parser, False leaves reasoning_content out
 
     def check_supported(self) -> None:
         super().check_supported()

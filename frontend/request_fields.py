@@ -28,7 +28,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "web_search_options": (None,),
     "reasoning_effort": (None,),
-    "include_reasoning": (None, False),
     "verbosity": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),

@@ -13,6 +13,7 @@ from frontend.admission import (
 from frontend.chat_tools import ToolOptions
 from frontend.engine_client import EngineClientConfig
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
+from frontend.reasoning_parsers import REASONING_PARSER_NAMES
 from frontend.tool_parsers import TOOL_PARSER_NAMES
 from ipc.engine_config import DEFAULT_MODEL, add_engine_args, engine_argv
 
@@ -41,6 +42,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     tools.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES,
                        help='how calls are read from a free answer (tool_choice "auto")')
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES,
+                        help="move the answer's <think>...</think> part into message.reasoning_content (vLLM's "
+                             "flag); a grammar then applies after the reasoning")
     limits = parser.add_argument_group("limits and faults")
     limits.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                         help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")

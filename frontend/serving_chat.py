@@ -1,6 +1,9 @@
 """`POST /v1/chat/completions` (OpenAI): the chat template, then the same delta stream as completions.
 
-With tools (frontend.chat_tools), the answer's text goes through the request's tool
+With --reasoning-parser (frontend.reasoning_parsers), the answer's `<think>...</think>`
+part becomes `message.reasoning_content` (streamed as `delta.reasoning_content`), and a
+grammar (a structured output, a forced tool call) waits in the engine until it is over.
+With tools (frontend.chat_tools), the content part goes through the request's tool
 parser: calls become `message.tool_calls` (streamed as OpenAI's tool-call deltas:
 index, id and name first, then pieces of arguments) and `finish_reason: "tool_calls"`.
 """
@@ -8,7 +11,7 @@ index, id and name first, then pieces of arguments) and `finish_reason: "tool_ca
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,6 +20,7 @@ from frontend.chat_tools import ToolMode, ToolOptions, resolve_tool_mode, templa
 from frontend.engine_client import AsyncEngineClient
 from frontend.errors import InvalidRequestError
 from frontend.protocol import ChatCompletionRequest
+from frontend.reasoning_parsers import ReasoningParser, ReasoningPrompt, ReasoningState
 from frontend.request_state import RequestDelta, RequestStream
 from frontend.serving_utils import (
     ClientDisconnected, Usage, chat_logprobs, collect, now_s, random_id, run_unless_disconnected, sse_stream,
@@ -27,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request, client: AsyncEngineClient,
-                                 tool_options: ToolOptions | None = None) -> Response:
+                                 tool_options: ToolOptions | None = None,
+                                 reasoning: ReasoningPrompt | None = None) -> Response:
     body.check_supported()
     tool_mode = resolve_tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, tool_options or ToolOptions())
     structured_outputs = body.structured_outputs_params()
@@ -37,13 +42,17 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         structured_outputs = tool_mode.structured_outputs
     messages = template_messages([message.to_template_dict() for message in body.messages])
     prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, tool_mode.template_tools)
+    reasoning_state = reasoning.state_after(prompt_token_ids) if reasoning is not None else ReasoningState.CONTENT
+    if reasoning is not None:
+        structured_outputs = reasoning.hold_grammar(structured_outputs, reasoning_state)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.to_sampling_params(max_tokens, body.num_logprobs, structured_outputs)
     request_id = random_id("chatcmpl")
     stream = await client.generate(None, params, request_id, prompt_token_ids=prompt_token_ids, n=body.n)
     header = {"id": request_id, "created": now_s(), "model": client.model_name}
     if body.stream:
-        return StreamingResponse(_stream_chat(stream, body, header, client, tool_mode),
+        new_reasoning_parser = (lambda: reasoning.new_parser(reasoning_state)) if reasoning is not None else None
+        return StreamingResponse(_stream_chat(stream, body, header, client, tool_mode, new_reasoning_parser),
                                  media_type="text/event-stream")
     usage = Usage(body.n)
     try:
@@ -52,17 +61,23 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         return Response(status_code=499)
     choices = []
     for result in results:
-        message, finish_reason = _message(result.text, result.finish_reason, tool_mode.new_parser())
+        reasoning_content, content = None, result.text
+        if reasoning is not None:
+            reasoning_content, content = reasoning.new_parser(reasoning_state).extract(result.text)
+        message, finish_reason = _message(content, result.finish_reason, tool_mode.new_parser())
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning_content if body.include_reasoning else None
         choices.append({"index": result.index, "message": message,
                         "logprobs": chat_logprobs(client.tokenizer, result.logprobs) if body.logprobs else None,
                         "finish_reason": finish_reason})
     return JSONResponse({**header, "object": "chat.completion", "choices": choices, "usage": usage.to_dict()})
 
 
-def _message(text: str, finish_reason: str | None, parser: ToolParser | None) -> tuple[dict, str | None]:
+def _message(text: str | None, finish_reason: str | None, parser: ToolParser | None) -> tuple[dict, str | None]:
+    """`text`: the answer's content part (None: the answer was all reasoning)."""
     if parser is None:
         return {"role": "assistant", "content": text}, finish_reason
-    content, calls = parser.extract(text)
+    content, calls = parser.extract(text or "")
     if not calls:
         return {"role": "assistant", "content": content or ""}, finish_reason
     message = {"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in calls]}
@@ -75,15 +90,25 @@ def _tool_finish_reason(finish_reason: str | None) -> str | None:
 
 
 def _stream_chat(stream: RequestStream, body: ChatCompletionRequest, header: dict,
-                 client: AsyncEngineClient, tool_mode: ToolMode) -> AsyncIterator[str]:
+                 client: AsyncEngineClient, tool_mode: ToolMode,
+                 new_reasoning_parser: Callable[[], ReasoningParser] | None) -> AsyncIterator[str]:
     parsers = {index: tool_mode.new_parser() for index in range(len(stream.states))}
+    reasoning_parsers = {index: new_reasoning_parser() if new_reasoning_parser else None
+                         for index in range(len(stream.states))}
 
     def make_choice(delta: RequestDelta) -> dict | None:
         finish_reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
-        message = {"content": delta.text} if delta.text else {}
+        reasoning_text, text = "", delta.text
+        reasoning_parser = reasoning_parsers[delta.index]
+        if reasoning_parser is not None:
+            reasoning_text, text = reasoning_parser.feed(text)
+            if finish_reason is not None:
+                more_reasoning, more_text = reasoning_parser.finish()
+                reasoning_text, text = reasoning_text + more_reasoning, text + more_text
+        message = {"content": text} if text else {}
         parser = parsers[delta.index]
         if parser is not None:
-            content, call_deltas = parser.feed(delta.text)
+            content, call_deltas = parser.feed(text)
             if finish_reason is not None:
                 more_content, more_deltas = parser.finish()
                 content, call_deltas = content + more_content, call_deltas + more_deltas
@@ -92,6 +117,8 @@ def _stream_chat(stream: RequestStream, body: ChatCompletionRequest, header: dic
             message = {"content": content} if content else {}
             if call_deltas:
                 message["tool_calls"] = [d.to_openai() for d in merge_call_deltas(call_deltas)]
+        if reasoning_text and body.include_reasoning:
+            message = {"reasoning_content": reasoning_text, **message}
         if not message and finish_reason is None and not (body.logprobs and delta.logprobs):
             return None
         return {

@@ -167,6 +167,9 @@ class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams")
             self.structured_outputs.validate()
+            if self.structured_outputs.reasoning_end_token_ids is not None:
+                _check_token_ids("structured_outputs.reasoning_end_token_ids",
+                                 self.structured_outputs.reasoning_end_token_ids, vocab_size)
 
 
 def tokenize_bad_words(words: list[str], encode) -> list[list[int]]:

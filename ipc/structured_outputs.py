@@ -2,7 +2,8 @@
 
 In the style of vLLM's `StructuredOutputsParams`: exactly one of `json` (a JSON
 schema, carried as its JSON text), `regex`, `choice`, `grammar` (EBNF, xgrammar's
-dialect) or `json_object` (any JSON object) is set. The engine compiles it with
+dialect) or `json_object` (any JSON object) is set; `reasoning_end_token_ids` holds
+the grammar back while a reasoning model thinks. The engine compiles it with
 xgrammar and masks the logits with it every step; this file only types, bounds
 and checks the shape, so it stays torch-free.
 """
@@ -17,9 +18,13 @@ from msgspec import Meta, Struct
 MAX_GRAMMAR_BYTES = 256 * 1024  # a schema, regex or grammar: far above any real one, and a bounded compile
 MAX_CHOICES = 256
 MAX_CHOICE_LEN = 1024
+MAX_REASONING_END_TOKENS = 16  # "</think>" is one token in reasoning models' vocabularies, a few elsewhere
+MAX_TOKEN_ID = 2**31 - 1  # as ipc.sampling_params (which imports this file): ids index int32 tensors
 
 GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_BYTES)]
 Choice = Annotated[str, Meta(max_length=MAX_CHOICE_LEN)]
+ReasoningEndTokenIds = Annotated[list[Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]],
+                                 Meta(min_length=1, max_length=MAX_REASONING_END_TOKENS)]
 
 
 class StructuredOutputsParams(Struct, array_like=True, forbid_unknown_fields=True):
@@ -30,6 +35,10 @@ class StructuredOutputsParams(Struct, array_like=True, forbid_unknown_fields=Tru
     json_object: bool = False
     # Whitespace inside JSON as the model likes it (xgrammar's any_whitespace); False: one compact form.
     any_whitespace: bool = True
+    # Appended (the wire is append-only). Set by a server with --reasoning-parser: the grammar
+    # sleeps (no mask, the matcher unmoved) until the output's token ids end with these, the
+    # end of the reasoning ("</think>"), and constrains from the next token on. None: from the first.
+    reasoning_end_token_ids: ReasoningEndTokenIds | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -69,6 +78,10 @@ class StructuredOutputsParams(Struct, array_like=True, forbid_unknown_fields=Tru
         for name in ("json_object", "any_whitespace"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"structured_outputs.{name} must be true or false")
+        end_ids = self.reasoning_end_token_ids
+        if end_ids is not None and (not isinstance(end_ids, list) or not 0 < len(end_ids) <= MAX_REASONING_END_TOKENS):
+            raise ValueError("structured_outputs.reasoning_end_token_ids must be a list of 1 to "
+                             f"{MAX_REASONING_END_TOKENS} token ids")
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -31,6 +31,7 @@ from ipc.messages import (
     TokenLogprobs,
 )
 from ipc.sampling_params import SamplingParams
+from ipc.structured_outputs import MAX_REASONING_END_TOKENS
 
 FULL_PARAMS = SamplingParams(
     temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1234, max_tokens=64, min_tokens=2,
@@ -117,6 +118,12 @@ def _packed(*items):
     return msgpack.packb(list(items), use_bin_type=True)
 
 
+def _with_grammar(structured: list) -> list:
+    """A SamplingParams array with every field up to structured_outputs, which is `structured`."""
+    return [1.0, 1.0, -1, 0.0, None, 16, 0, False, [], [], None, True, False, 1.0, 0.0, 0.0, [], None, [], [], None,
+            structured]
+
+
 REJECTS = {
     "empty": b"",
     "garbage": b"\xc1\xff\x00garbage",
@@ -151,6 +158,10 @@ REJECTS = {
     "ext_type": _packed(MessageType.HELLO, msgpack.ExtType(5, b"abc")),
     "timestamp_ext": _packed(MessageType.HELLO, msgpack.Timestamp(1, 0)),
     "invalid_utf8": b"\x92\x04\xa2\xff\xfe",
+    "reasoning_end_too_long": _packed(MessageType.ADD_REQUEST, "r", [1], _with_grammar(
+        [None, "[0-9]", None, None, False, True, [1] * (MAX_REASONING_END_TOKENS + 1)])),
+    "reasoning_end_empty": _packed(MessageType.ADD_REQUEST, "r", [1], _with_grammar(
+        [None, "[0-9]", None, None, False, True, []])),
     "too_many_outputs": _packed(
         MessageType.ENGINE_OUTPUTS, 0, [["r", []]] * (codec.MAX_OUTPUTS_PER_STEP + 1), []
     ),

@@ -27,6 +27,9 @@ EDGES = [
         repetition_penalty=1.5, frequency_penalty=-2.0, presence_penalty=2.0, logit_bias=[(0, -100.0), (5, 1.5)],
         allowed_token_ids=[1, 2], bad_words=["x"], bad_words_token_ids=[[3, 4]], prompt_logprobs=2,
         structured_outputs=StructuredOutputsParams(json='{"type": "object"}'))),
+    # A grammar that waits for the end of the reasoning (--reasoning-parser).
+    AddRequest("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(
+        regex="[0-9]+", reasoning_end_token_ids=[151668]))),
 ]
 # hex, or "sha256:" + the digest for the long ones
 GOLDEN = [
@@ -49,7 +52,8 @@ GOLDEN = [
     'sha256:b73953637a8d757d388a7877f2cf3ec0fdd58510ff71d9f1b2513000034e70f0',
     '9501a1799101dc0016cb3ff0000000000000cb3fe0000000000000ff01cf7fffffffffffffff1000c2909014c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0cb0000000000000000',
     'sha256:bbb1691909f603ed9a10198724c6cd71fb617d2f821de61be43d90316c3d8f9d',
-    'sha256:96ab8cb4046fd5eacb63046ae7e3dfb948356bb100cd6710f3a60e920bd48e63',
+    'sha256:29f1179da335f07ea4e5b1f96f6c71b2f5568cb972084b7c11f090efad0f1f2e',  # reasoning_end_token_ids appended
+    'sha256:8022d23588b93e2d297130681f48934042b7c48ea8bf2f585e9a54c1bc975d38',
 ]
 
 
@@ -74,3 +78,13 @@ def test_the_readmes_raw_msgpack_example_still_speaks_the_protocol():
         encode(GenerateOutput("req-1", "Once", [7], FinishReason.LENGTH)))
     assert (request_id, text, token_ids, finish_reason, error) == ("req-1", "Once", [7], 2, None)
     assert msgpack.unpackb(encode(GenerateOutput("r", "", [])))[0] == MessageType.GENERATE_OUTPUT
+
+
+def test_a_grammar_from_before_reasoning_end_token_ids_still_decodes():
+    """Append-only: a peer that sends the six fields of StructuredOutputsParams gets no end tokens."""
+    msg = EDGES[3]
+    fields = msgpack.unpackb(encode(msg))
+    structured = fields[3][-1]
+    assert structured[-1] is None  # reasoning_end_token_ids, the appended field
+    fields[3][-1] = structured[:-1]
+    assert decode(msgpack.packb(fields)) == msg

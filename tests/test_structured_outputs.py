@@ -181,3 +181,42 @@ def test_contradicting_constraints_fail_that_request_with_the_reason(llm, fields
     (request_id, reason), = llm.engine.request_errors
     assert "no token satisfies the request's constraints" in reason
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_grammar_after_reasoning_masks_only_from_the_token_after_the_end_sequence(llm):
+    """--reasoning-parser's wire field: the grammar sleeps until the output ends with
+    reasoning_end_token_ids. The "end of reasoning" here is two tokens the model writes
+    by itself, so the tokens up to them must be the free answer's, and the rest the regex's."""
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    free = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    end = free.token_ids[1:3]  # " capital of"
+    assert free.token_ids[0:2] != end and not re.fullmatch(r"[0-9]+", free.text)
+    held = StructuredOutputsParams(regex=r"[0-9]{3}", reasoning_end_token_ids=end)
+    output = llm.generate(prompt, greedy(structured_outputs=held), use_tqdm=False)[0]
+    assert output.finish_reason == "stop"
+    assert output.token_ids[:3] == free.token_ids[:3]  # no mask, and the matcher unmoved, while dormant
+    assert re.fullmatch(r"[0-9]{3}", llm.tokenizer.decode(output.token_ids[3:]))  # the mask from the next token on
+    never = StructuredOutputsParams(regex=r"[0-9]{3}", reasoning_end_token_ids=[free.token_ids[0]] * 3)
+    assert llm.generate(prompt, greedy(structured_outputs=never), use_tqdm=False)[0].token_ids == free.token_ids
+
+
+def test_reasoning_parsers_split_a_think_answer_the_model_was_forced_to_write(llm):
+    """A `<think>...</think>` answer from the default model (which does not think), forced by a
+    regex with no reasoning parser; both parsers split it, whole and token by token."""
+    from frontend.reasoning_parsers import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France? Think first."}])
+    forced = StructuredOutputsParams(regex=r"<think>[A-Za-z ,.]{5,60}</think>[A-Za-z ,.]{5,60}")
+    output = llm.generate(prompt, greedy(80, structured_outputs=forced), use_tqdm=False)[0]
+    match = re.fullmatch(r"<think>(.*)</think>(.*)", output.text, re.S)
+    assert match, output.text
+    pieces = [llm.tokenizer.decode(output.token_ids[:i + 1]) for i in range(len(output.token_ids))]
+    deltas = [piece[len(before):] for before, piece in zip([""] + pieces, pieces)]
+    assert "".join(deltas) == output.text and len(deltas) > 5
+    for parser_class in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser):
+        assert parser_class().extract(output.text) == (match[1], match[2])
+        parser, reasoning, content = parser_class(), "", ""
+        for delta in deltas + [None]:
+            r, c = parser.feed(delta) if delta is not None else parser.finish()
+            reasoning, content = reasoning + r, content + c
+        assert (reasoning, content) == (match[1], match[2])
