@@ -104,7 +104,9 @@ class EngineCoreProcess:
     def _on_malformed(self, identity: bytes | None, payload: bytes | None, error: DecodeError) -> None:
         logger.error("dropped a malformed message: %s", error)
         if identity is not None:
-            self._send(EngineError(f"malformed message: {error}", engine_id=self.engine_id), identity)
+            # An AddRequest whose id reads fails that request (a 400 for its client), not just the message.
+            self._send(EngineError(f"malformed message: {error}", request_id=error.request_id, engine_id=self.engine_id,
+                                   is_request_error=error.request_id is not None), identity)
 
     def _step(self) -> None:
         self.num_steps += 1

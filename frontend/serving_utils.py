@@ -174,7 +174,12 @@ def completion_logprobs(tokenizer, logprobs: list[TokenLogprobs], text_offset: i
         text = token_text(tokenizer, lp.token_id)
         tokens.append(text)
         token_logprobs.append(lp.logprob)
-        top_logprobs.append({token_text(tokenizer, t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+        # The token itself first, then its top alternatives: up to N + 1 entries, as OpenAI and vLLM
+        # write them (a prompt token, or a sampled one, is often not among the top N).
+        top = {text: lp.logprob}
+        for token_id, value in zip(lp.top_token_ids, lp.top_logprobs):
+            top.setdefault(token_text(tokenizer, token_id), value)
+        top_logprobs.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

@@ -71,7 +71,13 @@ _PATH = re.compile(r" - at `\$((?:\[\d+\])*)`$")
 
 
 class DecodeError(ValueError):
-    """The bytes are not a valid message. The only exception `decode` raises for bad input."""
+    """The bytes are not a valid message. The only exception `decode` raises for bad input.
+    `request_id`: an AddRequest's id when that much of it reads, so its sender can fail that
+    request alone instead of leaving its client waiting."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 def encode(msg: Any) -> bytes:
@@ -94,9 +100,21 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int = MAX_MESSAGE_BY
     try:
         return _decoder.decode(data)
     except msgspec.ValidationError as e:
-        raise DecodeError(_describe(data, str(e))) from None
+        raise DecodeError(_describe(data, str(e)), _add_request_id(data)) from None
     except Exception as e:  # msgspec.DecodeError and anything odd: never a crash for the caller
         raise DecodeError(f"not a valid msgpack message: {type(e).__name__}: {e}") from None
+
+
+def _add_request_id(data: bytes | bytearray | memoryview) -> str | None:
+    """The request id of an AddRequest that failed validation, if it is itself valid; only runs on a bad message."""
+    try:
+        fields = msgspec.msgpack.decode(data)
+    except Exception:
+        return None
+    if (isinstance(fields, list) and len(fields) > 1 and fields[0] == int(MessageType.ADD_REQUEST)
+            and isinstance(fields[1], str) and 0 < len(fields[1]) <= MAX_REQUEST_ID_LEN):
+        return fields[1]
+    return None
 
 
 def _describe(data: bytes | bytearray | memoryview, error: str) -> str:

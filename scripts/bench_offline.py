@@ -123,6 +123,8 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         cpu_prepack=not args.no_cpu_prepack,
         compile=args.compile,
         enable_prefix_caching=prefix_caching,
+        load_format=args.load_format,
+        skip_tokenizer_init=args.load_format == "dummy",  # a config-only folder: token ids in and out
     )
     startup_s = time.perf_counter() - startup
     runner = llm.engine.model_runner
@@ -202,6 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="every mode's weights and activations (auto: the engine's choice, bf16 on CPUs with "
                         "native bf16 matmul, else fp32)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights of the folder's config.json (a published shape without its checkpoint)")
     p.add_argument("--compile", action="store_true", help="our engine: torch.compile the forward (CPU)")
     p.add_argument("--no-cpu-prepack", action="store_true", help="our engine: plain F.linear, not oneDNN-prepacked weights")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads for every mode")

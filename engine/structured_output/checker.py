@@ -30,6 +30,8 @@ import msgpack
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 1 << 20
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[06:33:00] /project/cpp/x.cc:94: "
+# An assertion inside xgrammar: "Check failed: (val <= MAX_INT64_AS_DOUBLE) is false: Integer exceeds ..."
+_CHECK_PREFIX = re.compile(r"^Check failed: \(.*\) is false: ")
 
 
 def check(kind: str, text: str, any_whitespace: bool, compiler=None) -> str | None:
@@ -50,7 +52,7 @@ def check(kind: str, text: str, any_whitespace: bool, compiler=None) -> str | No
             compiler.compile_grammar(grammar)
     except Exception as e:  # xgrammar raises RuntimeError with the converter's message
         lines = str(e).strip().splitlines()
-        return _SOURCE_PREFIX.sub("", lines[0]) if lines else type(e).__name__
+        return _CHECK_PREFIX.sub("", _SOURCE_PREFIX.sub("", lines[0])) if lines else type(e).__name__
     return None
 
 
