@@ -203,7 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "64:16,256:128,512:512 is the seed's example")
     p.add_argument("--real-prompts", action="store_true", help="English text prompts instead of random token ids")
     p.add_argument("--max-num-seqs", type=int, default=64, help="continuous mode's running-sequence cap")
-    p.add_argument("--static-batch-size", type=int, default=16, help="static mode's batch size (its max_num_seqs)")
+    p.add_argument("--static-batch-size", type=int, default=16, help="both static modes' batch size (their max_num_seqs)")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
