@@ -130,7 +130,7 @@ class ModelRunner:
         num_discarded = sum(1 for row in scheduler_output.padding if row.is_sampling)
         if num_discarded:
             # Finished rows of a padded static batch: sampled, as a padded engine samples every row, then dropped.
-            logits[-num_discarded:].argmax(dim=-1)  # [num_discarded]
+            _discarded = logits[-num_discarded:].argmax(dim=-1)  # [num_discarded]
             logits = logits[:-num_discarded]  # [num_logits_rows - num_discarded, vocab_size]
         if prompt_plans:
             self.prompt_logprobs.collect(logits, prompt_plans)
@@ -206,12 +206,14 @@ class ModelRunner:
                 sampled_rows.append(len(logits_rows))
                 logits_rows.append(len(input_ids) - 1)
                 sampled_requests.append(request)
-        # A padded static batch's pad tokens, after the real rows: each its own sequence, so no real token attends to it.
+        # A padded static batch's pad tokens, after the real rows: each row its own sequence,
+        # so no real token attends to them.
         for row in scheduler_output.padding:
             end = row.start + row.num_tokens
             input_ids.extend([self.pad_token_id] * row.num_tokens)
             positions.extend(range(row.start, end))
-            slot_mapping.extend(row.block_ids[p // block_size] * block_size + p % block_size for p in range(row.start, end))
+            slot_mapping.extend(row.block_ids[p // block_size] * block_size + p % block_size
+                                for p in range(row.start, end))
             query_start_loc.append(len(input_ids))
             query_lens.append(row.num_tokens)
             seq_lens.append(end)

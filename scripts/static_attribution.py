@@ -55,7 +55,8 @@ def attribute(continuous: dict, static: dict, padded: dict, padded_bounded: dict
     }
     if padded_bounded is not None:
         b = padded_bounded
-        result["memory"] = term(b["elapsed_s"] - p["elapsed_s"], b["num_computed_positions"] - p["num_computed_positions"],
+        result["memory"] = term(b["elapsed_s"] - p["elapsed_s"],
+                                b["num_computed_positions"] - p["num_computed_positions"],
                                 batch_rows=b["max_batch_rows"], batch_rows_unbounded=p["max_batch_rows"])
     return result
 
