@@ -19,6 +19,7 @@ from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device_and_dtype
 from engine.models.config import ModelConfig
 from engine.request import Request
+from engine.padded_static_scheduler import PaddedStaticScheduler
 from engine.scheduler import Scheduler
 from engine.static_scheduler import StaticScheduler
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
@@ -27,6 +28,9 @@ from ipc.request_checks import check_request
 from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# EngineConfig.batching -> its scheduler (the capacity simulator picks from here too)
+SCHEDULER_CLASSES = {"continuous": Scheduler, "static": StaticScheduler, "static-padded": PaddedStaticScheduler}
 
 
 class StepError(RuntimeError):
@@ -49,6 +53,9 @@ class StepStats:
     num_prefill_tokens: int  # tokens of sequences not yet at their last token
     num_decode_tokens: int
     num_kv_blocks_used: int
+    # static-padded: pad tokens computed for nothing (engine.padded_static_scheduler)
+    num_padding_tokens: int = 0  # rows' left padding
+    num_finished_row_tokens: int = 0  # finished rows' pad-token decodes
 
 
 class EngineCore:
@@ -86,8 +93,7 @@ class EngineCore:
             self.shutdown()
             raise
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)
-        scheduler_class = StaticScheduler if config.batching == "static" else Scheduler
-        self.scheduler = scheduler_class(
+        self.scheduler = SCHEDULER_CLASSES[config.batching](
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -214,4 +220,6 @@ def make_step_stats(scheduler_output, sampled, start_time: float, end_time: floa
         num_prefill_tokens=num_tokens - num_decode,
         num_decode_tokens=num_decode,
         num_kv_blocks_used=num_kv_blocks_used,
+        num_padding_tokens=sum(p.num_tokens for p in scheduler_output.padding if not p.is_sampling),
+        num_finished_row_tokens=sum(p.num_tokens for p in scheduler_output.padding if p.is_sampling),
     )

@@ -17,6 +17,7 @@ import torch
 
 from engine.attention import get_attention_backend
 from engine.attention.metadata import AttentionMetadata
+from engine.block_manager import num_blocks_for
 from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphRunner
@@ -102,6 +103,8 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed), kernels, self.logits_state)
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
+        # static-padded's padding and finished rows feed this; any id computes the same, EOS as transformers pads
+        self.pad_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else 0
         logger.info("KV pool: %d blocks of %d tokens on %s", num_kv_blocks, config.block_size, self.device)
         # Decode steps replay CUDA graphs sized for the longest sequence.
         self.cuda_graphs = CudaGraphRunner(
@@ -124,6 +127,11 @@ class ModelRunner:
             logits = self.forward_step(inputs)  # [num_logits_rows, vocab_size]
         else:
             logits = self.executor.run_step(inputs, self.forward_step)  # every rank runs it
+        num_discarded = sum(1 for row in scheduler_output.padding if row.is_sampling)
+        if num_discarded:
+            # Finished rows of a padded static batch: sampled, as a padded engine samples every row, then dropped.
+            _discarded = logits[-num_discarded:].argmax(dim=-1)  # [num_discarded]
+            logits = logits[:-num_discarded]  # [num_logits_rows - num_discarded, vocab_size]
         if prompt_plans:
             self.prompt_logprobs.collect(logits, prompt_plans)
             logits = logits[sampled_rows]  # [num_sampled, vocab_size]
@@ -198,8 +206,24 @@ class ModelRunner:
                 sampled_rows.append(len(logits_rows))
                 logits_rows.append(len(input_ids) - 1)
                 sampled_requests.append(request)
-        max_num_blocks = max(len(s.request.block_ids) for s in scheduler_output.scheduled)
-        block_tables = [s.request.block_ids + [0] * (max_num_blocks - len(s.request.block_ids)) for s in scheduler_output.scheduled]
+        # A padded static batch's pad tokens, after the real rows: each row its own sequence,
+        # so no real token attends to them.
+        for row in scheduler_output.padding:
+            end = row.start + row.num_tokens
+            input_ids.extend([self.pad_token_id] * row.num_tokens)
+            positions.extend(range(row.start, end))
+            slot_mapping.extend(row.block_ids[p // block_size] * block_size + p % block_size
+                                for p in range(row.start, end))
+            query_start_loc.append(len(input_ids))
+            query_lens.append(row.num_tokens)
+            seq_lens.append(end)
+            if row.is_sampling:
+                logits_rows.append(len(input_ids) - 1)
+        # A padding row's table stops at its last block, so a decode step keeps to the CUDA graphs' width.
+        tables = [s.request.block_ids for s in scheduler_output.scheduled] + [
+            p.block_ids[: num_blocks_for(p.start + p.num_tokens, block_size)] for p in scheduler_output.padding]
+        max_num_blocks = max(map(len, tables))
+        block_tables = [table + [0] * (max_num_blocks - len(table)) for table in tables]
         inputs = StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, query_lens, block_tables,
                             logits_rows)
         return inputs, sampled_requests, sampled_rows, prompt_plans

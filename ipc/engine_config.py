@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, converted by engine.model_files
 AUTO_DTYPE = "auto"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-BATCHING_MODES = ("continuous", "static")
+BATCHING_MODES = ("continuous", "static", "static-padded")
 # Field names whose flag is spelled differently (kept from before the flags were generated).
 FLAG_NAMES = {"kv_cache_memory_bytes": "--kv-cache-memory"}
 
@@ -40,7 +40,8 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata=_flag(
         "longest prompt + output in tokens (default: the model's own, capped by the KV pool)"))
     batching: str = field(default="continuous", metadata=_flag(
-        "continuous, or static: the head-of-line-blocking baseline", choices=BATCHING_MODES))
+        "continuous; static: the head-of-line-blocking baseline; static-padded: also padded batches, "
+        "KV reserved for prompt + max_tokens, finished rows computing until the batch ends", choices=BATCHING_MODES))
     attention_backend: str | None = field(default=None, metadata=_flag(
         "torch, cpu or triton (default: triton on CUDA, cpu (C++ decode kernel) on CPU)"))
     device: str | None = field(default=None, metadata=_flag("default: cuda when available, else cpu"))

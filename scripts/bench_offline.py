@@ -9,6 +9,10 @@ Modes:
   static      our engine, batching="static" (max_num_seqs = --static-batch-size): a batch is
               formed only when the previous one has fully finished; finished sequences leave
               the step (flat batches, no padding) but nobody takes their place
+  static-padded  our engine, batching="static-padded" (the same batch size): also the padding
+              of pre-vLLM static batching, computed: prompts padded to the batch's longest,
+              KV reserved for prompt + max_tokens (the pool bounds the batch), finished rows
+              decoding pad tokens until the batch's last row ends
   hf          AutoModelForCausalLM.generate on left-padded batches of --hf-batch-size, greedy,
               every row generating the batch's longest requested output
 
@@ -50,11 +54,12 @@ import platform  # noqa: E402
 import time  # noqa: E402
 
 from bench_offline_hf import run_hf  # noqa: E402
-from offline_result import ModeResult, print_table, step_columns, useful_positions  # noqa: E402
+from offline_result import ModeResult, print_table, step_columns, step_counts, useful_positions  # noqa: E402
 from workload import (  # noqa: E402
     DISTRIBUTIONS,
     add_prefix_workload_args,
     WorkloadRequest,
+    make_length_mix_workload,
     make_multi_turn_workload,
     make_shared_prefix_workload,
     make_workload,
@@ -62,7 +67,7 @@ from workload import (  # noqa: E402
 
 logger = logging.getLogger("bench_offline")
 
-MODES = ("continuous", "static", "hf")
+MODES = ("continuous", "static", "static-padded", "hf")
 PREFIX_CACHING = {"on": True, "off": False}
 QUICK = dict(num_requests=8, input_len=(8, 32), output_len=(4, 24), static_batch_size=4, hf_batch_size=4)
 
@@ -155,7 +160,6 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         num_prompt_tokens=sum(r.num_prompt_tokens for r in workload),
         num_output_tokens=sum(len(o.token_ids) for o in outputs),
         num_useful_positions=useful_positions(workload),
-        num_computed_positions=sum(s.num_tokens for s in step_stats),
         ttfts=[o.metrics.first_token_time - o.metrics.arrival_time for o in outputs],
         latencies=[o.metrics.finish_time - o.metrics.arrival_time for o in outputs],
         step_stats=step_stats,
@@ -165,6 +169,8 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         prefix_caching=prefix_caching,
         num_prefix_cache_queries=stats.num_prefix_cache_queries - stats_before.num_prefix_cache_queries,
         num_prefix_cache_hits=stats.num_prefix_cache_hits - stats_before.num_prefix_cache_hits,
+        num_preemptions=stats.num_preemptions - stats_before.num_preemptions,
+        **step_counts(step_stats),
     )
 
 
@@ -194,9 +200,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
     p.add_argument("--distribution", choices=DISTRIBUTIONS, default="uniform")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length-mix", default=None, metavar="P:O,P:O,...",
+                   help="instead of the ranges: requests cycle through these (prompt, output) lengths; "
+                        "64:16,256:128,512:512 is the seed's example")
     p.add_argument("--real-prompts", action="store_true", help="English text prompts instead of random token ids")
     p.add_argument("--max-num-seqs", type=int, default=64, help="continuous mode's running-sequence cap")
-    p.add_argument("--static-batch-size", type=int, default=16, help="static mode's batch size (its max_num_seqs)")
+    p.add_argument("--static-batch-size", type=int, default=16, help="both static modes' batch size (their max_num_seqs)")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
@@ -252,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
         conversations = make_multi_turn_workload(args.num_conversations, args.num_turns, args.turn_len,
                                                  args.shared_output_len, args.seed, vocab_size)
         workload = [WorkloadRequest(c.user_turns[0], c.max_tokens) for c in conversations]  # the warm-up's source
+    elif args.length_mix:
+        workload = make_length_mix_workload(args.length_mix, args.num_requests, args.seed, vocab_size)
     else:
         workload = make_workload(
             args.num_requests, args.input_len, args.output_len, args.distribution, args.seed,

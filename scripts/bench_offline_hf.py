@@ -77,12 +77,16 @@ def run_hf(workload: list[WorkloadRequest], args, model_path: str) -> ModeResult
             ttfts.append(times[1] - start)
             latencies.append(times[r.max_tokens] - start)
         # Steps as the engine records them, counting only rows that still need their tokens.
+        # Its padding is counted as static-padded's: left padding, and the rows already done.
+        num_prompt = sum(r.num_prompt_tokens for r in batch)
         step_stats.append(SimpleNamespace(start_time=times[0], end_time=times[1], num_seqs=len(batch),
-                                          num_tokens=sum(r.num_prompt_tokens for r in batch)))
+                                          num_tokens=num_prompt, num_finished_row_tokens=0,
+                                          num_padding_tokens=len(batch) * num_padded - num_prompt))
         for k in range(1, num_new):
             num_live = sum(1 for r in batch if r.max_tokens > k)
             step_stats.append(SimpleNamespace(start_time=times[k], end_time=times[k + 1], num_seqs=num_live,
-                                              num_tokens=num_live))
+                                              num_tokens=num_live, num_padding_tokens=0,
+                                              num_finished_row_tokens=len(batch) - num_live))
     elapsed = time.perf_counter() - start
     del model
     return ModeResult(

@@ -36,7 +36,7 @@ from engine.simulator.hardware_profile import (  # noqa: E402
     CALIBRATED, HardwareProfile, calibrated_profile_path, load_profile, profile_names)
 from engine.simulator.model_shape import ModelShape, load_model_shape  # noqa: E402
 from engine.simulator.simulator import SimulatedRequest, Simulator, SimulatorConfig  # noqa: E402
-from workload import DISTRIBUTIONS, make_workload  # noqa: E402
+from workload import DISTRIBUTIONS, length_mix, make_workload  # noqa: E402
 
 logger = logging.getLogger("simulate")
 
@@ -73,12 +73,6 @@ def read_workload(path: str) -> list[SimulatedRequest]:
             except (KeyError, ValueError) as e:
                 raise SystemExit(f"{path}:{number}: needs prompt_len, output_len (and arrival_s): {e}")
     return requests
-
-
-def length_mix(text: str, num_requests: int) -> list[tuple[int, int]]:
-    """"128:128,512:512,1024:256" -> num_requests (prompt, output) pairs, cycling through them."""
-    pairs = [tuple(int(n) for n in part.split(":")) for part in text.split(",") if part.strip()]
-    return [pairs[i % len(pairs)] for i in range(num_requests)]
 
 
 def synthetic_workload(args, vocab_size: int) -> list[SimulatedRequest]:
@@ -178,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="instead of the ranges: requests cycle through these (prompt, output) lengths")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second; inf: all at 0")
-    p.add_argument("--batching", choices=["continuous", "static"], default="continuous")
+    p.add_argument("--batching", choices=["continuous", "static", "static-padded"], default="continuous")
     p.add_argument("--max-num-seqs", type=int, default=64, help="static: the batch size")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from bench_metrics import RequestTrace, summarize_traces
-from offline_result import ModeResult, step_columns
+from offline_result import ModeResult, step_columns, step_counts
 
 
 def summary_fields(result, batching: str, dtype: str, prefix_caching: bool) -> dict:
@@ -21,13 +21,14 @@ def summary_fields(result, batching: str, dtype: str, prefix_caching: bool) -> d
         num_prompt_tokens=sum(r.num_prompt_tokens for r in requests),
         num_output_tokens=sum(len(r.token_times) for r in requests),
         num_useful_positions=sum(r.num_prompt_tokens + len(r.token_times) - 1 for r in requests),
-        num_computed_positions=sum(s.num_tokens for s in result.step_stats),
         ttfts=[r.ttft_s for r in requests],
         latencies=[r.latency_s for r in requests],
         step_stats=result.step_stats,
         dtype=dtype,
         compile_mode="simulated",
         prefix_caching=prefix_caching,
+        num_preemptions=result.num_preemptions,
+        **step_counts(result.step_stats),
     )
     traces = [RequestTrace(send_time=r.arrival_s, chunk_times=r.token_times, num_output_tokens=len(r.token_times),
                            num_prompt_tokens=r.num_prompt_tokens) for r in requests]

@@ -89,6 +89,23 @@ def make_workload(
     return requests
 
 
+def length_mix(text: str, num_requests: int) -> list[tuple[int, int]]:
+    """"64:16,256:128,512:512" -> num_requests (prompt, output) pairs, cycling through them
+    (that one is the seed's example: short chats, medium answers, long generations)."""
+    pairs = [tuple(int(n) for n in part.split(":")) for part in text.split(",") if part.strip()]
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise ValueError(f"a length mix is PROMPT:OUTPUT,... with both at least 1, got {text!r}")
+    return [pairs[i % len(pairs)] for i in range(num_requests)]
+
+
+def make_length_mix_workload(text: str, num_requests: int, seed: int = 0,
+                             vocab_size: int = 49152) -> list[WorkloadRequest]:
+    """Random prompts of the mix's lengths, in its cycling order."""
+    rng = random.Random(seed)
+    return [WorkloadRequest([rng.randrange(FIRST_SAFE_TOKEN_ID, vocab_size) for _ in range(p)], o)
+            for p, o in length_mix(text, num_requests)]
+
+
 def _check_range(name: str, value: tuple[int, int]) -> None:
     lo, hi = value
     if not 1 <= lo <= hi:

@@ -54,6 +54,8 @@ STRESS_CASES = {
     "chunked_prefill": dict(block_size=8, max_num_batched_tokens=48),
     "preemption": dict(block_size=8, num_kv_blocks=90),
     "static": dict(block_size=8, batching="static", max_num_seqs=3),
+    # padded to each batch's longest prompt, finished rows decoding pad tokens until the batch ends
+    "static_padded": dict(block_size=8, batching="static-padded", max_num_seqs=3),
     # plain F.linear instead of the default oneDNN-prepacked weights
     "no_cpu_prepack": dict(block_size=8, cpu_prepack=False),
     # the torch backend's decode path instead of the default C++ kernel

@@ -1,6 +1,6 @@
 """The simulator takes the engine's own scheduling decisions: the same workload through
 the real EngineCore (a tiny random-weight model) and through the simulator gives the
-same steps with the same batch sizes and token counts, in both batching modes and
+same steps with the same batch sizes and token counts (padding too), in every batching mode and
 through preemption. Also: the JSON carries the benchmarks' fields, and 10,000 requests
 simulate in under a minute."""
 
@@ -53,12 +53,18 @@ def engine_steps(folder, requests, **config) -> tuple[list[tuple[int, int]], lis
     while engine.has_unfinished_requests():
         for output in engine.step():
             num_outputs[int(output.request_id)] += len(output.new_token_ids)
-    return [(s.num_seqs, s.num_tokens) for s in engine.step_stats], num_outputs
+    return [step_record(s) for s in engine.step_stats], num_outputs
+
+
+def step_record(s) -> tuple[int, int, int, int]:
+    return s.num_seqs, s.num_tokens, s.num_padding_tokens, s.num_finished_row_tokens
 
 
 @pytest.mark.parametrize("batching, max_num_seqs, num_kv_blocks", [
     ("continuous", 8, 256),
     ("static", 6, 256),
+    ("static-padded", 6, 256),
+    ("static-padded", 6, 40),  # reservations this large admit fewer rows
     ("continuous", 8, 20),  # a pool this small preempts
 ])
 def test_simulator_and_engine_take_the_same_steps(tiny_folder, batching, max_num_seqs, num_kv_blocks):
@@ -67,10 +73,12 @@ def test_simulator_and_engine_take_the_same_steps(tiny_folder, batching, max_num
                   num_kv_blocks=num_kv_blocks)
     engine, engine_outputs = engine_steps(tiny_folder, requests, **config)
     result = Simulator(load_model_shape(str(tiny_folder), "float32"), PROFILE, SimulatorConfig(**config)).run(requests)
-    assert [(s.num_seqs, s.num_tokens) for s in result.step_stats] == engine
+    assert [step_record(s) for s in result.step_stats] == engine
     assert [len(r.token_times) for r in result.requests] == engine_outputs == [r.max_tokens for r in requests]
     if num_kv_blocks == 20:
         assert result.num_preemptions > 0
+    if batching == "static-padded":
+        assert sum(s.num_padding_tokens for s in result.step_stats) > 0 and result.num_preemptions == 0
 
 
 def test_time_runs_on_the_price_and_requests_arrive_on_their_timestamps(tiny_folder):

@@ -39,6 +39,8 @@ CASES = {
     "chunked_prefill": dict(max_num_batched_tokens=16),
     # 4 blocks: all three prefill (1 + 1 + 2), then growing to 1 + 2 + 3 preempts the newest
     "preemption": dict(num_kv_blocks=4),
+    # prompts padded to 30: the pad rows' own prefills beside the real ones, KV in the scratch blocks
+    "static_padded": dict(batching="static-padded"),
 }
 
 
@@ -67,7 +69,7 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.mark.parametrize(
     "head_dim, case",
     # every scheduling case at head_dim 32; the padded head_dim 48 (-> 64) once
-    [(32, "plain"), (32, "chunked_prefill"), (32, "preemption"), (48, "plain")],
+    [(32, "plain"), (32, "chunked_prefill"), (32, "preemption"), (32, "static_padded"), (48, "plain")],
 )
 def test_triton_backend_matches_torch_backend(head_dim, case, tiny_model_factory, monkeypatch):
     path, hf_model, prompts = tiny_model_factory(head_dim)
@@ -97,6 +99,8 @@ def test_triton_backend_matches_torch_backend(head_dim, case, tiny_model_factory
             assert any(s.num_prefill_tokens and s.num_decode_tokens for s in llm.engine.step_stats)
         if case == "preemption":
             assert llm.engine.scheduler.num_preemptions > 0
+        if case == "static_padded":
+            assert sum(s.num_padding_tokens for s in llm.engine.step_stats) == 3 * 30 - sum(PROMPT_LENGTHS)
     assert kernel_calls["prefill"] > 0 and kernel_calls["decode"] > 0  # both kernels ran, on the triton pass only
     assert tokens["triton"] == tokens["torch"]
     assert tokens["torch"][0] == hf_greedy(hf_model, prompts[0], NUM_NEW_TOKENS)

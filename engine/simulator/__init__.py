@@ -1,4 +1,4 @@
-"""A capacity simulator: the engine's real Scheduler, StaticScheduler and BlockManager,
+"""A capacity simulator: the engine's real Scheduler, StaticScheduler, PaddedStaticScheduler and BlockManager,
 stepped on a simulated clock by a runner that prices each step instead of running it.
 
     model_shape.py       bytes and FLOPs per step from a config.json

@@ -1,4 +1,4 @@
-"""The engine's own Scheduler (or StaticScheduler) and BlockManager, stepped on a
+"""The engine's own Scheduler (or StaticScheduler, PaddedStaticScheduler) and BlockManager, stepped on a
 simulated clock by a runner that prices each step instead of running it.
 
     now = 0
@@ -18,14 +18,13 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.engine_core import StepStats, make_step_stats
+from engine.engine_core import SCHEDULER_CLASSES, StepStats, make_step_stats
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.simulator.hardware_profile import HardwareProfile
 from engine.simulator.model_shape import ModelShape
 from engine.simulator.simulated_runner import FIRST_SAFE_TOKEN_ID, SimulatedRunner
 from engine.simulator.step_cost import StepCostModel, StepShape
-from engine.static_scheduler import StaticScheduler
 from ipc.request_checks import check_request
 from ipc.sampling_params import SamplingParams
 
@@ -102,8 +101,7 @@ class Simulator:
         self.max_model_len = min(config.max_model_len or limit, limit)
 
     def make_scheduler(self) -> Scheduler:
-        scheduler_class = StaticScheduler if self.config.batching == "static" else Scheduler
-        return scheduler_class(
+        return SCHEDULER_CLASSES[self.config.batching](
             BlockManager(self.num_kv_blocks, self.config.block_size),
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,

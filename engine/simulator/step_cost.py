@@ -43,7 +43,14 @@ class StepShape:
             num_sampled += scheduled.is_sampling
             num_context += c + q
             num_pairs += q * c + q * (q + 1) // 2
-        return cls(len(scheduler_output.scheduled), num_tokens, num_sampled, num_context, num_pairs)
+        for row in scheduler_output.padding:  # static-padded: priced as the real rows, since they are computed
+            q, c = row.num_tokens, row.start
+            num_tokens += q
+            num_sampled += row.is_sampling
+            num_context += c + q
+            num_pairs += q * c + q * (q + 1) // 2
+        num_seqs = len(scheduler_output.scheduled) + len(scheduler_output.padding)
+        return cls(num_seqs, num_tokens, num_sampled, num_context, num_pairs)
 
 
 @dataclass(frozen=True)
