@@ -89,7 +89,7 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.num_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         slabs = plan_slabs(self.dtype, self.num_weight_bytes, detect_cpu_features()) if prepack else None
-        self.backend = get_attention_backend(config.attention_backend, self.device.type)
+        self.backend = get_attention_backend(config.attention_backend, self.device.type, self.dtype)
         fused_ops = select_fused_ops(self.device, self.backend.name, self.is_compiled)
         # Prepacked (or slab) matmuls and the fused element-wise ops, on whatever blocks the model has.
         apply_fast_paths(self.model, batch_size_hint=config.max_num_seqs if prepack else None, slabs=slabs,

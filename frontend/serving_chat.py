@@ -89,6 +89,15 @@ def _tool_finish_reason(finish_reason: str | None) -> str | None:
     return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
+def _feed(parser, text: str, is_last: bool) -> tuple:
+    """A streaming parser's (two-part) output for this delta, and what it held back when it is the last."""
+    first, second = parser.feed(text)
+    if is_last:
+        more_first, more_second = parser.finish()
+        first, second = first + more_first, second + more_second
+    return first, second
+
+
 def _stream_chat(stream: RequestStream, body: ChatCompletionRequest, header: dict,
                  client: AsyncEngineClient, tool_mode: ToolMode,
                  new_reasoning_parser: Callable[[], ReasoningParser] | None) -> AsyncIterator[str]:
@@ -101,19 +110,13 @@ def _stream_chat(stream: RequestStream, body: ChatCompletionRequest, header: dic
         reasoning_text, text = "", delta.text
         reasoning_parser = reasoning_parsers[delta.index]
         if reasoning_parser is not None:
-            reasoning_text, text = reasoning_parser.feed(text)
-            if finish_reason is not None:
-                more_reasoning, more_text = reasoning_parser.finish()
-                reasoning_text, text = reasoning_text + more_reasoning, text + more_text
+            reasoning_text, text = _feed(reasoning_parser, text, finish_reason is not None)
         message = {"content": text} if text else {}
         parser = parsers[delta.index]
         if parser is not None:
-            content, call_deltas = parser.feed(text)
-            if finish_reason is not None:
-                more_content, more_deltas = parser.finish()
-                content, call_deltas = content + more_content, call_deltas + more_deltas
-                if parser.has_tool_calls:
-                    finish_reason = _tool_finish_reason(finish_reason)
+            content, call_deltas = _feed(parser, text, finish_reason is not None)
+            if finish_reason is not None and parser.has_tool_calls:
+                finish_reason = _tool_finish_reason(finish_reason)
             message = {"content": content} if content else {}
             if call_deltas:
                 message["tool_calls"] = [d.to_openai() for d in merge_call_deltas(call_deltas)]

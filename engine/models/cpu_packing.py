@@ -37,6 +37,8 @@ huge pages by 13-18% at 1 token, 15% at 8, 9-15% at 16, 4-8% at 48, 1-4% at 128
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import os
 from dataclasses import dataclass
@@ -72,7 +74,20 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or _bf16_reorder_works())
     )
+
+
+@functools.cache
+def _bf16_reorder_works() -> bool:
+    """oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: an AVX2-only CPU
+    refuses it, and runs bf16 linears unpacked. Asked of oneDNN itself, on a tiny weight."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), batch_size=1)
+    except RuntimeError as e:
+        logger.info("bf16 weights stay unpacked: %s", str(e).splitlines()[0])
+        return False
+    return True
 
 
 @dataclass(frozen=True)
