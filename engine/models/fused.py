@@ -38,7 +38,12 @@ LANE_CANDIDATES = (16, 8, 4, 1)  # AVX-512, AVX2, NEON, scalar
 class CpuFusedOps:
     def __init__(self, kernels: ModuleType) -> None:
         self._kernels = kernels
-        self.sum_lanes, self.silu_lanes = _probe_lanes(kernels)
+        sum_lanes, silu_lanes = _probe_lanes(kernels)
+        self.sum_lanes = sum_lanes or 8
+        self.silu_lanes = silu_lanes or 16
+        # No width reproduced torch's fp32 SiLU (an AVX2 host's torch takes another exp path):
+        # fp32 rows keep torch's op, so the fused path never changes a bit of an fp32 answer.
+        self.is_silu_exact = silu_lanes is not None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # x: [num_tokens, hidden_size] -> a new [num_tokens, hidden_size]
@@ -54,6 +59,8 @@ class CpuFusedOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]
+        if gate_up.dtype == torch.float32 and not self.is_silu_exact:
+            return silu_and_mul(gate_up)
         return self._kernels.silu_and_mul(gate_up, self.silu_lanes)
 
     def rotary_store_kv(
@@ -105,6 +112,7 @@ def _probe_lanes(kernels: ModuleType) -> tuple[int, int]:
     expected = silu_and_mul(gate_up)
     silu_lanes = next((n for n in LANE_CANDIDATES if torch.equal(kernels.silu_and_mul(gate_up, n), expected)), None)
     if sum_lanes is None or silu_lanes is None:
-        logger.warning("fused CPU ops do not reproduce this torch build's fp32 rounding exactly (sum %s, silu %s); "
+        logger.warning("fused CPU ops do not reproduce this torch build's fp32 rounding exactly (sum %s, silu %s; "
+                       "fp32 SiLU then keeps torch's op); "
                        "results may differ in the last bit", sum_lanes, silu_lanes)
-    return sum_lanes or 8, silu_lanes or 16
+    return sum_lanes, silu_lanes
