@@ -46,9 +46,12 @@ def test_every_shape_loads(shape, tmp_path):
 
     folder = make_model_config.write_model_config(shape, tmp_path / shape)
     config = ModelConfig.from_folder(str(folder))
-    assert config.head_dim * config.num_heads == config.hidden_size
+    shape_config = make_model_config.model_config(shape)
+    # head_dim is the config's own where it says one (Qwen3-0.6B: 128 for 16 heads of a 1,024 hidden)
+    assert config.head_dim == shape_config.get("head_dim", config.hidden_size // config.num_heads)
     assert config.num_heads % config.num_kv_heads == 0
-    assert config.eos_token_ids == [2]
+    assert config.eos_token_ids == [shape_config["eos_token_id"]]
+    assert config.tie_word_embeddings == shape_config["tie_word_embeddings"]
 
 
 def test_mistral_7b_shape(tmp_path):
