@@ -54,8 +54,9 @@ def make_batch(seq_lens, query_lens, block_size, num_kv_heads, group, head_dim, 
     return query, k_cache, v_cache, metadata
 
 
-def dense_reference(query, k_cache, v_cache, metadata, scale):
-    """Per sequence: gather the context, then a plain causal softmax in fp64."""
+def dense_reference(query, k_cache, v_cache, metadata, scale, window=0):
+    """Per sequence: gather the context, then a plain causal softmax in fp64 (with a window,
+    a query at position p sees keys p - window < k <= p, as transformers' mask does)."""
     block_size, num_kv_heads = k_cache.shape[2], k_cache.shape[1]
     group = query.shape[1] // num_kv_heads
     out = torch.empty(query.shape, dtype=torch.float64)
@@ -69,7 +70,10 @@ def dense_reference(query, k_cache, v_cache, metadata, scale):
         query_len = q.shape[1]
         scores = q @ k.transpose(1, 2) * scale
         positions = torch.arange(seq_len - query_len, seq_len)
-        scores.masked_fill_(torch.arange(seq_len)[None, :] > positions[:, None], float("-inf"))
+        keys = torch.arange(seq_len)[None, :]
+        scores.masked_fill_(keys > positions[:, None], float("-inf"))
+        if window > 0:
+            scores.masked_fill_(keys <= positions[:, None] - window, float("-inf"))
         out[starts[i] : starts[i + 1]] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out
 
@@ -140,7 +144,7 @@ def test_prefill_kernel_writes_only_the_chosen_sequences_rows():
     out = torch.full_like(query, 7.0)
     chosen = torch.tensor([1], dtype=torch.int32)
     KERNELS.paged_prefill_attention(out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                                    metadata.query_start_loc, chosen, 0.125)
+                                    metadata.query_start_loc, chosen, 0.125, 0)
     expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(out[24:33].double(), expected[24:33], atol=1e-5, rtol=1e-5)
     assert (out[:24] == 7.0).all() and (out[33:] == 7.0).all()
@@ -152,7 +156,7 @@ def test_prefill_kernel_rejects_bad_tables():
 
     def run(block_tables=metadata.block_tables, seq_lens=metadata.seq_lens, seq_indices=seqs):
         KERNELS.paged_prefill_attention(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                        metadata.query_start_loc, seq_indices, 1.0)
+                                        metadata.query_start_loc, seq_indices, 1.0, 0)
 
     with pytest.raises(RuntimeError, match="block table"):
         run(seq_lens=torch.tensor([33], dtype=torch.int32))  # two blocks hold at most 32 tokens
@@ -179,13 +183,13 @@ def test_kernel_rejects_context_beyond_its_block_table():
     query, k_cache, v_cache, metadata = make_batch([20], [1], 16, 1, 1, 16, torch.float32)
     too_long = torch.tensor([33], dtype=torch.int32)  # two blocks in the table hold at most 32 tokens
     with pytest.raises(RuntimeError, match="block table"):
-        KERNELS.paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, too_long, 1.0)
+        KERNELS.paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, too_long, 1.0, 0)
     bad_table = metadata.block_tables.clone()
     bad_table[0, 1] = k_cache.shape[0]
     with pytest.raises(RuntimeError, match="outside the cache"):
-        KERNELS.paged_decode_attention(query, k_cache, v_cache, bad_table, metadata.seq_lens, 1.0)
+        KERNELS.paged_decode_attention(query, k_cache, v_cache, bad_table, metadata.seq_lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="int32"):
-        KERNELS.paged_decode_attention(query, k_cache, v_cache, metadata.block_tables.long(), metadata.seq_lens, 1.0)
+        KERNELS.paged_decode_attention(query, k_cache, v_cache, metadata.block_tables.long(), metadata.seq_lens, 1.0, 0)
 
 
 def test_cpu_is_the_default_backend_on_cpu():
@@ -229,3 +233,77 @@ def test_prefill_ignores_stale_slots_past_the_context(dtype):
     out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+# Sliding windows: (window, block size) pairs where a window starts mid-block, spans exactly
+# one block, is a single token, or is longer than every context (full attention).
+WINDOW_CASES = [(8, 16), (16, 16), (13, 4), (1, 8), (5000, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, block_size", WINDOW_CASES)
+@pytest.mark.parametrize("head_dim", [64, 256])  # 256: Gemma 3 1B's heads
+def test_windowed_decode_matches_reference(window, block_size, head_dim, dtype):
+    seq_lens = [1, 7, 16, 17, 40, 301]
+    query, k_cache, v_cache, metadata = make_batch(seq_lens, [1] * len(seq_lens), block_size, 2, 4, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, scale, window=window)
+    expected = dense_reference(query, k_cache, v_cache, metadata, scale, window)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch_out = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, scale, window=window)
+    torch.testing.assert_close(torch_out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    if window < max(seq_lens):  # the window changes the answer: the check above has teeth
+        full = dense_reference(query, k_cache, v_cache, metadata, scale)
+        assert not torch.allclose(full[-1], expected[-1], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, block_size", WINDOW_CASES)
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_windowed_prefill_matches_reference(window, block_size, head_dim, dtype):
+    # A fresh prompt longer than a tile, a chunk after earlier context, a short prompt.
+    seq_lens, query_lens = [150, 90, 5], [150, 20, 5]
+    query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, block_size, 2, 3, head_dim, dtype, seed=6)
+    scale = head_dim**-0.5
+    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, scale, window=window)
+    expected = dense_reference(query, k_cache, v_cache, metadata, scale, window)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch_out = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, scale, window=window)
+    torch.testing.assert_close(torch_out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_kernels_read_only_the_windows_blocks(dtype):
+    """Blocks wholly before every query's window are never read: NaN in them, and block ids
+    outside the cache in their table slots, change nothing (a decode reads the blocks of its
+    last `window` positions; a prefill tile those from its first query's window on)."""
+    window, block_size = 12, 8
+    seq_lens, query_lens = [60, 45, 70], [1, 1, 10]
+    query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, block_size, 2, 2, 64, dtype, seed=7)
+    expected = dense_reference(query, k_cache, v_cache, metadata, 0.125, window)
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
+        first_block = max(0, seq_len - query_len - window + 1) // block_size
+        blocks = metadata.block_tables[i, :first_block].long()
+        k_cache[blocks] = float("nan")
+        v_cache[blocks] = float("nan")
+        metadata.block_tables[i, :first_block] = k_cache.shape[0] + 5  # outside the cache
+    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125, window=window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_windowed_layers_bypass_the_shared_prefix_decode():
+    """Decodes sharing prefix blocks go through the shared kernel for full attention, and
+    through the decode kernel, windowed, for a windowed layer; both layers in one step."""
+    seq_lens, query_lens = [100, 110, 97, 30], [1, 1, 1, 30]
+    query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, 16, 2, 2, 64, torch.float32, seed=8)
+    metadata.block_tables[1, :5] = metadata.block_tables[0, :5]
+    metadata.block_tables[2, :5] = metadata.block_tables[0, :5]
+    backend = CpuAttentionBackend(KERNELS)
+    full = backend.forward(query, k_cache, v_cache, metadata, 0.125)
+    assert backend._shared is not None  # the shared-prefix kernel ran for the full layer
+    windowed = backend.forward(query, k_cache, v_cache, metadata, 0.125, window=16)
+    torch.testing.assert_close(full.double(), dense_reference(query, k_cache, v_cache, metadata, 0.125),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(windowed.double(), dense_reference(query, k_cache, v_cache, metadata, 0.125, 16),
+                               atol=1e-5, rtol=1e-5)

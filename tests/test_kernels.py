@@ -109,8 +109,9 @@ def gather_context(cache, block_tables, seq_idx, seq_len):
     return cache[blocks].flatten(0, 1)[:seq_len]
 
 
-def reference_attention(query, k_ctx, v_ctx, query_lens, scale):
-    """Causal SDPA per sequence, in fp32, queries offset to the end of their context."""
+def reference_attention(query, k_ctx, v_ctx, query_lens, scale, window=0):
+    """Causal SDPA per sequence, in fp32, queries offset to the end of their context (with a
+    window, a query at position p sees keys p - window < k <= p)."""
     outs, start = [], 0
     for k, v, query_len in zip(k_ctx, v_ctx, query_lens):
         seq_len = k.shape[0]
@@ -120,16 +121,18 @@ def reference_attention(query, k_ctx, v_ctx, query_lens, scale):
         v = v.float().cpu().repeat_interleave(queries_per_kv, 1).transpose(0, 1)
         positions = seq_len - query_len + torch.arange(query_len)
         mask = torch.arange(seq_len)[None, :] <= positions[:, None]  # [query_len, seq_len]
+        if window > 0:
+            mask &= torch.arange(seq_len)[None, :] > positions[:, None] - window
         outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1))
         start += query_len
     return torch.cat(outs)  # [num_tokens, num_heads, head_dim]
 
 
-def reference_from_cache(query, k_cache, v_cache, metadata, scale):
+def reference_from_cache(query, k_cache, v_cache, metadata, scale, window=0):
     block_tables = metadata.block_tables.cpu()
     k_ctx = [gather_context(k_cache.cpu(), block_tables, i, n) for i, n in enumerate(metadata.seq_lens_cpu)]
     v_ctx = [gather_context(v_cache.cpu(), block_tables, i, n) for i, n in enumerate(metadata.seq_lens_cpu)]
-    return reference_attention(query, k_ctx, v_ctx, metadata.query_lens_cpu, scale)
+    return reference_attention(query, k_ctx, v_ctx, metadata.query_lens_cpu, scale, window)
 
 
 def assert_close(actual, expected, dtype):
@@ -282,3 +285,53 @@ def test_reference_matches_naive_softmax():
     scores = scores.masked_fill(torch.arange(5)[None, :] > torch.arange(2, 5)[:, None], float("-inf"))
     expected = torch.einsum("hqk,kd->qhd", scores.softmax(-1), v[:, 0])
     torch.testing.assert_close(out, expected)
+
+
+def poison_before_windows(k_cache, v_cache, md, window):
+    """NaN into the blocks wholly before every query's window: the kernels must skip them."""
+    block_size = k_cache.shape[1]
+    for i, (seq_len, query_len) in enumerate(zip(md.seq_lens_cpu, md.query_lens_cpu)):
+        first_block = max(0, seq_len - query_len - window + 1) // block_size
+        blocks = md.block_tables[i, :first_block].long()
+        k_cache[blocks] = float("nan")
+        v_cache[blocks] = float("nan")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [1, 8, 20, 1000])  # one token, mid-block starts, longer than every context
+def test_decode_attention_with_window(window, num_splits):
+    seq_lens = [1, 7, 16, 33, 64, 45]
+    query, k_cache, v_cache, new_k, new_v, _, _, md = make_batch(seq_lens, [1] * len(seq_lens), 16, 1, 2, 32)
+    fill_new_tokens(k_cache, v_cache, new_k, new_v, md)
+    expected = reference_from_cache(query, k_cache, v_cache, md, 0.125, window)
+    poison_before_windows(k_cache, v_cache, md, window)
+    out = paged_decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                 md.max_seq_len, 0.125, num_splits=num_splits, window=window)
+    assert_close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("window", [1, 8, 20, 1000])
+def test_prefill_attention_with_window(window):
+    # A fresh prompt spanning two query tiles, a chunk after context, decodes mixed in.
+    seq_lens, query_lens = [80, 50, 33, 5], [80, 13, 1, 5]
+    query, k_cache, v_cache, new_k, new_v, _, _, md = make_batch(seq_lens, query_lens, 16, 1, 2, 32, seed=4)
+    fill_new_tokens(k_cache, v_cache, new_k, new_v, md)
+    expected = reference_from_cache(query, k_cache, v_cache, md, 0.125, window)
+    poison_before_windows(k_cache, v_cache, md, window)
+    out = paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.query_start_loc,
+                                  md.seq_lens, md.max_query_len, 0.125, window=window)
+    assert_close(out, expected, torch.float32)
+
+
+def test_head_dim_256_with_window():
+    """Gemma 3 1B's heads: 256 wide, both kernels."""
+    query, k_cache, v_cache, new_k, new_v, _, _, md = make_batch([40, 20], [10, 20], 16, 1, 2, 256, seed=5)
+    fill_new_tokens(k_cache, v_cache, new_k, new_v, md)
+    out = paged_prefill_attention(query, k_cache, v_cache, md.block_tables, md.query_start_loc,
+                                  md.seq_lens, md.max_query_len, 0.0625, window=12)
+    expected = reference_from_cache(query, k_cache, v_cache, md, 0.0625, 12)
+    assert_close(out, expected, torch.float32)
+    decode_query = query[[9, 29]]  # each sequence's last token, as a decode step
+    out = paged_decode_attention(decode_query, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                 md.max_seq_len, 0.0625, num_splits=2, window=12)
+    assert_close(out, expected[[9, 29]], torch.float32)

@@ -18,6 +18,10 @@ instead of gathering them into copies:
   once per group, not once per sequence (a decode of 64 sequences behind four
   1,024-token prompts spent most of its time re-scoring the prompts). Each
   sequence's own blocks follow, for its rows only.
+
+A sliding-window layer passes its window to the decode and prefill kernels, which then
+read only the blocks inside it. Its decodes skip the shared-prefix kernel (a shared
+prompt soon lies outside every window) and go to the decode kernel, all of them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import NO_WINDOW, AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 
 @dataclass
@@ -58,6 +62,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._kernels = kernels
         self._prefill_seq_indices: torch.Tensor | None = None  # [num_prefill_seqs] int32
         self._shared: _SharedDecodePlan | None = None
+        self._decode_seqs: list[int] = []
+        self._starts: list[int] = []
+        self._windowed_decode: _KernelDecodePlan | None = None  # every decode, for windowed layers; made on first use
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         """Split the step, once, into decodes (alone or in groups sharing a prefix) and
@@ -67,25 +74,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
         prefill_seqs = [i for i, n in enumerate(metadata.query_lens_cpu) if n > 1]
         self._prefill_seq_indices = torch.tensor(prefill_seqs, dtype=torch.int32) if prefill_seqs else None
         self._shared = self._plan_shared_decodes(decode_seqs, metadata, block_size)
+        self._decode_seqs, self._windowed_decode = decode_seqs, None
+        alone = bool(decode_seqs) and (prefill_seqs or self._shared is not None)
         if self._shared is not None:
             grouped = set(self._shared.members.tolist())
             decode_seqs = [i for i in decode_seqs if i not in grouped]
-        alone = bool(decode_seqs) and (prefill_seqs or self._shared is not None)
-        starts = metadata.query_start_loc.tolist() if alone else []
-        self._decode = self._plan_decodes(decode_seqs, starts, metadata, block_size) if decode_seqs else None
+        self._starts = metadata.query_start_loc.tolist() if alone else []
+        self._decode = self._plan_decodes(decode_seqs, self._starts, metadata, block_size) if decode_seqs else None
 
-    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, key=None, value=None) -> torch.Tensor:
+    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, key=None, value=None,
+                window: int = NO_WINDOW) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape; key and value unused (the kernels read the cache)
         if metadata is not self._metadata:
             self.prepare(metadata, k_cache.shape[2])
-        if self._prefill_seq_indices is None and self._shared is None:  # decode-only: query row i is sequence i
-            return self._decode_attention(query, k_cache, v_cache, scale)
+        decode, shared = self._decode, self._shared
+        if window > 0:  # every decode in the decode kernel, which reads only the window's blocks
+            decode, shared = self._decodes_for_windows(metadata, k_cache.shape[2]), None
+        if self._prefill_seq_indices is None and shared is None:  # decode-only: query row i is sequence i
+            return self._decode_attention(decode, query, k_cache, v_cache, scale, window)
         out = torch.empty_like(query)
-        if self._decode is not None:
-            out[self._decode.rows] = self._decode_attention(query[self._decode.rows], k_cache, v_cache, scale)
+        if decode is not None:
+            out[decode.rows] = self._decode_attention(decode, query[decode.rows], k_cache, v_cache, scale, window)
         # Prefill chunks' and shared decodes' rows, written in place; their keys are already in the cache.
-        if self._shared is not None:
-            shared = self._shared
+        if shared is not None:
             self._kernels.paged_shared_decode_attention(
                 out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                 shared.members, shared.group_starts, shared.shared_blocks, scale,
@@ -93,7 +104,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self._prefill_seq_indices is not None:
             self._kernels.paged_prefill_attention(
                 out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                self._prefill_seq_indices, scale,
+                self._prefill_seq_indices, scale, window,
             )
         return out
 
@@ -140,7 +151,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         index = torch.tensor(seq_indices, device=device)
         return _KernelDecodePlan(rows, metadata.block_tables[index], metadata.seq_lens[index])
 
-    def _decode_attention(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
+    def _decodes_for_windows(self, metadata: AttentionMetadata, block_size: int) -> _KernelDecodePlan | None:
+        if self._windowed_decode is None and self._decode_seqs:
+            self._windowed_decode = self._plan_decodes(self._decode_seqs, self._starts, metadata, block_size)
+        return self._windowed_decode
+
+    def _decode_attention(self, plan: _KernelDecodePlan, query, k_cache, v_cache, scale: float,
+                          window: int) -> torch.Tensor:
         # query: [num_decode_seqs, num_heads, head_dim] -> same shape
-        plan = self._decode
-        return self._kernels.paged_decode_attention(query, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale)
+        return self._kernels.paged_decode_attention(query, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale,
+                                                    window)

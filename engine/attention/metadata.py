@@ -13,6 +13,10 @@ layout the backend chooses (`backend.kv_cache_shape`): the Triton kernels use
 head-major, [num_blocks, num_kv_heads, block_size, head_dim]. Either way, token
 t of sequence i lives in block block_tables[i, t // block_size] at offset
 t % block_size, i.e. flat slot block_id * block_size + offset.
+
+Sliding windows are per layer, not per step: each attention layer passes its window to
+the backend (NO_WINDOW for full attention), and a query at position p then sees keys
+p - window < k <= p, as transformers' sliding-window mask does.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+NO_WINDOW = 0  # a layer's window when it attends to the whole context
 
 
 @dataclass

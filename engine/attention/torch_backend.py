@@ -13,6 +13,11 @@ tokens (prefill chunks) run causal SDPA, one call each: a prompt computed whole
 in this step attends to the step's own keys and values, as they came out of the
 projection; only a chunk that follows earlier context (chunked prefill, a cached
 prefix) gathers its blocks from the cache.
+
+A sliding-window layer passes its `window` (NO_WINDOW, 0: none): a query at position p
+then sees keys p - window < k <= p, a decode reads only the blocks that hold its last
+`window` positions, and a prefill chunk only those from its first query's window on.
+Plans are made once per step for each window the model's layers use.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import NO_WINDOW, AttentionMetadata
 
 
 @dataclass
@@ -38,8 +43,15 @@ class _PrefillSeq:
     query_start: int
     query_end: int
     seq_len: int
-    block_ids: torch.Tensor  # [num_blocks]
-    mask: torch.Tensor | None  # [query_len, seq_len] bool, None when plainly causal
+    first_key: int  # the first position any query of the chunk sees (0 but for a window); a block's start
+    block_ids: torch.Tensor  # [num_blocks] the blocks from first_key's on
+    mask: torch.Tensor | None  # [query_len, seq_len - first_key] bool, None when plainly causal
+
+
+@dataclass
+class _StepPlan:
+    decode: _DecodePlan | None
+    prefills: list[_PrefillSeq]
 
 
 class TorchAttentionBackend:
@@ -47,8 +59,8 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._metadata: AttentionMetadata | None = None
-        self._decode: _DecodePlan | None = None
-        self._prefills: list[_PrefillSeq] = []
+        self._block_size = 0
+        self._plans: dict[int, _StepPlan] = {}  # by window
         self._slot_mapping: torch.Tensor | None = None
         self._slot_blocks: torch.Tensor | None = None  # [num_tokens] block of each new token
         self._slot_offsets: torch.Tensor | None = None  # [num_tokens] its offset in the block
@@ -68,39 +80,60 @@ class TorchAttentionBackend:
         v_cache[self._slot_blocks, :, self._slot_offsets] = value
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
-        """Work out, once per step, what every layer's forward reuses."""
+        """A new step: its plans are made on first use, one per window, and every layer reuses them."""
         self._metadata = metadata
+        self._block_size = block_size
+        self._plans = {}
+
+    def _plan(self, window: int) -> _StepPlan:
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = self._plan_step(self._metadata, self._block_size, window)
+        return plan
+
+    def _plan_step(self, metadata: AttentionMetadata, block_size: int, window: int) -> _StepPlan:
         device = metadata.block_tables.device
         starts = metadata.query_start_loc.tolist()
         decode_seqs: list[int] = []
-        self._prefills = []
+        prefills = []
         for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
             if query_len == 1:
                 decode_seqs.append(i)
                 continue
-            num_blocks = -(-seq_len // block_size)
+            first_query = seq_len - query_len
+            first_block = max(0, first_query - window + 1) // block_size if window > 0 else 0
+            first_key = first_block * block_size
             mask = None
-            if query_len != seq_len:  # a chunk after a cached prefix: causal, offset by the prefix
-                positions = torch.arange(seq_len - query_len, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
-            block_ids = metadata.block_tables[i, :num_blocks].long()
-            self._prefills.append(_PrefillSeq(starts[i], starts[i + 1], seq_len, block_ids, mask))
-        self._decode = self._plan_decodes(decode_seqs, starts, metadata, block_size) if decode_seqs else None
+            if query_len != seq_len or window > 0:  # not plainly causal from key 0: by position
+                positions = torch.arange(first_query, seq_len, device=device)[:, None]  # [query_len, 1]
+                keys = torch.arange(first_key, seq_len, device=device)[None, :]  # [1, seq_len - first_key]
+                mask = keys <= positions
+                if window > 0:
+                    mask &= keys > positions - window
+            block_ids = metadata.block_tables[i, first_block : -(-seq_len // block_size)].long()
+            prefills.append(_PrefillSeq(starts[i], starts[i + 1], seq_len, first_key, block_ids, mask))
+        decode = self._plan_decodes(decode_seqs, starts, metadata, block_size, window) if decode_seqs else None
+        return _StepPlan(decode, prefills)
 
     def _plan_decodes(
-        self, seq_indices: list[int], starts: list[int], metadata: AttentionMetadata, block_size: int
+        self, seq_indices: list[int], starts: list[int], metadata: AttentionMetadata, block_size: int, window: int
     ) -> _DecodePlan:
         # starts: query_start_loc as a list, already read back by prepare
         device = metadata.block_tables.device
         decode_lens = [metadata.seq_lens_cpu[i] for i in seq_indices]
-        num_blocks = [-(-n // block_size) for n in decode_lens]
+        # With a window, only the blocks holding a decode's last `window` positions.
+        first_blocks = [max(0, n - window) // block_size if window > 0 else 0 for n in decode_lens]
+        num_blocks = [-(-n // block_size) - first for n, first in zip(decode_lens, first_blocks)]
         owners = torch.repeat_interleave(torch.arange(len(seq_indices), device=device), torch.tensor(num_blocks, device=device))
         offsets = torch.arange(block_size, device=device)
-        # Token index of each slot within its sequence, compared with the sequence length.
-        block_index = torch.cat([torch.arange(n, device=device) for n in num_blocks])
+        # Position of each slot within its sequence, compared with the sequence length (and the window's start).
+        block_index = torch.cat([torch.arange(first, first + n, device=device) for first, n in zip(first_blocks, num_blocks)])
         seq_lens = torch.tensor(decode_lens, device=device)[owners]
-        valid = block_index[:, None] * block_size + offsets[None, :] < seq_lens[:, None]
-        block_ids = [metadata.block_tables[i, :n] for i, n in zip(seq_indices, num_blocks)]
+        positions = block_index[:, None] * block_size + offsets[None, :]  # [num_decode_blocks, block_size]
+        valid = positions < seq_lens[:, None]
+        if window > 0:
+            valid &= positions >= seq_lens[:, None] - window
+        block_ids = [metadata.block_tables[i, first : first + n] for i, first, n in zip(seq_indices, first_blocks, num_blocks)]
         return _DecodePlan(
             rows=torch.tensor([starts[i] for i in seq_indices], device=device),
             block_ids=torch.cat(block_ids).long(),
@@ -108,34 +141,39 @@ class TorchAttentionBackend:
             valid=valid,
         )
 
-    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, key=None, value=None) -> torch.Tensor:
+    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, key=None, value=None,
+                window: int = NO_WINDOW) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape
         # key, value: [num_tokens, num_kv_heads, head_dim], the step's own (already in the cache), or None
         if metadata is not self._metadata:
             self.prepare(metadata, k_cache.shape[2])
-        if not self._prefills:  # decode-only: query row i is sequence i
-            return self._decode_attention(query, k_cache, v_cache, scale)
+        plan = self._plan(window)
+        if not plan.prefills:  # decode-only: query row i is sequence i
+            return self._decode_attention(plan.decode, query, k_cache, v_cache, scale)
         out = torch.empty_like(query)
-        if self._decode is not None:
-            out[self._decode.rows] = self._decode_attention(query[self._decode.rows], k_cache, v_cache, scale)
-        for seq in self._prefills:
+        if plan.decode is not None:
+            out[plan.decode.rows] = self._decode_attention(plan.decode, query[plan.decode.rows], k_cache, v_cache, scale)
+        for seq in plan.prefills:
             rows = slice(seq.query_start, seq.query_end)
             if key is not None and seq.query_end - seq.query_start == seq.seq_len:  # the whole context is new
-                k, v = key[rows].transpose(0, 1), value[rows].transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
+                k = key[rows][seq.first_key :].transpose(0, 1)  # [num_kv_heads, seq_len - first_key, head_dim]
+                v = value[rows][seq.first_key :].transpose(0, 1)
             else:
-                k, v = self._gather(k_cache, seq.block_ids, seq.seq_len), self._gather(v_cache, seq.block_ids, seq.seq_len)
+                num_keys = seq.seq_len - seq.first_key
+                k, v = self._gather(k_cache, seq.block_ids, num_keys), self._gather(v_cache, seq.block_ids, num_keys)
             out[rows] = self._prefill_attention(query[rows], k, v, seq, scale)
         return out
 
     @staticmethod
-    def _gather(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """The first num_keys rows of the blocks `block_ids`, in order."""
         num_kv_heads, head_dim = cache.shape[1], cache.shape[3]
         blocks = cache[block_ids].transpose(0, 1)  # [num_kv_heads, num_blocks, block_size, head_dim]
-        return blocks.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]  # [num_kv_heads, seq_len, head_dim]
+        return blocks.reshape(num_kv_heads, -1, head_dim)[:, :num_keys]  # [num_kv_heads, num_keys, head_dim]
 
     @staticmethod
     def _prefill_attention(query, key, value, seq: _PrefillSeq, scale: float) -> torch.Tensor:
-        # key, value: [num_kv_heads, seq_len, head_dim]
+        # key, value: [num_kv_heads, seq_len - first_key, head_dim]
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0),  # [1, num_heads, query_len, head_dim]
             key.unsqueeze(0),  # [1, num_kv_heads, seq_len, head_dim]
@@ -147,8 +185,8 @@ class TorchAttentionBackend:
         )
         return out[0].transpose(0, 1)  # [query_len, num_heads, head_dim]
 
-    def _decode_attention(self, query, k_cache, v_cache, scale: float) -> torch.Tensor:
-        plan = self._decode
+    @staticmethod
+    def _decode_attention(plan: _DecodePlan, query, k_cache, v_cache, scale: float) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import NO_WINDOW, AttentionMetadata
 from engine.kernels.decode_attention import paged_decode_attention
 from engine.kernels.prefill_attention import paged_prefill_attention
 from engine.kernels.store_kv import store_kv
@@ -48,15 +48,16 @@ class TritonAttentionBackend:
         scale: float,
         key: torch.Tensor | None = None,  # unused: the kernels read the context from the cache
         value: torch.Tensor | None = None,
+        window: int = NO_WINDOW,  # a sliding-window layer's window: both kernels read only the blocks inside it
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if metadata.is_decode_only:
             # One query token per sequence, so token i belongs to sequence i.
             assert query.shape[0] == metadata.num_seqs
             return paged_decode_attention(
                 query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
-                metadata.max_seq_len, scale, num_splits=self.num_splits,
+                metadata.max_seq_len, scale, num_splits=self.num_splits, window=window,
             )
         return paged_prefill_attention(
             query, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-            metadata.seq_lens, metadata.max_query_len, scale,
+            metadata.seq_lens, metadata.max_query_len, scale, window=window,
         )

@@ -10,6 +10,9 @@ split-K variant (flash-decoding, Dao et al. 2023) also splits each context into
 chunks of blocks, one program each: every program writes its partial (max, sum,
 unnormalized acc) and a second kernel rescales and combines them.
 
+A sliding-window layer passes its window (0: none): each sequence then sees only its
+last `window` positions, and its programs walk only the blocks that hold them.
+
 Scores are kept in log2 units (scale * log2(e) folded into the scale) so the
 kernels use exp2; the partial maxima are in the same units.
 """
@@ -46,6 +49,7 @@ def paged_decode_kernel(
     part_max_ptr,  # [num_seqs, num_heads, num_splits] fp32 (log2 units); only IS_SPLIT
     part_sum_ptr,  # [num_seqs, num_heads, num_splits] fp32; only IS_SPLIT
     scale_log2,
+    window,  # a sliding window's size; 0: the whole context
     num_heads,
     num_splits,
     num_blocks_per_split,
@@ -66,7 +70,8 @@ def paged_decode_kernel(
     split_idx = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq_idx)
-    start_block = split_idx * num_blocks_per_split
+    first_pos = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the window's first position
+    start_block = first_pos // BLOCK_SIZE + split_idx * num_blocks_per_split
     end_block = tl.minimum(start_block + num_blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
 
     group = tl.arange(0, GROUP_PAD)
@@ -87,7 +92,8 @@ def paged_decode_kernel(
     # table is never read past its valid prefix and m_i is finite after one step.
     for block_idx in range(start_block, end_block):
         block_id = tl.load(block_tables_ptr + seq_idx * block_tables_stride + block_idx).to(tl.int64)
-        token_mask = block_idx * BLOCK_SIZE + offsets < seq_len  # [BLOCK_SIZE]
+        kv_positions = block_idx * BLOCK_SIZE + offsets  # [BLOCK_SIZE]
+        token_mask = (kv_positions < seq_len) & (kv_positions >= first_pos)
         kv_offsets = (block_id * cache_stride_block + offsets[:, None] * cache_stride_token
                       + kv_head * cache_stride_head + dims[None, :])  # [BLOCK_SIZE, HEAD_DIM_PAD]
         # Slots past seq_len in the last block hold stale data (maybe NaN):
@@ -143,7 +149,7 @@ def split_reduce_kernel(
     l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :],
                   mask=split_mask[:, None], other=0.0)  # [NUM_SPLITS_PAD, HEAD_DIM_PAD]
-    # Split 0 always holds a token, so m_max is finite and empty splits weigh 0.
+    # Split 0 always holds a token (the window's first), so m_max is finite and empty splits weigh 0.
     m_max = tl.max(m, 0)
     weight = tl.exp2(m - m_max)  # [NUM_SPLITS_PAD]
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)  # [HEAD_DIM_PAD]
@@ -178,6 +184,7 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,  # None: choose_num_splits; 1 forces the single pass
+    window: int = 0,  # a sliding window's size; 0: the whole context
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     check_kv_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
@@ -194,9 +201,12 @@ def paged_decode_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
+    num_blocks = triton.cdiv(max_seq_len, block_size)  # the most blocks one sequence's decode reads
+    if window > 0:  # the window's blocks: it may start mid-block
+        num_blocks = min(num_blocks, triton.cdiv(window, block_size) + 1)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len)
-    num_blocks_per_split = triton.cdiv(triton.cdiv(max_seq_len, block_size), num_splits)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, min(max_seq_len, num_blocks * block_size))
+    num_blocks_per_split = triton.cdiv(num_blocks, num_splits)
     is_split = num_splits > 1
     if is_split:
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=query.device)
@@ -207,7 +217,7 @@ def paged_decode_attention(
 
     paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum,
-        scale * math.log2(math.e), num_heads, num_splits, num_blocks_per_split,
+        scale * math.log2(math.e), max(window, 0), num_heads, num_splits, num_blocks_per_split,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         QUERIES_PER_KV=queries_per_kv,

@@ -10,6 +10,9 @@ a later chunk of a chunked prefill and a decode (query_len 1) are the same case.
 One program per (sequence, query head, tile of BLOCK_M query rows), walking the
 context one cache block at a time with an online softmax (FlashAttention, Dao et
 al. 2022). Scores are kept in log2 units so the kernel can use exp2.
+
+A sliding-window layer passes its window (0: none): query row j then sees keys
+position - window < k <= position, and a tile starts at its first row's window.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def paged_prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     out_ptr,  # [num_tokens, num_heads, head_dim]
     scale_log2,
+    window,  # a sliding window's size; 0: the whole context
     query_stride_token, query_stride_head,
     out_stride_token, out_stride_head,
     block_tables_stride,
@@ -80,7 +84,9 @@ def paged_prefill_kernel(
     # Causality bounds the walk: the tile's last valid row sees up to this position,
     # which is < seq_len, so the block table is never read past its valid prefix.
     last_position = num_cached + tl.minimum(tile_start + BLOCK_M, query_len) - 1
-    for block_idx in range(0, last_position // BLOCK_SIZE + 1):
+    # A window bounds it below: no row of the tile sees keys before its first row's window.
+    first_block = tl.where(window > 0, tl.maximum(num_cached + tile_start - window + 1, 0) // BLOCK_SIZE, 0)
+    for block_idx in range(first_block, last_position // BLOCK_SIZE + 1):
         block_id = tl.load(block_tables_ptr + seq_idx * block_tables_stride + block_idx).to(tl.int64)
         kv_positions = block_idx * BLOCK_SIZE + offsets  # [BLOCK_SIZE]
         kv_offsets = (block_id * cache_stride_block + offsets[:, None] * cache_stride_token
@@ -93,17 +99,22 @@ def paged_prefill_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_SIZE]
         # Valid rows have positions < seq_len, so the causal test also drops
-        # slots past the context. Block 0 always has position 0, so every row's
-        # max is finite after the first step and later all-masked blocks add 0.
-        s = tl.where(kv_positions[None, :] <= positions[:, None], s, float("-inf"))
+        # slots past the context.
+        visible = kv_positions[None, :] <= positions[:, None]  # [BLOCK_M, BLOCK_SIZE]
+        visible &= (window <= 0) | (kv_positions[None, :] > positions[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
-        p = tl.exp2(s - m_new[:, None])
+        # A row may see nothing yet (its window starts past this block): subtracting 0
+        # instead of -inf keeps alpha and p at 0 rather than NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)  # rescales what was summed under the old max
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    # Padding rows past the chunk may see no key under a window (l_i = 0); they are not stored.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + (query_start + rows)[:, None] * out_stride_token + head * out_stride_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :],
@@ -119,6 +130,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32; seq_lens[i] >= query_len_i
     max_query_len: int,
     scale: float,
+    window: int = 0,  # a sliding window's size; 0: the whole context
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     check_kv_cache(k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -138,7 +150,7 @@ def paged_prefill_attention(
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     paged_prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), max(window, 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         QUERIES_PER_KV=num_heads // num_kv_heads,

@@ -9,8 +9,8 @@
 // group), so each K/V block is read and converted once per tile and used by every row.
 // Per step of blocks, flash-attention style: scores for the tile, an online softmax
 // (running max and sum per row, fp32), then the probability-weighted V rows added into
-// fp32 accumulators. Keys past a row's visible count are masked by count, never by a
-// mask tensor.
+// fp32 accumulators. Keys past a row's visible count, and before its first visible key
+// (a sliding window), are masked by count, never by a mask tensor.
 //
 // Scores without horizontal sums: the K block is laid out transposed once per tile
 // ([head_dim][block_size] in fp32, or [head_dim / 2][block_size] bf16 pairs for the
@@ -49,14 +49,14 @@ struct Shape {
 struct Scratch {
   std::vector<float> q, kt, v, p, o, m, l, corr;
   std::vector<uint32_t> q_pairs, k_pairs, v_pairs, p_pairs;
-  std::vector<int64_t> limits, row_offsets;
+  std::vector<int64_t> limits, firsts, row_offsets;
   // width: the most tokens one softmax step takes (kTileTokens on the bf16 path)
   Scratch(const Shape& s, int64_t width) :
       q(kTileRows * s.head_dim), kt(s.head_dim * s.block_size), v(s.block_size * s.head_dim),
       p(kTileRows * width), o(kTileRows * s.head_dim), m(kTileRows), l(kTileRows * Vec::size()), corr(kTileRows),
       q_pairs(kTileRows * s.head_dim / 2 + 1), k_pairs(s.head_dim / 2 * width + 1),
       v_pairs(width / 2 * s.head_dim + 1), p_pairs(kTileRows * width / 2 + 1), limits(kTileRows),
-      row_offsets(kTileRows) {}
+      firsts(kTileRows), row_offsets(kTileRows) {}
 };
 
 template <typename scalar_t>
@@ -116,15 +116,16 @@ void score_block(const float* q, const float* kt, int64_t num_rows, const Shape&
 #include "prefill_bf16_tiles.h"  // kHasBf16Dot, and the bf16 steps where the CPU has them
 
 // Online softmax over one block for each row: raw scores in `p` become probabilities
-// relative to the row's new running max (0 past the row's visible keys); corr[r] is what
-// the row's earlier sums scale by. Each row's running sum stays a vector (l[r * lanes...])
-// and is reduced once, at the end.
-void softmax_block(float* p, const int64_t* limits, int64_t num_rows, float scale, const Shape& s, float* m,
-                   float* l, float* corr) {
+// relative to the row's new running max (0 outside the row's visible keys [firsts[r],
+// limits[r])); corr[r] is what the row's earlier sums scale by. Each row's running sum
+// stays a vector (l[r * lanes...]) and is reduced once, at the end.
+void softmax_block(float* p, const int64_t* limits, const int64_t* firsts, int64_t num_rows, float scale,
+                   const Shape& s, float* m, float* l, float* corr) {
   for (int64_t r = 0; r < num_rows; ++r) {
     float* row = p + r * s.block_size;
-    const int64_t limit = std::max<int64_t>(0, limits[r]);  // keys of this block the row may see
-    if (limit == 0) {
+    const int64_t limit = std::max<int64_t>(0, limits[r]);  // keys of this block the row may see ...
+    const int64_t first = std::clamp<int64_t>(firsts[r], 0, limit);  // ... from this one (its window's start)
+    if (limit == first) {
       corr[r] = 1.f;
       std::fill(row, row + s.block_size, 0.f);
       continue;
@@ -134,7 +135,9 @@ void softmax_block(float* p, const int64_t* limits, int64_t num_rows, float scal
       const int64_t count = vec_count(limit - t0);
       const Vec x = load(row + t0, count) * Vec(scale);
       store(x, row + t0, count);
-      block_max = at::vec::maximum(block_max, Vec::set(Vec(kMasked), x, count));
+      Vec visible = Vec::set(Vec(kMasked), x, count);
+      if (t0 < first) visible = Vec::set(visible, Vec(kMasked), std::min<int64_t>(first - t0, count));
+      block_max = at::vec::maximum(block_max, visible);
     }
     const float new_max = std::max(reduce_max(block_max), m[r]);
     corr[r] = std::exp(m[r] - new_max);
@@ -143,7 +146,8 @@ void softmax_block(float* p, const int64_t* limits, int64_t num_rows, float scal
     for (int64_t t0 = 0; t0 < s.block_size; t0 += Vec::size()) {
       const int64_t count = vec_count(s.block_size - t0);
       const int64_t visible = std::clamp<int64_t>(limit - t0, 0, count);
-      const Vec e = Vec::set(Vec(0.f), (load(row + t0, count) - Vec(new_max)).exp_u20(), visible);
+      Vec e = Vec::set(Vec(0.f), (load(row + t0, count) - Vec(new_max)).exp_u20(), visible);
+      if (t0 < first) e = Vec::set(e, Vec(0.f), std::min<int64_t>(first - t0, count));
       store(e, row + t0, count);
       sums = sums + e;
     }
@@ -244,6 +248,7 @@ void begin_tile(const scalar_t* query, const int64_t* row_offsets, int64_t num_r
   }
   std::fill(w.o.begin(), w.o.begin() + num_rows * s.head_dim, 0.f);
   std::fill(w.m.begin(), w.m.begin() + num_rows, kMasked);
+  std::fill(w.firsts.begin(), w.firsts.begin() + num_rows, 0);  // no window unless the caller sets one
   std::fill(w.l.begin(), w.l.begin() + num_rows * Vec::size(), 0.f);
 }
 
@@ -258,8 +263,9 @@ inline int64_t blocks_per_step(bool bf16_dot, const Shape& s) {
 }
 
 // Consecutive K/V blocks (block_ids[0, num_blocks), holding num_tokens context tokens) for
-// tile rows [row0, row0 + num_rows): scores, the online softmax with w.limits[row0 + r]
-// visible keys for row r (counted from the first block's start), and the weighted values.
+// tile rows [row0, row0 + num_rows): scores, the online softmax with keys
+// [w.firsts[row0 + r], w.limits[row0 + r]) visible to row r (counted from the first block's
+// start), and the weighted values.
 // Keys are transposed once for all the rows (stale slots past num_tokens are read but
 // masked); num_visible is the most keys any of the rows may see.
 template <typename scalar_t>
@@ -272,6 +278,7 @@ void attend_blocks(const scalar_t* k_cache, const scalar_t* v_cache, const int32
   float* corr = w.corr.data() + row0;
   float* o = w.o.data() + row0 * s.head_dim;
   const int64_t* limits = w.limits.data() + row0;
+  const int64_t* firsts = w.firsts.data() + row0;
   if (bf16_dot) {
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
     Shape tile = s;  // the blocks side by side, as one wide block
@@ -282,7 +289,7 @@ void attend_blocks(const scalar_t* k_cache, const scalar_t* v_cache, const int32
       pack_key_pairs(kb, s, tile.block_size, w.k_pairs.data() + j * s.block_size);
     }
     score_block_bf16(w.q_pairs.data() + row0 * (s.head_dim / 2), w.k_pairs.data(), num_rows, tile, p);
-    softmax_block(p, limits, num_rows, scale, tile, m, l, corr);
+    softmax_block(p, limits, firsts, num_rows, scale, tile, m, l, corr);
     pack_prob_pairs(p, num_rows, tile, w.p_pairs.data());
     for (int64_t j = 0; j * s.block_size < num_visible; ++j) {
       const auto* vb = reinterpret_cast<const at::BFloat16*>(v_cache + block_ids[j] * s.block_stride + head_offset);
@@ -300,7 +307,7 @@ void attend_blocks(const scalar_t* k_cache, const scalar_t* v_cache, const int32
     for (int64_t d = 0; d < s.head_dim; ++d) w.kt[d * s.block_size + t] = static_cast<float>(kb[t * s.head_dim + d]);
   }
   score_block(w.q.data() + row0 * s.head_dim, w.kt.data(), num_rows, s, p);
-  softmax_block(p, limits, num_rows, 1.f, s, m, l, corr);
+  softmax_block(p, limits, firsts, num_rows, 1.f, s, m, l, corr);
   const float* v = reinterpret_cast<const float*>(vb);
   if constexpr (!std::is_same_v<scalar_t, float>) {
     to_float(vb, w.v.data(), num_tokens * s.head_dim);
@@ -374,13 +381,16 @@ Inputs check_inputs(const torch::Tensor& out, torch::Tensor& query, const torch:
   return in;
 }
 
-// Checks sequence `seq`'s query rows, length and block ids; returns its query length.
-int64_t check_sequence(const Inputs& in, int64_t seq, int64_t num_cache_blocks) {
+// Checks sequence `seq`'s query rows, length and the block ids it reads (with a sliding
+// window, those from its first query's window on); returns its query length.
+int64_t check_sequence(const Inputs& in, int64_t seq, int64_t num_cache_blocks, int64_t window = 0) {
   TORCH_CHECK(seq >= 0 && seq < in.num_seqs, "sequence index out of range");
   const int64_t query_len = in.starts[seq + 1] - in.starts[seq], seq_len = in.lens[seq];
   TORCH_CHECK(in.starts[seq] >= 0 && query_len >= 1 && in.starts[seq + 1] <= in.num_tokens, "bad query_start_loc");
   TORCH_CHECK(seq_len >= query_len && seq_len <= in.max_num_blocks * in.block_size, "seq_len outside its block table");
-  for (int64_t b = 0; b < (seq_len + in.block_size - 1) / in.block_size; ++b) {
+  const int64_t first_block =
+      window > 0 ? std::max<int64_t>(0, seq_len - query_len - window + 1) / in.block_size : 0;
+  for (int64_t b = first_block; b < (seq_len + in.block_size - 1) / in.block_size; ++b) {
     const int32_t block_id = in.tables[seq * in.max_num_blocks + b];
     TORCH_CHECK(block_id >= 0 && block_id < num_cache_blocks, "block id outside the cache");
   }

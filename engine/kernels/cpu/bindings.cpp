@@ -6,12 +6,12 @@
 // paged_decode_attention.cpp
 torch::Tensor paged_decode_attention(
     torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-    torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+    torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
 
 // paged_prefill_attention.cpp
 void paged_prefill_attention(
     torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-    torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor seq_indices, double scale);
+    torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor seq_indices, double scale, int64_t window);
 
 // paged_shared_decode_attention.cpp
 void paged_shared_decode_attention(

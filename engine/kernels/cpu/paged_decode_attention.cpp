@@ -8,6 +8,9 @@
 // scores for the whole context (then an exact softmax in fp32), then the
 // probability-weighted sum of V rows. Accumulation is fp32 for every dtype.
 //
+// A sliding-window layer passes its window: a decode then reads only the blocks that
+// hold its last `window` positions (p - window < k <= p), from the first one's offset.
+//
 // Decode attention is bound by the KV read (every context token's K and V, each
 // step), so the kernel's job is to keep up with memory: each row is converted
 // to fp32 in vector registers once and used by the whole GQA group, and blocks
@@ -67,41 +70,52 @@ struct BlockRun {
 
 struct TaskShape {
   int64_t group, head_dim, block_size, block_stride, head_offset;
+  int64_t first_pos = 0;  // the first position in this sequence's window (0: the whole context)
   BlockRun after;  // what is read after this pass: its first blocks are prefetched as the pass ends
 };
 
+// The keys a task attends to: positions [s.first_pos, seq_len). Scores are [group, num_keys].
+inline int64_t num_keys(int64_t seq_len, const TaskShape& s) { return seq_len - s.first_pos; }
+
+// The blocks holding positions [s.first_pos, seq_len).
 template <typename scalar_t>
 BlockRun block_run(const scalar_t* cache, const int32_t* block_table, int64_t seq_len, const TaskShape& s) {
-  return {reinterpret_cast<const char*>(cache + s.head_offset), block_table, (seq_len + s.block_size - 1) / s.block_size};
+  const int64_t first_block = s.first_pos / s.block_size;
+  return {reinterpret_cast<const char*>(cache + s.head_offset), block_table + first_block,
+          (seq_len + s.block_size - 1) / s.block_size - first_block};
 }
 
 // Calls fn(rows, start, num_tokens) for each block of one sequence's cached rows of this
-// task's KV head, in position order: `rows` is the block's first row, `start` the
-// position of that row. Prefetches run kPrefetchBlocks ahead, into s.after's blocks at the end.
+// task's KV head in its window, in position order: `rows` is the first row to read, `start`
+// its index among the task's keys (its position - s.first_pos). Prefetches run
+// kPrefetchBlocks ahead, into s.after's blocks at the end.
 template <typename scalar_t, typename Fn>
 inline void for_each_block(const scalar_t* cache, const int32_t* block_table, int64_t seq_len, const TaskShape& s,
                            Fn fn) {
   const int64_t block_bytes = s.block_size * s.head_dim * sizeof(scalar_t);
   const int64_t stride_bytes = s.block_stride * sizeof(scalar_t);
   const BlockRun run = block_run(cache, block_table, seq_len, s);
-  for (int64_t start = 0; start < seq_len; start += s.block_size) {
-    const int64_t block_index = start / s.block_size;
-    const int64_t ahead = block_index + kPrefetchBlocks;
+  const int64_t first_block = s.first_pos / s.block_size;
+  for (int64_t i = 0; i < run.num_blocks; ++i) {
+    const int64_t ahead = i + kPrefetchBlocks;
     if (ahead < run.num_blocks) {
       prefetch_rows<2>(run.base + run.table[ahead] * stride_bytes, block_bytes);
     } else if (ahead - run.num_blocks < s.after.num_blocks) {
       prefetch_rows<2>(s.after.base + s.after.table[ahead - run.num_blocks] * stride_bytes, block_bytes);
     }
-    fn(cache + block_table[block_index] * s.block_stride + s.head_offset, start,
-       std::min(s.block_size, seq_len - start));
+    const int64_t block_start = (first_block + i) * s.block_size;
+    const int64_t skip = std::max<int64_t>(0, s.first_pos - block_start);  // rows before the window
+    fn(cache + run.table[i] * s.block_stride + s.head_offset + skip * s.head_dim, block_start + skip - s.first_pos,
+       std::min(s.block_size, seq_len - block_start) - skip);
   }
 }
 
-// scores[g * seq_len + pos] = scale * q[g] . k[pos] for every cached row of this KV head.
+// scores[g * num_keys + i] = scale * q[g] . k[first_pos + i] for every row of this KV head in the window.
 template <typename scalar_t, int kGroup>
 void score_rows(const float* q_buf, const scalar_t* k_cache, const int32_t* block_table, int64_t seq_len,
                 const TaskShape& s, float* scores) {
   const int64_t num_chunks = s.head_dim / Vec::size();
+  const int64_t n = num_keys(seq_len, s);
   for_each_block(k_cache, block_table, seq_len, s, [&](const scalar_t* block, int64_t start, int64_t num_tokens) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       // Each K chunk is converted once and used by the whole group.
@@ -114,7 +128,7 @@ void score_rows(const float* q_buf, const scalar_t* k_cache, const int32_t* bloc
           dots[g] = at::vec::fmadd(Vec::loadu(q_buf + g * s.head_dim + c * Vec::size()), kc, dots[g]);
         }
       }
-      for (int64_t g = 0; g < kGroup; ++g) scores[g * seq_len + start + t] = reduce_add(dots[g]);
+      for (int64_t g = 0; g < kGroup; ++g) scores[g * n + start + t] = reduce_add(dots[g]);
     }
   });
 }
@@ -149,6 +163,7 @@ template <int kGroup>
 void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16* k_cache, const int32_t* block_table,
                      int64_t seq_len, const TaskShape& s, float* scores) {
   const int64_t num_chunks = s.head_dim / 32;
+  const int64_t n = num_keys(seq_len, s);
   for_each_block(k_cache, block_table, seq_len, s, [&](const at::BFloat16* block, int64_t start, int64_t num_tokens) {
     int64_t t = 0;
     for (; t + 16 <= num_tokens; t += 16) {
@@ -162,7 +177,7 @@ void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16*
             dots[i] = _mm512_dpbf16_ps(dots[i], qc, (__m512bh)_mm512_loadu_si512(block + (t + i) * s.head_dim + c * 32));
           }
         }
-        _mm512_storeu_ps(scores + g * seq_len + start + t, _mm512_mul_ps(sum_each_of_16(dots), _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(scores + g * n + start + t, _mm512_mul_ps(sum_each_of_16(dots), _mm512_set1_ps(scale)));
       }
     }
     for (; t < num_tokens; ++t) {
@@ -176,7 +191,7 @@ void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16*
           dots[g] = _mm512_dpbf16_ps(dots[g], qc, kc);
         }
       }
-      for (int g = 0; g < kGroup; ++g) scores[g * seq_len + start + t] = _mm512_reduce_add_ps(dots[g]) * scale;
+      for (int g = 0; g < kGroup; ++g) scores[g * n + start + t] = _mm512_reduce_add_ps(dots[g]) * scale;
     }
   });
 }
@@ -185,11 +200,12 @@ constexpr bool kHasBf16Dot = true;
 constexpr bool kHasBf16Dot = false;
 #endif
 
-// acc[g] = sum over pos of probs[g * seq_len + pos] * v[pos].
+// acc[g] = sum over the window's keys i of probs[g * num_keys + i] * v[first_pos + i].
 template <typename scalar_t, int kGroup>
 void weigh_rows(const float* probs, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
                 const TaskShape& s, float* acc) {
   const int64_t num_chunks = s.head_dim / Vec::size();
+  const int64_t n = num_keys(seq_len, s);
   std::fill(acc, acc + s.group * s.head_dim, 0.f);
   for_each_block(v_cache, block_table, seq_len, s, [&](const scalar_t* block, int64_t start, int64_t num_tokens) {
     for (int64_t c = 0; c < num_chunks; ++c) {
@@ -199,7 +215,7 @@ void weigh_rows(const float* probs, const scalar_t* v_cache, const int32_t* bloc
       for (int64_t g = 0; g < kGroup; ++g) sums[g] = Vec::loadu(acc + g * s.head_dim + c * Vec::size());
       for (int64_t t = 0; t < num_tokens; ++t) {
         const Vec v = load_float(block + t * s.head_dim + c * Vec::size());
-        for (int64_t g = 0; g < kGroup; ++g) sums[g] = at::vec::fmadd(Vec(probs[g * seq_len + start + t]), v, sums[g]);
+        for (int64_t g = 0; g < kGroup; ++g) sums[g] = at::vec::fmadd(Vec(probs[g * n + start + t]), v, sums[g]);
       }
       for (int64_t g = 0; g < kGroup; ++g) sums[g].store(acc + g * s.head_dim + c * Vec::size());
     }
@@ -212,6 +228,7 @@ template <typename scalar_t, int kGroup, int kChunks>
 void weigh_rows_fixed(const float* probs, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
                       const TaskShape& s, float* acc) {
   Vec sums[kGroup][kChunks];
+  const int64_t n = num_keys(seq_len, s);
   for (int g = 0; g < kGroup; ++g) {
     for (int c = 0; c < kChunks; ++c) sums[g][c] = Vec(0.f);
   }
@@ -221,7 +238,7 @@ void weigh_rows_fixed(const float* probs, const scalar_t* v_cache, const int32_t
       Vec v[kChunks];
       for (int c = 0; c < kChunks; ++c) v[c] = load_float(block + t * s.head_dim + c * Vec::size());
       for (int g = 0; g < kGroup; ++g) {
-        const Vec pg(p[g * seq_len + t]);
+        const Vec pg(p[g * n + t]);
         for (int c = 0; c < kChunks; ++c) sums[g][c] = at::vec::fmadd(pg, v[c], sums[g][c]);
       }
     }
@@ -256,9 +273,10 @@ template <typename scalar_t>
 void score_and_weigh_scalar(const float* q_buf, const scalar_t* k_cache, const scalar_t* v_cache,
                             const int32_t* block_table, int64_t seq_len, const TaskShape& s, float* scores,
                             float* acc, bool weigh) {
-  if (!weigh) std::fill(scores, scores + s.group * seq_len, 0.f);
+  const int64_t n = num_keys(seq_len, s);
+  if (!weigh) std::fill(scores, scores + s.group * n, 0.f);
   else std::fill(acc, acc + s.group * s.head_dim, 0.f);
-  for (int64_t pos = 0; pos < seq_len; ++pos) {
+  for (int64_t pos = s.first_pos; pos < seq_len; ++pos) {
     const int64_t offset = block_table[pos / s.block_size] * s.block_stride + s.head_offset +
                            (pos % s.block_size) * s.head_dim;
     for (int64_t g = 0; g < s.group; ++g) {
@@ -266,9 +284,9 @@ void score_and_weigh_scalar(const float* q_buf, const scalar_t* k_cache, const s
         const float* q = q_buf + g * s.head_dim;
         float dot = 0.f;
         for (int64_t d = 0; d < s.head_dim; ++d) dot += q[d] * static_cast<float>(k_cache[offset + d]);
-        scores[g * seq_len + pos] = dot;
+        scores[g * n + pos - s.first_pos] = dot;
       } else {
-        const float p = scores[g * seq_len + pos];
+        const float p = scores[g * n + pos - s.first_pos];
         for (int64_t d = 0; d < s.head_dim; ++d) acc[g * s.head_dim + d] += p * static_cast<float>(v_cache[offset + d]);
       }
     }
@@ -276,19 +294,19 @@ void score_and_weigh_scalar(const float* q_buf, const scalar_t* k_cache, const s
 }
 
 // Exact softmax of each of the group's score rows, in place.
-void softmax_rows(float* scores, int64_t group, int64_t seq_len) {
+void softmax_rows(float* scores, int64_t group, int64_t width) {
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * seq_len;
-    const float max_score = *std::max_element(s, s + seq_len);
+    float* s = scores + g * width;
+    const float max_score = *std::max_element(s, s + width);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < seq_len; ++t) {
+    for (int64_t t = 0; t < width; ++t) {
       s[t] = std::exp(s[t] - max_score);
       sum += s[t];
     }
     const float inv_sum = 1.f / sum;
 #pragma omp simd
-    for (int64_t t = 0; t < seq_len; ++t) s[t] *= inv_sum;
+    for (int64_t t = 0; t < width; ++t) s[t] *= inv_sum;
   }
 }
 
@@ -313,14 +331,14 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
                  const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
                  const TaskShape& shape, float scale,
                  float* q_buf,   // [group, head_dim] scratch
-                 float* scores,  // [group, seq_len] scratch
+                 float* scores,  // [group, num_keys] scratch
                  float* acc,     // [group, head_dim] scratch
                  scalar_t* out) {  // [group, head_dim]
   const int64_t num_values = shape.group * shape.head_dim;
   for (int64_t i = 0; i < num_values; ++i) q_buf[i] = static_cast<float>(query[i]) * scale;
   if constexpr (std::is_same_v<scalar_t, double>) {  // no fp32 vectors for it: the plain loops
     score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, false);
-    softmax_rows(scores, shape.group, seq_len);
+    softmax_rows(scores, shape.group, num_keys(seq_len, shape));
     score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, true);
   } else {
     const bool vectorized = shape.head_dim % Vec::size() == 0 && shape.group <= kMaxGroup;
@@ -339,12 +357,12 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
         } else {
           score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
         }
-        softmax_rows(scores, shape.group, seq_len);
+        softmax_rows(scores, shape.group, num_keys(seq_len, shape));
         weigh<scalar_t, group()>(scores, v_cache, block_table, seq_len, shape, acc);
       });
     } else {
       score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, false);
-      softmax_rows(scores, shape.group, seq_len);
+      softmax_rows(scores, shape.group, num_keys(seq_len, shape));
       score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, true);
     }
   }
@@ -354,10 +372,11 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
 }  // namespace
 
 // query: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_num_blocks] int32;
-// seq_lens: [num_seqs] int32. Returns [num_seqs, num_heads, head_dim].
+// seq_lens: [num_seqs] int32; window: a sliding window's size (each decode sees its last
+// `window` positions), 0 or less for none. Returns [num_seqs, num_heads, head_dim].
 torch::Tensor paged_decode_attention(
     torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-    torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+    torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
@@ -377,12 +396,14 @@ torch::Tensor paged_decode_attention(
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t num_blocks = k_cache.size(0);
-  int64_t max_seq_len = 0;
-  // Checked up front: the kernel reads through these without bounds checks.
+  int64_t max_keys = 0;
+  // The first position each sequence's decode sees.
+  auto first_pos = [&](int64_t seq) { return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : int64_t{0}; };
+  // Checked up front: the kernel reads through these without bounds checks (only the window's blocks are read).
   for (int64_t i = 0; i < num_seqs; ++i) {
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_num_blocks * block_size, "seq_len outside its block table");
-    max_seq_len = std::max<int64_t>(max_seq_len, lens[i]);
-    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+    max_keys = std::max<int64_t>(max_keys, lens[i] - first_pos(i));
+    for (int64_t b = first_pos(i) / block_size; b < (lens[i] + block_size - 1) / block_size; ++b) {
       const int32_t block_id = tables[i * max_num_blocks + b];
       TORCH_CHECK(block_id >= 0 && block_id < num_blocks, "block id outside the cache");
     }
@@ -413,14 +434,15 @@ torch::Tensor paged_decode_attention(
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_seq_len);
+      std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task_seq(task), kv_head = task_head(task);
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
-        TaskShape shape{group, head_dim, block_size, block_stride, kv_head * block_size * head_dim};
+        TaskShape shape{group, head_dim, block_size, block_stride, kv_head * block_size * head_dim, first_pos(seq)};
         if (task + 1 < end) {  // the next task's K blocks follow this task's V blocks
           TaskShape next = shape;
           next.head_offset = task_head(task + 1) * block_size * head_dim;
+          next.first_pos = first_pos(task_seq(task + 1));
           shape.after = block_run(k, tables + task_seq(task + 1) * max_num_blocks, lens[task_seq(task + 1)], next);
         }
         decode_task<scalar_t>(q + offset, k, v, tables + seq * max_num_blocks, lens[seq], shape,

@@ -3,6 +3,8 @@
 // causally to their sequence's context, read in place through the block table. The
 // torch path gathered every context block into a copy per layer and ran SDPA with a
 // mask tensor, which on this project's CPUs reached about a quarter of the matmul rate.
+// A sliding-window layer passes its window: a query at position p sees keys
+// p - window < k <= p, and a tile skips the blocks before its first query's window.
 //
 // Cache layout is the torch backend's, head-major blocks:
 //   k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
@@ -28,7 +30,7 @@ struct Task {
 template <typename scalar_t>
 void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cache, const scalar_t* v_cache,
                   const int32_t* block_table, int64_t seq_len, int64_t query_start, int64_t query_len,
-                  const Shape& s, float scale, Scratch& w, scalar_t* out) {
+                  const Shape& s, float scale, int64_t window, Scratch& w, scalar_t* out) {
   const int64_t num_rows = task.num_queries * s.group;
   const int64_t first_pos = seq_len - query_len + task.first_query;  // context position of the tile's first query
   const int64_t last_pos = first_pos + task.num_queries - 1;
@@ -41,9 +43,10 @@ void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cac
   const bool bf16_dot = uses_bf16_dot<scalar_t>(s);
   begin_tile(query, w.row_offsets.data(), num_rows, bf16_dot, scale, s, w);
   const int64_t num_blocks = last_pos / s.block_size + 1;
+  const int64_t first_block = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / s.block_size : 0;
   const int64_t head_offset = task.kv_head * s.head_stride;
   const int64_t step = blocks_per_step(bf16_dot, s);
-  for (int64_t b = 0; b < num_blocks; b += step) {
+  for (int64_t b = first_block; b < num_blocks; b += step) {
     const int64_t n = std::min(step, num_blocks - b);
     for (int64_t j = b + n; j < std::min(b + 2 * n, num_blocks); ++j) {
       prefetch_block(k_cache, v_cache, block_table[j], head_offset, s);
@@ -52,6 +55,7 @@ void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cac
     const int64_t num_tokens = std::min(n * s.block_size, seq_len - start);
     for (int64_t r = 0; r < num_rows; ++r) {
       w.limits[r] = std::min(num_tokens, first_pos + r / s.group - start + 1);
+      if (window > 0) w.firsts[r] = first_pos + r / s.group - window + 1 - start;
     }
     const int64_t num_visible = std::min(num_tokens, last_pos - start + 1);  // tokens any row may see
     attend_blocks(k_cache, v_cache, block_table + b, n, head_offset, num_tokens, num_visible, 0, num_rows, bf16_dot,
@@ -65,10 +69,11 @@ void prefill_task(const Task& task, const scalar_t* query, const scalar_t* k_cac
 // Writes attention for the query rows of the sequences in `seq_indices` into `out`, leaving
 // every other row alone. query, out: [num_tokens, num_heads, head_dim]; block_tables:
 // [num_seqs, max_num_blocks] int32; seq_lens: [num_seqs] int32; query_start_loc:
-// [num_seqs + 1] int32; seq_indices: int32, the sequences to compute.
+// [num_seqs + 1] int32; seq_indices: int32, the sequences to compute; window: a sliding
+// window's size, 0 or less for none.
 void paged_prefill_attention(
     torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-    torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor seq_indices, double scale) {
+    torch::Tensor seq_lens, torch::Tensor query_start_loc, torch::Tensor seq_indices, double scale, int64_t window) {
   const Inputs in = check_inputs(out, query, k_cache, v_cache, {&block_tables, &seq_lens, &query_start_loc, &seq_indices});
   const int32_t* seqs = seq_indices.data_ptr<int32_t>();
   // Cut into tasks: a tile's queries are consecutive, so its causal extent is its last query's.
@@ -77,13 +82,13 @@ void paged_prefill_attention(
   std::vector<int64_t> costs;
   for (int64_t i = 0; i < seq_indices.size(0); ++i) {
     const int64_t seq = seqs[i];
-    const int64_t query_len = check_sequence(in, seq, k_cache.size(0)), seq_len = in.lens[seq];
+    const int64_t query_len = check_sequence(in, seq, k_cache.size(0), window), seq_len = in.lens[seq];
     for (int64_t first = 0; first < query_len; first += tile_queries) {
       const int64_t n = std::min(tile_queries, query_len - first);
       const int64_t context = seq_len - query_len + first + n;
       for (int64_t h = 0; h < in.num_kv_heads; ++h) {
         tasks.push_back({seq, h, first, n});
-        costs.push_back(n * context);
+        costs.push_back(n * (window > 0 ? std::min(context, window + n) : context));
       }
     }
   }
@@ -91,6 +96,6 @@ void paged_prefill_attention(
             [&](const Task& task, Scratch& scratch, const auto* q, const auto* k, const auto* v, auto* o) {
               prefill_task(task, q, k, v, in.tables + task.seq * in.max_num_blocks, in.lens[task.seq],
                            in.starts[task.seq], in.starts[task.seq + 1] - in.starts[task.seq], in.shape,
-                           static_cast<float>(scale), scratch, o);
+                           static_cast<float>(scale), window, scratch, o);
             });
 }
