@@ -78,17 +78,18 @@ def paged_attention(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     layer_index: int,
     scale: float,
+    window: int,  # the layer's sliding window; 0: none
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Store the step's K/V into layer `layer_index`'s paged cache, then attend (inside `attention_step`)."""
     if _step is None:
         raise RuntimeError("tokenloom::paged_attention called outside attention_step()")
     k_cache, v_cache = _step.kv_caches[layer_index]
     _step.backend.store_kv(key, value, k_cache, v_cache, _step.metadata.slot_mapping)
-    return _step.backend.forward(query, k_cache, v_cache, _step.metadata, scale, key, value).contiguous()
+    return _step.backend.forward(query, k_cache, v_cache, _step.metadata, scale, key, value, window).contiguous()
 
 
 @paged_attention.register_fake
-def _(query, key, value, layer_index, scale):
+def _(query, key, value, layer_index, scale, window):
     return torch.empty_like(query)
 
 

@@ -75,11 +75,8 @@ class EngineCore:
         )
         self.num_kv_blocks = num_kv_blocks
         # A sequence must fit in the whole pool by itself, or preemption could not save it.
-        limit = min(
-            self.model_config.max_position_embeddings,
-            num_kv_blocks * config.block_size,
-            self.model_config.sliding_window or self.model_config.max_position_embeddings,
-        )
+        # Sliding windows do not cap it: the attention kernels compute them per layer.
+        limit = min(self.model_config.max_position_embeddings, num_kv_blocks * config.block_size)
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.executor = None
         if tp_size > 1:

@@ -90,6 +90,7 @@ def make_tiny_model(tmp_path, architecture: str, **overrides) -> str:
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "Phi3ForCausalLM": transformers.Phi3Config,
         "MixtralForCausalLM": transformers.MixtralConfig,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     }[architecture]
     # Phi3Config's default special tokens (32000) lie outside a tiny vocabulary.
     family_defaults = {"Phi3ForCausalLM": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}.get(architecture, {})
@@ -120,6 +121,9 @@ def make_tiny_model(tmp_path, architecture: str, **overrides) -> str:
 
 TINY_CASES = {
     "mistral": ("MistralForCausalLM", dict(sliding_window=None)),
+    # A 16-token window: the longer prompts and every answer run past it (real sliding-window
+    # attention, no longer a cap on the context).
+    "mistral_window": ("MistralForCausalLM", dict(sliding_window=16)),
     "qwen2": ("Qwen2ForCausalLM", dict(rope_theta=1e6)),
     "llama3_rope": (
         "LlamaForCausalLM",

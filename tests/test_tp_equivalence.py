@@ -23,6 +23,7 @@ from test_model_equivalence import make_tiny_model
 TINY_CASES = {
     "llama": ("LlamaForCausalLM", {}),
     "mistral": ("MistralForCausalLM", dict(sliding_window=None)),
+    "mistral_window": ("MistralForCausalLM", dict(sliding_window=16)),
     "qwen2": ("Qwen2ForCausalLM", dict(rope_theta=1e6)),
     "llama_kv_replicated": ("LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True)),
 }

@@ -104,3 +104,16 @@ def test_triton_backend_matches_torch_backend(head_dim, case, tiny_model_factory
     assert kernel_calls["prefill"] > 0 and kernel_calls["decode"] > 0  # both kernels ran, on the triton pass only
     assert tokens["triton"] == tokens["torch"]
     assert tokens["torch"][0] == hf_greedy(hf_model, prompts[0], NUM_NEW_TOKENS)
+
+
+def test_triton_backend_with_a_sliding_window(tmp_path):
+    """A 16-token window (Mistral's kind, on every layer): the longest prompt and the answers
+    run past it, through both Triton kernels, and the tokens equal transformers'."""
+    path, hf_model = make_tiny_model(tmp_path, "MistralForCausalLM", head_dim=32, sliding_window=16)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    llm = LLM(path, skip_tokenizer_init=True, block_size=16, attention_backend="triton", dtype="float32",
+              max_num_batched_tokens=16)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts]

@@ -3,7 +3,8 @@
 The building blocks (engine/models/): layers.py (RMSNorm, the SwiGLU MLP), rotary.py (full,
 partial; linear, llama3, longrope), attention.py (GQA with optional bias and q/k norm),
 moe.py (the MoE block), decoder.py (the layer stack and the checkpoint loader). A family
-file composes them: llama.py, qwen3.py, phi3.py, mixtral.py. The CPU fast paths are
+file composes them: llama.py, qwen3.py, phi3.py, mixtral.py, gemma3.py (Gemma 3 text,
+with (1 + w) norms, GeGLU and sliding-window layers on their own rotary base). The CPU fast paths are
 applied to the built model by fast_paths.py (the model runner calls it)."""
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.layers import OffsetRMSNorm
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
-from engine.models.rotary import make_rotary
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ MODEL_CLASSES = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
@@ -81,7 +84,7 @@ def load_model(
     model = model.to(dtype=dtype)
     for param, data in fp32_params:
         param.data = data.float()
-    model.rotary = make_rotary(config, device)
+    model.build_rotary(device)
     logger.info("loaded %s (%s) from %s", config.architecture, dtype, config.path)
     return model.eval()
 
@@ -89,8 +92,11 @@ def load_model(
 @torch.no_grad()
 def _fill_random(model: DecoderForCausalLM) -> None:
     generator = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(0)
+    offset_norms = {id(m.weight) for m in model.modules() if isinstance(m, OffsetRMSNorm)}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):  # layer norms, the final norm, q/k norms
+        if id(param) in offset_norms:  # Gemma's (1 + w) norms: 0 scales by 1
+            param.zero_()
+        elif name.endswith("norm.weight"):  # layer norms, the final norm, q/k norms
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)

@@ -1,6 +1,8 @@
 """Grouped-query attention over the paged KV cache, shared by every family: q, k and v
-in one matmul (optional bias), optional per-head q/k RMSNorm before rotary (Qwen3),
-full or partial rotary, then the attention backend and o_proj.
+in one matmul (optional bias), optional per-head q/k RMSNorm before rotary (Qwen3; Gemma 3's
+(1 + w) norm), full or partial rotary, then the attention backend and o_proj. A layer with
+a sliding window (config.window_of) hands it to the backend, which reads only the blocks
+inside it; the scale is head_dim ** -0.5 unless the config sets query_pre_attn_scalar.
 
 Three ways through, chosen by what the engine handed the module:
 
@@ -28,21 +30,22 @@ COMPILED = None  # the `backend` engine.compilation passes: the step's cache and
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallelGroup = NO_TP, *,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.layer_index = layer_index  # which KV cache is ours, for the compiled path's attention op
+        self.sliding_window = config.window_of(layer_index)  # NO_WINDOW (0): the whole context
         self.num_heads = config.num_heads // tp.size  # this rank's heads
         self.num_kv_heads = num_local_kv_heads(config.num_kv_heads, tp.size)
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         # q, k and v in one matmul; the loader fills the three parts (column-parallel: this rank's heads).
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         # One weight over head_dim, shared by every head (and every rank).
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, tp)
         self.fused = None  # engine.models.fused.CpuFusedOps, set by engine.models.fast_paths where it applies
 
@@ -67,7 +70,8 @@ class Attention(nn.Module):
                 qkv, cos_sin, metadata.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads
             )  # [num_tokens, num_heads, head_dim]
             k, v = self._split_kv(qkv)
-            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
+            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v,
+                                  self.sliding_window)  # [num_tokens, num_heads, head_dim]
             return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k, v = self._split_kv(qkv)  # [num_tokens, num_kv_heads, head_dim] each
@@ -76,11 +80,12 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, k, cos_sin)
         if backend is COMPILED:
             out = torch.ops.tokenloom.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                                      self.layer_index, self.scale)
+                                                      self.layer_index, self.scale, self.sliding_window)
         else:
             k_cache, v_cache = kv_cache
             backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v)  # [num_tokens, num_heads, head_dim]
+            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v,
+                                  self.sliding_window)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))  # [num_out, hidden_size]
 
     def _split_kv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import NO_WINDOW, AttentionMetadata
 from engine.distributed.parallel_layers import (
     num_local_kv_heads, row_parallel_linear, shard_checkpoint_tensor, shard_rows, vocab_parallel_embedding,
 )
@@ -47,7 +47,8 @@ class CheckpointName:
 
 def dense_mlp(config: ModelConfig, tp: TensorParallelGroup, intermediate_size: int | None = None) -> SwiGLUMLP:
     local = (intermediate_size or config.intermediate_size) // tp.size
-    return SwiGLUMLP(config.hidden_size, local, down_proj=row_parallel_linear(local, config.hidden_size, tp))
+    return SwiGLUMLP(config.hidden_size, local, down_proj=row_parallel_linear(local, config.hidden_size, tp),
+                     activation=config.activation)
 
 
 def moe_or_dense_mlp(config: ModelConfig, layer_index: int, tp: TensorParallelGroup) -> nn.Module:
@@ -92,8 +93,10 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp
         self.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(self.make_layer(config, i, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.make_norm(config)
         self.rotary = make_rotary(config)
+        # The sliding-window layers' own rotary where the config gives one (Gemma 3); None: the same.
+        self.local_rotary = make_rotary(config, local=True) if config.local_rope_theta is not None else None
         # Vocab-parallel under TP: this rank's rows, as many as the embedding's.
         self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
         if config.tie_word_embeddings:
@@ -101,6 +104,19 @@ class DecoderForCausalLM(nn.Module):
 
     def make_layer(self, config: ModelConfig, layer_index: int, tp: TensorParallelGroup) -> DecoderLayer:
         return DecoderLayer(config, Attention(config, layer_index, tp), dense_mlp(config, tp))
+
+    def make_norm(self, config: ModelConfig) -> nn.Module:
+        """The final norm."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+
+    def build_rotary(self, device: torch.device) -> None:
+        """(Re)build the rotary tables in fp32 on `device` (after loading and casting the weights)."""
+        self.rotary = make_rotary(self.config, device)
+        if self.local_rotary is not None:
+            self.local_rotary = make_rotary(self.config, device, local=True)
 
     def forward(
         self,
@@ -116,23 +132,30 @@ class DecoderForCausalLM(nn.Module):
         `output_rows` the last layer runs its o_proj, MLP and post-attention norm on those
         rows alone: every row's K and V are in the cache by then. For a prompt that is 84%
         of a layer's matmuls left out, 2.8% of the model's."""
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
+        local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, hidden.dtype)
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches or [None] * len(self.layers))):
             rows = output_rows if i == last else None
-            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, metadata, backend, rows)
+            angles = cos_sin if layer.self_attn.sliding_window == NO_WINDOW else local_cos_sin
+            hidden, residual = layer(angles, hidden, residual, kv_cache, metadata, backend, rows)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_sampled, vocab_size]; under TP, on rank 0 only (the others return None)."""
         logits = self.lm_head(hidden)  # [num_sampled, vocab_size / N]
-        if self.tp.size == 1:
-            return logits
-        logits = self.tp.gather_to_first(logits)  # [num_sampled, N * vocab_size / N] on rank 0
-        return None if logits is None else logits[:, : self.config.vocab_size]
+        if self.tp.size > 1:
+            logits = self.tp.gather_to_first(logits)  # [num_sampled, N * vocab_size / N] on rank 0
+            if logits is None:
+                return None
+            logits = logits[:, : self.config.vocab_size]
+        cap = self.config.final_logit_softcapping
+        if cap:  # element-wise, so capping this rank's rows or the gathered ones is the same
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def load_weights(self, weights) -> None:
         """Copy Hugging Face-named tensors in, each renamed by `checkpoint_names` and its parts

@@ -10,7 +10,8 @@ from, so a new family gets them without code of its own:
   SwiGLU MLP's SiLU×up (the MoE experts' too), and rotary with the KV store in attention
   layers whose rotary the kernel computes. It cannot apply a q/k norm between the
   projection and rotary (Qwen3) or rotate part of a head (Phi-4-mini): those layers run
-  the torch ops, the reference, and the log says so.
+  the torch ops, the reference, and the log says so. Nor are there kernels for Gemma's
+  (1 + w) RMSNorm or a GELU-tanh gate: those blocks run the torch ops, and the log says so.
 
 One log line per model says which fast paths it got.
 """
@@ -26,7 +27,7 @@ from engine.distributed.parallel_layers import RowParallelLinear
 from engine.models.attention import Attention
 from engine.models.cpu_packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
 from engine.models.fused import CpuFusedOps
-from engine.models.layers import RMSNorm, SwiGLUMLP
+from engine.models.layers import OffsetRMSNorm, RMSNorm, SwiGLUMLP
 from engine.models.moe import MoEBlock
 
 logger = logging.getLogger(__name__)
@@ -75,13 +76,18 @@ def use_fused_ops(model: nn.Module, ops: CpuFusedOps) -> str:
     """Hand `ops` to every block that can use them; returns what each kind got."""
     fused: Counter[str] = Counter()
     unfused: Counter[str] = Counter()  # attention layers on torch rotary, by reason
+    torch_ops: Counter[str] = Counter()  # blocks no fused kernel computes
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.fused = ops
             fused["RMSNorm"] += 1
-        elif isinstance(module, SwiGLUMLP):
+        elif isinstance(module, OffsetRMSNorm):
+            torch_ops["(1 + w) RMSNorm"] += 1
+        elif isinstance(module, SwiGLUMLP) and module.activation == "silu":
             module.fused = ops
             fused["SiLU×up"] += 1
+        elif isinstance(module, SwiGLUMLP):
+            torch_ops[f"{module.activation}×up"] += 1
         elif isinstance(module, Attention):
             reason = module.why_rotary_not_fused
             if reason is None:
@@ -89,7 +95,9 @@ def use_fused_ops(model: nn.Module, ops: CpuFusedOps) -> str:
                 fused["rotary+KV store"] += 1
             else:
                 unfused[reason] += 1
-    note = "fused " + ", ".join(f"{kind} ×{n}" for kind, n in fused.items())
+    note = "fused " + ", ".join(f"{kind} ×{n}" for kind, n in fused.items()) if fused else "nothing fused"
+    if torch_ops:
+        note += "; torch ops (no fused kernel) for " + ", ".join(f"{kind} ×{n}" for kind, n in torch_ops.items())
     for reason, n in unfused.items():
         note += f"; torch rotary and KV store in {n} attention layers ({reason})"
     return note

@@ -17,10 +17,14 @@ from engine.models.config import ModelConfig
 SCALINGS = ("linear", "llama3", "longrope")
 
 
-def make_rotary(config: ModelConfig, device: torch.device | str | None = None) -> "RotaryEmbedding":
+def make_rotary(config: ModelConfig, device: torch.device | str | None = None,
+                local: bool = False) -> "RotaryEmbedding":
     """The model's rotary tables, in fp32 (positions up to 100k+ lose precision in bf16), on
-    `device` (None: the current default device)."""
-    args = (config.rotary_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+    `device` (None: the current default device). `local`: the sliding-window layers' own
+    (config.local_rope_theta, Gemma 3)."""
+    theta, scaling = (config.local_rope_theta, config.local_rope_scaling) if local else (
+        config.rope_theta, config.rope_scaling)
+    args = (config.rotary_dim, config.max_position_embeddings, theta, scaling,
             config.original_max_position_embeddings)
     if device is None:
         return RotaryEmbedding(*args)

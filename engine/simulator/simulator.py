@@ -96,8 +96,8 @@ class Simulator:
         bytes_per_block = shape.kv_bytes_per_token * config.block_size // tp
         self.num_kv_blocks = config.num_kv_blocks or max(
             1, profile.kv_pool_bytes(shape.cost.weight_bytes // tp) // bytes_per_block)
-        limit = min(shape.max_position_embeddings, self.num_kv_blocks * config.block_size,
-                    shape.sliding_window or shape.max_position_embeddings)
+        # As the engine: sliding windows are computed per layer and do not cap the context.
+        limit = min(shape.max_position_embeddings, self.num_kv_blocks * config.block_size)
         self.max_model_len = min(config.max_model_len or limit, limit)
 
     def make_scheduler(self) -> Scheduler:
