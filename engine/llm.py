@@ -66,9 +66,10 @@ class LLM:
         self._request_counter = itertools.count()
 
     def apply_chat_template(self, messages: Conversation, add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The conversation's prompt token ids, rendered exactly as the server's chat route does."""
-        return self._need_tokenizer("chat").encode_chat(messages, add_generation_prompt, tools)
+        return self._need_tokenizer("chat").encode_chat(messages, add_generation_prompt, tools, chat_template_kwargs)
 
     def chat(
         self,
@@ -77,11 +78,15 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate a reply to one conversation (a list of message dicts) or to each of a list of them."""
+        """Generate a reply to one conversation (a list of message dicts) or to each of a list of them.
+
+        `chat_template_kwargs`: more template variables, e.g. `{"enable_thinking": False}` for Qwen3."""
         tokenizer = self._need_tokenizer("chat")
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
-        texts = [tokenizer.apply_chat_template(list(c), add_generation_prompt, tools) for c in conversations]
+        texts = [tokenizer.apply_chat_template(list(c), add_generation_prompt, tools, chat_template_kwargs)
+                 for c in conversations]
         # The template writes the special tokens itself: no second BOS (Tokenizer.encode_chat).
         prompts = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
         return self._generate(prompts, sampling_params, use_tqdm)

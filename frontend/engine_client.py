@@ -210,8 +210,8 @@ class AsyncEngineClient:
         return await self.prompt_tokenizer.encode_prompts(prompts)
 
     async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool,
-                            tools: list[dict] | None = None) -> list[int]:
-        return await self.prompt_tokenizer.encode_chat(messages, add_generation_prompt, tools)
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        return await self.prompt_tokenizer.encode_chat(messages, add_generation_prompt, tools, template_kwargs)
 
     def _pick_engine(self) -> EngineConnection:
         # Fewest requests in flight; ties rotate so sequential requests spread over idle cores.

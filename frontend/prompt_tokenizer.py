@@ -98,10 +98,12 @@ class PromptTokenizer:
         return token_ids_list
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
         self.check_size(*(m.get("content") for m in messages))
         try:
-            text = await self._run(self.tokenizer.apply_chat_template, messages, add_generation_prompt, tools)
+            text = await self._run(self.tokenizer.apply_chat_template, messages, add_generation_prompt, tools,
+                                   template_kwargs)
         except TemplateError as e:
             raise InvalidRequestError(str(e)) from None
         # The template writes the special tokens itself (Tokenizer.encode_chat).

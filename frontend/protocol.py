@@ -10,7 +10,7 @@ https://platform.openai.com/docs/api-reference/completions
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -252,6 +252,7 @@ class ChatCompletionRequest(OpenAIFields):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True  # vLLM's: with --reasoning-parser, False leaves reasoning_content out
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables, e.g. enable_thinking
 
     def check_supported(self) -> None:
         super().check_supported()

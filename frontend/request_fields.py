@@ -46,7 +46,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (None, False),  # chat: the template writes the special tokens
     "spaces_between_special_tokens": (None, True),
     "guided_decoding_backend": (None, "xgrammar", "auto"),
-    "chat_template_kwargs": (None, {}),
     "echo": (None, False),  # chat completions (completions honour it)
 }
 # Accepted, logged once: they change nothing about the answer.

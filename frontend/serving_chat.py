@@ -41,7 +41,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
             raise InvalidRequestError(f'tool_choice "{tool_mode.kind}" cannot be combined with a structured output')
         structured_outputs = tool_mode.structured_outputs
     messages = template_messages([message.to_template_dict() for message in body.messages])
-    prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, tool_mode.template_tools)
+    prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, tool_mode.template_tools,
+                                                  body.chat_template_kwargs)
     reasoning_state = reasoning.state_after(prompt_token_ids) if reasoning is not None else ReasoningState.CONTENT
     if reasoning is not None:
         structured_outputs = reasoning.hold_grammar(structured_outputs, reasoning_state)

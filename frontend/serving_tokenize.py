@@ -11,6 +11,8 @@ same size cap, so a count here is the count a completion would see.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 from frontend.chat_tools import ChatTool, template_messages
@@ -29,6 +31,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -51,7 +54,7 @@ async def tokenize(body: TokenizeRequest, client: AsyncEngineClient) -> dict:
             raise InvalidRequestError("add_special_tokens is not supported with messages (the template writes them)")
         messages = template_messages([message.to_template_dict() for message in body.messages])
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-        token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, tools)
+        token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
     token_strs = client.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
     return {"count": len(token_ids), "max_model_len": client.max_model_len, "tokens": token_ids,
             "token_strs": token_strs}

@@ -14,8 +14,11 @@ import jsonschema
 import pytest
 import requests
 
-from fake_engine import REPO_ROOT, FrontendServer, expected_text, subprocess_env
+from fake_engine import REPO_ROOT, FrontendServer, expected_text, subprocess_env, write_fake_model
 from test_server_structured_outputs import ASK_WEATHER, REAL_ENGINE, SCHEMAS, chat
+from test_text_tokenizer import THINKING_TEMPLATE
+
+from ipc.text.tokenizer import Tokenizer
 
 NUM_TOKENS = 12
 
@@ -72,6 +75,41 @@ def test_an_unknown_reasoning_parser_stops_the_server_at_start_up(model_folder):
     assert result.returncode == 2
     assert "argument --reasoning-parser: invalid choice: 'nope'" in result.stderr
     assert "deepseek_r1" in result.stderr and "qwen3" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """The fake core behind a folder whose template has Qwen3's enable_thinking switch."""
+    folder = write_fake_model(tmp_path_factory.mktemp("thinking-model"))
+    config_path = folder / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": THINKING_TEMPLATE}))
+    with FrontendServer(folder, "--reasoning-parser", "qwen3") as server:
+        yield server, folder
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_server):
+    server, folder = thinking_server
+    messages = [{"role": "user", "content": "hi"}]
+    counts = {}
+    for enable_thinking in (True, False):
+        kwargs = {"enable_thinking": enable_thinking}
+        body = {"messages": messages, "chat_template_kwargs": kwargs}
+        tokens = requests.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"]
+        assert tokens == Tokenizer(folder).encode_chat(messages, template_kwargs=kwargs)
+        counts[enable_thinking] = len(tokens)
+        body = {**body, "max_tokens": NUM_TOKENS}
+        response = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30).json()
+        assert response["usage"]["prompt_tokens"] == len(tokens)
+        assert response["choices"][0]["message"]["content"] == expected_text(folder, NUM_TOKENS)
+    assert counts[False] > counts[True]  # the closed, empty <think></think>
+
+
+def test_chat_template_kwargs_may_not_replace_the_messages(thinking_server):
+    server, _ = thinking_server
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}
+    response = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert "chat_template_kwargs may not set messages" in response.json()["error"]["message"]
 
 
 @pytest.fixture(scope="module")

@@ -98,3 +98,35 @@ def test_tools_reach_the_template_as_in_transformers(tmp_path, tools):
     text = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tools=tools, tokenize=False)
     assert Tokenizer(folder).apply_chat_template(messages, tools=tools) == text
     assert text.startswith("TOOLS [{") == (tools is not None)
+
+
+# Qwen3's own lines for it: with enable_thinking false the template closes an empty reasoning.
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                     "{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("template_kwargs", [None, {}, {"enable_thinking": True}, {"enable_thinking": False}])
+def test_template_kwargs_reach_the_template_as_in_transformers(tmp_path, template_kwargs):
+    from transformers import AutoTokenizer
+
+    folder = write_fake_model(tmp_path / "model")
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    messages = CONVERSATIONS[0]
+    text = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
+    ours = Tokenizer(folder)
+    assert ours.apply_chat_template(messages, template_kwargs=template_kwargs) == text
+    assert text.endswith("</think>\n\n") == (template_kwargs == {"enable_thinking": False})
+    assert ours.encode_chat(messages, template_kwargs=template_kwargs) == ours.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("name", ["messages", "tools", "add_generation_prompt", "eos_token"])
+def test_template_kwargs_may_not_replace_the_conversation_or_special_tokens(tmp_path, name):
+    folder = write_fake_model(tmp_path / "model")
+    with pytest.raises(TemplateError, match=f"chat_template_kwargs may not set {name}"):
+        Tokenizer(folder).apply_chat_template(CONVERSATIONS[0], template_kwargs={name: "x"})

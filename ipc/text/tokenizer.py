@@ -30,6 +30,9 @@ from tokenizers import Tokenizer as RustTokenizer
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
 class TemplateError(ValueError):
     """The chat template rejected the messages (its `raise_exception`) or is missing."""
 
@@ -75,27 +78,37 @@ class Tokenizer:
         return [self._tokenizer.id_to_token(i) or "" for i in token_ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Render the conversation as prompt text (encode it with add_special_tokens=False).
 
         `tools`: JSON-schema tool definitions, handed to the template as `tools` (None when
-        absent), as transformers does."""
+        absent), as transformers does. `template_kwargs`: more template variables (vLLM's
+        `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); they may not replace the
+        conversation, the tools, the generation prompt or the special tokens."""
+        template_kwargs = template_kwargs or {}
+        reserved = sorted(set(template_kwargs) & (RESERVED_TEMPLATE_NAMES | set(self.special_tokens)))
+        if reserved:
+            raise TemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         if self._template is None:
             if not self.chat_template:
                 raise TemplateError(f"the model at {self.folder} has no chat template")
             self._template = _compile_template(self.chat_template)
         try:
             return self._template.render(
-                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                **template_kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
             )
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         # Like transformers' apply_chat_template(tokenize=True): the template already
         # writes the special tokens, so the post-processor must not add a second BOS.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict:
