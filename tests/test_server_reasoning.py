@@ -14,9 +14,9 @@ import jsonschema
 import pytest
 import requests
 
-from fake_engine import REPO_ROOT, FrontendServer, expected_text, subprocess_env, write_fake_model
+from fake_engine import REPO_ROOT, FrontendServer, expected_text, subprocess_env
 from test_server_structured_outputs import ASK_WEATHER, REAL_ENGINE, SCHEMAS, chat
-from test_text_tokenizer import THINKING_TEMPLATE
+from test_text_tokenizer import THINKING_TEMPLATE, folder_with_template
 
 from ipc.text.tokenizer import Tokenizer
 
@@ -80,9 +80,7 @@ def test_an_unknown_reasoning_parser_stops_the_server_at_start_up(model_folder):
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory):
     """The fake core behind a folder whose template has Qwen3's enable_thinking switch."""
-    folder = write_fake_model(tmp_path_factory.mktemp("thinking-model"))
-    config_path = folder / "tokenizer_config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": THINKING_TEMPLATE}))
+    folder = folder_with_template(tmp_path_factory.mktemp("thinking-model"), THINKING_TEMPLATE)
     with FrontendServer(folder, "--reasoning-parser", "qwen3") as server:
         yield server, folder
 

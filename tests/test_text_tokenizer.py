@@ -79,6 +79,14 @@ def test_folder_without_tokenizer_json_is_refused(tmp_path):
         Tokenizer(tmp_path)
 
 
+def folder_with_template(folder: Path, chat_template: str) -> Path:
+    """A fake model folder whose tokenizer_config.json carries `chat_template`."""
+    write_fake_model(folder)
+    config_path = folder / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": chat_template}))
+    return folder
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city, café style",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 TOOLS_TEMPLATE = ("{% if tools is not none %}TOOLS {{ tools | tojson }}\n{% endif %}"
@@ -89,11 +97,7 @@ TOOLS_TEMPLATE = ("{% if tools is not none %}TOOLS {{ tools | tojson }}\n{% endi
 def test_tools_reach_the_template_as_in_transformers(tmp_path, tools):
     from transformers import AutoTokenizer
 
-    folder = write_fake_model(tmp_path / "model")
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TOOLS_TEMPLATE
-    config_path.write_text(json.dumps(config))
+    folder = folder_with_template(tmp_path / "model", TOOLS_TEMPLATE)
     messages = CONVERSATIONS[0]
     text = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tools=tools, tokenize=False)
     assert Tokenizer(folder).apply_chat_template(messages, tools=tools) == text
@@ -111,11 +115,7 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['
 def test_template_kwargs_reach_the_template_as_in_transformers(tmp_path, template_kwargs):
     from transformers import AutoTokenizer
 
-    folder = write_fake_model(tmp_path / "model")
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = THINKING_TEMPLATE
-    config_path.write_text(json.dumps(config))
+    folder = folder_with_template(tmp_path / "model", THINKING_TEMPLATE)
     messages = CONVERSATIONS[0]
     text = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
