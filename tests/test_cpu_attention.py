@@ -237,6 +237,15 @@ def test_prefill_ignores_stale_slots_past_the_context(dtype):
 
 # Sliding windows: (window, block size) pairs where a window starts mid-block, spans exactly
 # one block, is a single token, or is longer than every context (full attention).
+def assert_backends_match_windowed_reference(query, k_cache, v_cache, metadata, scale, window, dtype):
+    """The CPU kernels and the torch backend both equal the dense windowed reference; returns it."""
+    expected = dense_reference(query, k_cache, v_cache, metadata, scale, window)
+    for backend in (CpuAttentionBackend(KERNELS), TorchAttentionBackend()):
+        out = backend.forward(query, k_cache, v_cache, metadata, scale, window=window)
+        torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    return expected
+
+
 WINDOW_CASES = [(8, 16), (16, 16), (13, 4), (1, 8), (5000, 16)]
 
 
@@ -247,11 +256,7 @@ def test_windowed_decode_matches_reference(window, block_size, head_dim, dtype):
     seq_lens = [1, 7, 16, 17, 40, 301]
     query, k_cache, v_cache, metadata = make_batch(seq_lens, [1] * len(seq_lens), block_size, 2, 4, head_dim, dtype)
     scale = head_dim**-0.5
-    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, scale, window=window)
-    expected = dense_reference(query, k_cache, v_cache, metadata, scale, window)
-    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    torch_out = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, scale, window=window)
-    torch.testing.assert_close(torch_out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    expected = assert_backends_match_windowed_reference(query, k_cache, v_cache, metadata, scale, window, dtype)
     if window < max(seq_lens):  # the window changes the answer: the check above has teeth
         full = dense_reference(query, k_cache, v_cache, metadata, scale)
         assert not torch.allclose(full[-1], expected[-1], atol=1e-3)
@@ -265,11 +270,7 @@ def test_windowed_prefill_matches_reference(window, block_size, head_dim, dtype)
     seq_lens, query_lens = [150, 90, 5], [150, 20, 5]
     query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, block_size, 2, 3, head_dim, dtype, seed=6)
     scale = head_dim**-0.5
-    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, scale, window=window)
-    expected = dense_reference(query, k_cache, v_cache, metadata, scale, window)
-    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    torch_out = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, scale, window=window)
-    torch.testing.assert_close(torch_out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert_backends_match_windowed_reference(query, k_cache, v_cache, metadata, scale, window, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
 from test_bf16_fidelity import mean_leading_matches
 from test_model_equivalence import make_tiny_model
+from test_model_families import ENGINE_KWARGS, GREEDY, NUM_NEW_TOKENS
 
 WINDOW = 8
 # Layers 0 and 1 slide (local rotary base 10k), layer 2 is global (base 1M, linear-scaled x2).
@@ -34,10 +35,6 @@ GEMMA_SMALL = dict(
 )
 # Untied here: tied to sqrt(hidden)-scaled embeddings, a random tiny model's greedy answer
 # repeats one token; the tied checkpoint (Gemma's own layout) is read in the softcapping test.
-NUM_NEW_TOKENS = 24
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-ENGINE_KWARGS = dict(skip_tokenizer_init=True, dtype="float32", block_size=4, max_num_batched_tokens=16,
-                     num_kv_blocks=128)
 
 
 def prompts() -> list[list[int]]:
