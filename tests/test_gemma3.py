@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
 from test_bf16_fidelity import mean_leading_matches
 from test_model_equivalence import make_tiny_model
-from test_model_families import ENGINE_KWARGS, GREEDY, NUM_NEW_TOKENS
+from test_model_families import ENGINE_KWARGS, GREEDY, NUM_NEW_TOKENS, tp2_greedy_token_ids
 
 WINDOW = 8
 # Layers 0 and 1 slide (local rotary base 10k), layer 2 is global (base 1M, linear-scaled x2).
@@ -83,12 +83,7 @@ def test_gemma3_matches_transformers(backend, gemma, caplog):
 
 def test_gemma3_tp2_matches_transformers(gemma):
     path, _, expected = gemma
-    llm = LLM(path, tensor_parallel_size=2, device="cpu", **ENGINE_KWARGS)
-    try:
-        outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert [o.token_ids for o in outputs] == expected
+    assert tp2_greedy_token_ids(path, prompts()) == expected
 
 
 def test_gemma3_bf16_drifts_no_more_than_transformers_bf16(gemma):

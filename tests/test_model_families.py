@@ -154,12 +154,16 @@ def test_family_tp2_matches_transformers(case, tmp_path):
     architecture, overrides = CASES[case]
     path, hf_model = make_tiny_model(tmp_path, architecture, **SMALL | overrides)
     expected = [hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts()]
+    assert tp2_greedy_token_ids(path, prompts()) == expected
+
+
+def tp2_greedy_token_ids(path, prompt_token_ids: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of an engine at TP = 2 on the CPU (gloo), shut down after."""
     llm = LLM(path, tensor_parallel_size=2, device="cpu", **ENGINE_KWARGS)
     try:
-        outputs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        return [o.token_ids for o in llm.generate(prompt_token_ids, GREEDY, use_tqdm=False)]
     finally:
         llm.shutdown()
-    assert [o.token_ids for o in outputs] == expected
 
 
 def test_tensor_parallel_refuses_experts_that_do_not_split(tmp_path):
