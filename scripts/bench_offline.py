@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     model_path = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # Only real prompts need text; a config-only folder (--load-format dummy) has no tokenizer.
+    tokenizer = AutoTokenizer.from_pretrained(model_path) if args.real_prompts else None
     vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     conversations = None
     if args.workload == "shared_prefix":

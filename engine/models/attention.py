@@ -9,9 +9,10 @@ Three ways through, chosen by what the engine handed the module:
 - compiled (engine.compilation calls the model with `backend=None`, COMPILED): plain
   torch ops for inductor to fuse, attention as the opaque op `tokenloom::paged_attention`;
 - eager with the fused CPU kernels (`fused`, set by engine/models/fast_paths.py where they
-  apply: full rotary and no q/k norm): rotary and the KV store in one C++ pass;
+  apply: full rotary, and q/k norm if any an RMSNorm, written back into qkv first): rotary
+  and the KV store in one C++ pass;
 - otherwise the torch ops, then the backend's store_kv: the reference, and the path for
-  q/k norm and partial rotary, which the fused kernel cannot apply.
+  Gemma's (1 + w) q/k norm and partial rotary, which the fused kernel cannot apply.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class Attention(nn.Module):
     @property
     def why_rotary_not_fused(self) -> str | None:
         """None if the fused rotary + KV store kernel computes this layer's rotary; else why not."""
-        if self.q_norm is not None:
-            return "q/k RMSNorm before rotary"
+        if self.q_norm is not None and not isinstance(self.q_norm, RMSNorm):
+            return "q/k norm other than RMSNorm before rotary"
         if self.rotary_dim != self.head_dim:
             return "partial rotary"
         return None
@@ -66,6 +67,8 @@ class Attention(nn.Module):
         if self.fused is not None and backend is not COMPILED:
             # Rotary and the KV store in one pass; k is rotated in place inside qkv.
             k_cache, v_cache = kv_cache
+            if self.q_norm is not None:
+                self._norm_qk_in_place(qkv)
             q = self.fused.rotary_store_kv(
                 qkv, cos_sin, metadata.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads
             )  # [num_tokens, num_heads, head_dim]
@@ -87,6 +90,15 @@ class Attention(nn.Module):
             out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v,
                                   self.sliding_window)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))  # [num_out, hidden_size]
+
+    def _norm_qk_in_place(self, qkv: torch.Tensor) -> None:
+        """Per-head q/k RMSNorm written back into qkv, so the fused kernel rotates and stores the
+        normed heads (the same bits as the torch path: both norms run the same kernel)."""
+        num_tokens = qkv.shape[0]
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        q.copy_(self.q_norm(q))  # [num_tokens, num_heads, head_dim]
+        k.copy_(self.k_norm(k))  # [num_tokens, num_kv_heads, head_dim]
 
     def _split_kv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = qkv.shape[0]
