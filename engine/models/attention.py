@@ -96,7 +96,7 @@ class Attention(nn.Module):
         normed heads (the same bits as the torch path: both norms run the same kernel)."""
         num_tokens = qkv.shape[0]
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        k, _ = self._split_kv(qkv)
         q.copy_(self.q_norm(q))  # [num_tokens, num_heads, head_dim]
         k.copy_(self.k_norm(k))  # [num_tokens, num_kv_heads, head_dim]
 
