@@ -17,8 +17,9 @@
 // are prefetched two ahead of use (blocks lie anywhere in the pool, so the
 // hardware prefetcher cannot guess them). Tasks are split with ATen's
 // parallel_for in equal contiguous ranges: a raw `omp parallel` region here, with
-// tasks handed out from a shared counter, made the kernel 2.3x slower inside the
-// engine (between oneDNN's regions) though not in isolation, and handing them out
+// tasks handed out from a shared counter, made the kernel much slower inside the
+// engine (between oneDNN's regions; docs/performance.md, "Decode attention") though
+// not in isolation, and handing them out
 // from a counter inside parallel_for (as run_slabs does) gained nothing and broke
 // the prefetch from one task into the next.
 #include "vec_capability.h"

@@ -5,9 +5,8 @@
 //   uniform u in [0, 1): the first token whose cumulative mass reaches (1 - u) of the
 //   row's total, so never a token of probability 0.
 //
-// Why a kernel: torch spent 6.7 ms of a 48-row decode step on this at temperature 1
-// (a 60 ms step): softmax, cumsum and, for greedy rows, argmax are each a pass over
-// 48 x 49,152 floats, and argmax alone took 2 ms. Here a row is a max pass, one pass of
+// Why a kernel: in torch, softmax, cumsum and, for greedy rows, argmax are each a pass
+// over every row's vocabulary (docs/performance.md, "Sampling"). Here a row is a max pass, one pass of
 // exp that also sums chunk by chunk, and a scan through the chunk sums to the one chunk
 // where the target falls.
 #include "vec_capability.h"

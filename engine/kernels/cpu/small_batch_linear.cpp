@@ -2,9 +2,8 @@
 // has no AMX, steps of a few tokens where it has (engine/models/cpu_packing.py decides).
 //
 // With few tokens a linear layer is a stream of its weights: each weight is used once
-// per token. oneDNN's prepacked bf16 matmul read the model's weights at about 18 GB/s
-// for one token on this project's Zen 4 (the machine streams about 30): 15 ms a step
-// where the read alone takes 9.
+// per token, so the kernel must read them at the machine's memory rate; oneDNN's
+// prepacked bf16 matmul read them well below it (docs/performance.md, "CPU matmuls").
 //
 // Weights are repacked once into slabs of 16 output features, each slab contiguous:
 //   slabs: [out_features / 16, in_features / 2, 16] 32-bit words, word (s, p, j) = the
@@ -13,10 +12,8 @@
 // outputs, with the token's pair broadcast, so there are no horizontal sums. Up to
 // kMaxRows tokens share each weight load; more tokens take further passes over the
 // slab, which is then in cache, and are bound by the dot products instead: from 64
-// tokens up they run within 10% of the vdpbf16ps peak on two cores, which moves with the
-// host's clock (a register-only loop: 360-375 GFLOP/s in one session, 430-460 in another;
-// the slabs 420-440 at 128 tokens then, with the weights on huge pages, see
-// engine/models/cpu_packing.py). Sums are fp32; the output is rounded to bf16 once, or
+// tokens up they run near the vdpbf16ps peak (figures: docs/performance.md, "CPU
+// matmuls"). Sums are fp32; the output is rounded to bf16 once, or
 // left in fp32 (logits).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
