@@ -15,16 +15,11 @@ by the model runner around each compiled forward (vLLM's forward context does
 the same). This is the module's one piece of global state.
 
 Inductor's caches live under <tokenloom cache>/inductor/<cpu key> (its C++ is
-built for the host's instruction set). They did not shorten a second start,
-though: SmolLM2's warm-up took 137 s on a first start and 133 s on the next on
-this project's shared 2-core host (not yet known which stage, dynamo tracing,
-freezing's weight packing or a cache miss, takes the time).
+built for the host's instruction set).
 
-Why opt-in: on that host, bench_offline with 32 requests ran at 34 and 51 total
-tok/s compiled in bf16 against 72 eager in bf16 (interleaved runs, heavily loaded
-machine), while a decode-heavy A/B (32 x 64 prompt + 64 output tokens) had
-compiled 1.4-1.8x faster than eager. Until that is understood, and the start-up
-cached, eager with prepacked matmuls stays the default.
+Why opt-in: the warm-up takes minutes at every start, and on this project's CPU it did
+not beat eager bf16 on bench_offline (figures: docs/performance.md, "torch.compile on
+the CPU"). Eager with prepacked matmuls stays the default.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ transparent huge pages, where Linux offers them on request.
 
 Decode attention reads each sequence's blocks wherever they lie in the pool: a few
 KB here, a few KB there, each on a different 4 KB page, so nearly every block costs
-a TLB miss (and under a hypervisor, a two-level page walk). On this project's CPU,
-random 2 KB reads over 1 GB went from 13.8 to 17.1 GB/s on 2 MB pages. Many
+a TLB miss (and under a hypervisor, a two-level page walk). Huge pages
+make those reads faster (docs/performance.md, "Huge pages"). Many
 kernels ship with transparent huge pages in `madvise` mode, which gives them only
 to memory that asks: this module asks for the KV pool's, before its first touch.
 """

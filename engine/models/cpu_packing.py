@@ -11,17 +11,13 @@ primitive per distinct input shape, and each holds memory of its own; oneDNN
 and ideep (PyTorch's wrapper) each keep up to 1024 of them by default, so with
 the number of tokens per step varying freely a server's memory grew with the
 variety of its traffic (a sweep over 147 batch sizes: +1.1 GB). Both caches are
-capped below (a step needs about five primitives, one per weight shape), which
-holds the same sweep to about +0.3 GB; a step whose size is not cached pays
-about 0.5 ms per weight shape to build its primitives again.
+capped below (a step needs about five primitives, one per weight shape); a step
+whose size is not cached builds its primitives again.
 
 bf16 on a CPU with AVX512_BF16 but no AMX (this project's Zen 4) takes the slabs
-of engine/kernels/cpu/small_batch_linear.cpp instead: oneDNN streamed the weights
-of a one-token step at about 18 GB/s (the machine reads about 30), and the slabs
-match or beat its rate at every step size here (64 to 1,024 tokens: 380-450
-GFLOP/s against oneDNN's 350-440 in one session; 370-376 in another, at its clock's
-dot-product peak). In the engine a one-sequence decode step went
-from 25 to 13 ms, 64 sequences from 89 to 75 ms. With AMX, oneDNN's tiles win
+of engine/kernels/cpu/small_batch_linear.cpp instead: oneDNN streamed a small
+step's weights well below the machine's read rate, and the slabs match or beat it
+at every step size (figures: docs/performance.md, "CPU matmuls"). With AMX, oneDNN's tiles win
 big steps: slabs then take only steps of up to SMALL_BATCH_MAX_TOKENS tokens, as
 a second copy of the weights, and not for models whose weights pass
 SMALL_BATCH_MAX_WEIGHT_BYTES.
@@ -29,10 +25,8 @@ SMALL_BATCH_MAX_WEIGHT_BYTES.
 The slabs of the whole model then move into one tensor on transparent huge pages
 (`gather_slabs_on_huge_pages`). A step streams every weight from memory once, a
 4 KB page after another: on 4 KB pages each one missed the TLB (a two-level walk
-under a hypervisor), and the hardware prefetcher stops at every page's end. On
-this project's Zen 4, 30 layers of the default model's linears ran faster on
-huge pages by 13-18% at 1 token, 15% at 8, 9-15% at 16, 4-8% at 48, 1-4% at 128
-(two runs of scripts/bench_slab_pages.py: one process, the two layouts alternated).
+under a hypervisor), and the hardware prefetcher stops at every page's end; huge pages avoid both
+(figures: docs/performance.md, "CPU matmuls").
 """
 
 from __future__ import annotations
