@@ -13,7 +13,7 @@
 Errors are always `{"error": {"message", "type", "code"}}`: 400 bad input, 401 bad
 key, 404 unknown model, 408 body too slow, 413 body too large, 431 headers too large,
 429 too many concurrent requests, 503 engine dead or shutting down (limits and
-flags: the README's reliability section).
+flags: docs/reliability.md).
 On SIGTERM the server drains: no new requests, running ones get --shutdown-timeout
 seconds to finish, the rest are failed, the cores are shut down, exit code 0.
 Run: `python -m frontend.api_server --model PATH --port 8000`.

@@ -11,7 +11,7 @@ by the task's done callback. Request ids belong to the client, so they are scope
 the client's ZeroMQ identity; a GenerateRequest whose id is still running there is
 ignored (answering it would give that id a second final). Frames larger than a
 request can need are refused by ZeroMQ before they are buffered. Framing and
-layouts: the README's local-socket protocol section.
+layouts: docs/protocol.md.
 """
 
 from __future__ import annotations

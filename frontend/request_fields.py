@@ -5,8 +5,8 @@ that tokenloom does not do, gets a 400 naming it (unless it holds its "off" valu
 A field that changes nothing about the answer (bookkeeping, routing hints) is
 accepted and its name logged once. A name nobody knows is accepted and logged once,
 as vLLM does, so a client that sends a newer harmless field keeps working. Every
-field honoured is a declared field of the bodies in frontend.protocol; the README's
-field table lists the decision for each.
+field honoured is a declared field of the bodies in frontend.protocol; docs/request_fields.md
+lists the decision for each.
 """
 
 from __future__ import annotations

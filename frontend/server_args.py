@@ -33,7 +33,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"require 'Authorization: Bearer KEY' on /v1/* and /generate (default: ${API_KEY_ENV})")
     parser.add_argument("--client-socket", metavar="ADDR",
-                        help="also serve GenerateRequest over a ZeroMQ ROUTER at ADDR (see the README's local-socket protocol)")
+                        help="also serve GenerateRequest over a ZeroMQ ROUTER at ADDR (see docs/protocol.md)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--engine-ready-timeout", type=float, default=600.0, metavar="S",
                         help="seconds to wait for each core's EngineReady")

@@ -22,7 +22,7 @@ import zmq
 EXCEPTION_TEXT = re.compile(r"Traceback|\b[A-Z]\w*(?:Error|Exception)\(|object at 0x|File \"")
 FINISH_REASONS = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 FINISH_ERROR = 4
-# SamplingParams on the local socket, in wire order (README, "The local-socket wire protocol").
+# SamplingParams on the local socket, in wire order (docs/protocol.md).
 WIRE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "ignore_eos",
                "stop_token_ids", "stop", "logprobs", "skip_special_tokens", "include_stop_str_in_output")
 # Greedy, two tokens, min_tokens 1: short, and stop_token_ids are then used as banned ids too.

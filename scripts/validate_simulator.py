@@ -6,7 +6,7 @@
 
 1. calibrates this machine's profile (scripts/simulate.py --calibrate, its own workload),
 2. measures bench_offline.py's reference and long-tailed workloads, continuous and static,
-   and one bench_serving.py run (the README's serving arguments, our server started by it),
+   and one bench_serving.py run (docs/performance.md's serving arguments, our server started by it),
 3. simulates each with the calibrated profile and the run's own settings,
 4. writes OUT/simulator_validation.json (predicted, measured, error % for each figure)
    and OUT/*_occupancy.png (measured and simulated steps side by side).

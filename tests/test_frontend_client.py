@@ -1,4 +1,4 @@
-"""TokenloomClient over HTTP and over the local ZeroMQ socket, plus the raw protocol of the README's local-socket section."""
+"""TokenloomClient over HTTP and over the local ZeroMQ socket, plus the raw protocol of docs/protocol.md."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_leaving_the_loop_aborts(server, event_log, transport):
 
 
 def test_raw_protocol_example(server, model_folder):
-    """The example in the README's local-socket protocol section, with plain pyzmq and msgpack."""
+    """The example in docs/protocol.md, with plain pyzmq and msgpack."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(server.client_socket)

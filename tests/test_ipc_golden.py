@@ -1,5 +1,5 @@
 """Golden bytes: the wire encoding of every message type, recorded from the hand-written
-codec before the records became msgspec Structs. The README's protocol is these bytes;
+codec before the records became msgspec Structs. docs/protocol.md is these bytes;
 a change here is a change of the wire format, which must stay append-only."""
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_api_key_guards_every_api_route(model_folder):
                 assert response.status_code == 401, (path, headers)
                 assert response.json()["error"]["type"] == "authentication_error"
             assert call(server, method, path, body, {"Authorization": f"Bearer {KEY}"}).status_code == 200, path
-        # Probes and the schema stay open (see the README's reliability section).
+        # Probes and the schema stay open (see docs/reliability.md).
         for path in ("/health", "/metrics", "/openapi.json"):
             assert requests.get(f"{server.url}{path}").status_code == 200
 
