@@ -9,6 +9,7 @@
     GET  /metrics                Prometheus text
     POST /reset_prefix_cache     drop the cores' cached prefix blocks that no request holds (benchmarks)
     GET  /openapi.json           the schema
+    GET  /, /dashboard           a chat page and the engine live, in the browser (frontend.web_pages)
 
 Errors are always `{"error": {"message", "type", "code"}}`: 400 bad input, 401 bad
 key, 404 unknown model, 408 body too slow, 413 body too large, 431 headers too large,
@@ -55,6 +56,7 @@ from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion, generate
 from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.server_args import admission_config, engine_client_config, make_parser, tool_options
+from frontend.web_pages import add_web_routes
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
         _check_model(client, body.model)
         return await detokenize(body, client)
 
+    add_web_routes(app, client, admission)
     app.add_exception_handler(FrontendError, _on_frontend_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

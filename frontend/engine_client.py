@@ -38,6 +38,7 @@ from frontend.metrics import FrontendMetrics
 from frontend.model_folder import resolve_model_folder
 from frontend.prompt_tokenizer import PromptTokenizer
 from frontend.request_state import RequestState, RequestStream
+from frontend.step_timeline import StepTimeline
 from ipc.codec import DecodeError
 from ipc.messages import (
     AbortRequests,
@@ -88,6 +89,7 @@ class AsyncEngineClient:
         self.ctx = zmq.asyncio.Context()
         self.engines: list[EngineConnection] = []
         self.metrics = FrontendMetrics(self.model_name)
+        self.timeline = StepTimeline()  # the dashboard's occupancy strips, read off each step's outputs
         self.max_model_len = 0
         self.vocab_size = tokenizer.vocab_size
         self.is_healthy = False
@@ -128,6 +130,7 @@ class AsyncEngineClient:
         self.max_model_len = min(r.max_model_len for r in readies)
         self.prompt_tokenizer.set_max_model_len(self.max_model_len)
         self.vocab_size = min([self.vocab_size, *(r.vocab_size for r in readies if r.vocab_size)])
+        self.timeline.resize(len(self.engines))
         for engine in self.engines:
             self._start_engine_tasks(engine)
         self.is_healthy, self.dead_reason = True, None
@@ -266,6 +269,7 @@ class AsyncEngineClient:
 
     def _on_outputs(self, engine: EngineConnection, msg: EngineOutputs) -> None:
         engine.stats = msg.stats
+        self.timeline.record(engine.index, msg.outputs, msg.stats.num_running, self._states)  # before states change
         now = time.monotonic()
         processed = self.output_processor.process_outputs(msg.outputs)
         for request_id in processed.failed_request_ids:
