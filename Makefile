@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2
 PORT ?= 8000
 
-.PHONY: setup model kernels test test-fast demo serve bench clean
+.PHONY: setup browser model kernels test test-fast demo serve bench clean
 
 $(STAMP): requirements-cpu.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ $(STAMP): requirements-cpu.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# Chromium and chromedriver from Debian's packages for the browser tests (skipped when present).
+browser:
+	sh scripts/install_chromium.sh
 
 model: $(STAMP)
 	$(PY) -m engine.model_files $(MODEL)
@@ -28,7 +32,7 @@ model: $(STAMP)
 kernels: $(STAMP)
 	$(PY) -m engine.kernels.cpu_extension
 
-test: model kernels
+test: model kernels browser
 	$(PY) -m pytest -q -rs
 
 test-fast: $(STAMP)
