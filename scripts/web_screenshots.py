@@ -1,0 +1,81 @@
+"""The README's screenshots: the chat page after a question, the dashboard during a load, by headless Chromium.
+
+    python scripts/web_screenshots.py [--out docs/images] [--num-requests 48]
+
+Starts the real server on the default model (as `make serve` does), asks the chat page
+one question, then sends a burst of chat requests of mixed lengths and photographs the
+dashboard while they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from fake_engine import FrontendServer  # noqa: E402
+from headless_browser import HeadlessChromium  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+def wait_for_answer(driver, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if driver.execute_script("const a = document.querySelectorAll('.message.assistant');"
+                                 "return a.length > 0 && a[a.length - 1].dataset.finish !== undefined"):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("no answer")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "images")
+    parser.add_argument("--num-requests", type=int, default=48)
+    args = parser.parse_args()
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    from engine.model_files import DEFAULT_MODEL, resolve_model
+
+    server = FrontendServer(Path(resolve_model(DEFAULT_MODEL)), "--engine-command", f"{sys.executable} -m engine.core_process",
+                            "--max-num-seqs", "64", "--served-model-name", "smollm2")
+    with server.start(timeout_s=300), HeadlessChromium() as browser:
+        driver = browser.driver
+        driver.get(server.url + "/")
+        driver.find_element("id", "temperature").clear()
+        driver.find_element("id", "temperature").send_keys("0")
+        driver.find_element("id", "prompt").send_keys("What is the capital of France?")
+        driver.find_element("id", "send").click()
+        wait_for_answer(driver)
+        browser.screenshot(args.out / "chat_page.png")
+
+        driver.get(server.url + "/dashboard")
+        time.sleep(1.0)
+        questions = ["Count from one to thirty in words.", "Tell me about the sea.", "Name five fruits.",
+                     "Write a short poem about rain."]
+
+        def post(i: int) -> None:
+            time.sleep(0.05 * i)  # a staggered burst: requests join and leave the batch step by step
+            body = {"messages": [{"role": "user", "content": questions[i % len(questions)]}],
+                    "max_tokens": 32 + 24 * (i % 5), "temperature": 0}
+            requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(args.num_requests)]
+        for thread in threads:
+            thread.start()
+        time.sleep(6.0)
+        browser.screenshot(args.out / "dashboard.png")
+        for thread in threads:
+            thread.join()
+
+
+if __name__ == "__main__":
+    main()
