@@ -1,4 +1,4 @@
-"""Headless Chromium driven by selenium, from Debian's packages: the browser tests and the README's screenshots.
+"""Headless Chromium driven by selenium, from Debian's packages: the browser tests and the screenshots of docs/web-pages.md.
 
 `make setup` installs `chromium` and `chromium-driver` (scripts/install_chromium.sh);
 nothing is downloaded at run time (selenium is given both paths, so its driver manager

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Chromium and chromedriver from Debian's packages, for the browser tests (tests/test_browser.py)
-# and the README's screenshots. Idempotent: does nothing when both are there. Elsewhere (no
+# and the screenshots of docs/web-pages.md. Idempotent: does nothing when both are there. Elsewhere (no
 # apt-get, no root and no sudo) it says so and goes on: the browser tests then skip, except
 # under CI, where a missing browser fails them.
 set -eu

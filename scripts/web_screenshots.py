@@ -1,4 +1,4 @@
-"""The README's screenshots: the chat page after a question, the dashboard during a load, by headless Chromium.
+"""The screenshots of docs/web-pages.md: the chat page after a question, the dashboard during a load, by headless Chromium.
 
     python scripts/web_screenshots.py [--out docs/images] [--num-requests 48]
 
