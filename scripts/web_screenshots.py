@@ -47,7 +47,17 @@ def main() -> None:
 
     server = FrontendServer(Path(resolve_model(DEFAULT_MODEL)), "--engine-command", f"{sys.executable} -m engine.core_process",
                             "--max-num-seqs", "64", "--served-model-name", "smollm2")
-    with server.start(timeout_s=300), HeadlessChromium() as browser:
+    # start() rather than `with server`, whose __enter__ starts with the default 60 s wait;
+    # `with server.start(...)` would start a second server and leave the first one running.
+    server.start(timeout_s=300)
+    try:
+        take_screenshots(server, args)
+    finally:
+        server.stop()
+
+
+def take_screenshots(server, args) -> None:
+    with HeadlessChromium() as browser:
         driver = browser.driver
         driver.get(server.url + "/")
         driver.find_element("id", "temperature").clear()
