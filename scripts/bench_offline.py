@@ -51,6 +51,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 from bench_offline_hf import run_hf  # noqa: E402
@@ -111,8 +112,9 @@ def generate_conversations(llm, conversations) -> tuple[list, list[WorkloadReque
 
 
 def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching: bool = True,
-               conversations: list | None = None) -> ModeResult:
-    """`conversations` (multi_turn): run those turn by turn; `workload` is then only the warm-up's source."""
+               conversations: list | None = None, live=None, name: str | None = None) -> ModeResult:
+    """`conversations` (multi_turn): run those turn by turn; `workload` is then only the warm-up's source.
+    `live` (a live_view.LiveView) shows the measured run's steps as run `name`."""
     from engine.llm import LLM
     from ipc.sampling_params import SamplingParams
 
@@ -143,6 +145,8 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
     stats_before = llm.engine.stats()
     llm.engine.step_stats.clear()
     llm.engine.record_step_stats = True
+    if live is not None:
+        live.start_run(name or mode, llm.engine)
     start = time.perf_counter()
     if conversations:
         outputs, workload = generate_conversations(llm, conversations)
@@ -223,6 +227,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PREFIX", help="writes PREFIX_occupancy.png and PREFIX_latency.png")
     p.add_argument("--quick", action="store_true", help="a tiny workload for smoke tests (overrides sizes)")
+    p.add_argument("--live", action="store_true",
+                   help="serve the occupancy strips of the run as it happens at http://127.0.0.1:PORT/live")
+    p.add_argument("--live-port", type=int, default=8001)
+    p.add_argument("--live-linger", type=float, default=None, metavar="S",
+                   help="keep the live page up S seconds after the run (default: until Ctrl-C on a terminal, else 0)")
     args = p.parse_args(argv)
     if args.quick:
         for name, value in QUICK.items():
@@ -238,6 +247,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.workload == "multi_turn" and "hf" in args.modes:
         p.error("--workload multi_turn runs our engine only: drop hf from --modes")
     return args
+
+
+def linger_live_view(live, linger_s: float | None) -> None:
+    """Keep the finished run's page up: `linger_s` seconds, or until Ctrl-C on a terminal."""
+    if linger_s is None:
+        linger_s = float("inf") if sys.stdin.isatty() else 0.0
+    if linger_s > 0:
+        print(f"live view stays at {live.url}" + (" until Ctrl-C" if linger_s == float("inf") else f" for {linger_s:g} s"),
+              flush=True)
+        try:
+            if linger_s == float("inf"):
+                threading.Event().wait()
+            else:
+                time.sleep(linger_s)
+        except KeyboardInterrupt:
+            pass
+    live.close()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -276,13 +302,21 @@ def main(argv: list[str] | None = None) -> dict:
     runs = [(mode, None) for mode in args.modes if mode == "hf"]
     runs = [(mode, PREFIX_CACHING[s]) for mode in args.modes if mode != "hf" for s in args.prefix_caching] + runs
     runs.sort(key=lambda run: args.modes.index(run[0]))
-    for mode, prefix_caching in runs:
-        name = mode if prefix_caching is None else result_name(mode, prefix_caching)
+    names = [mode if prefix_caching is None else result_name(mode, prefix_caching) for mode, prefix_caching in runs]
+    live = None
+    if args.live:
+        from live_view import LiveView
+
+        live = LiveView([n for n, (mode, _) in zip(names, runs) if mode != "hf"], args.live_port).start()
+        print(f"live view: {live.url}", flush=True)
+    for name, (mode, prefix_caching) in zip(names, runs):
         logger.info("running %s", name)
         if mode == "hf":
             results[name] = run_hf(workload, args, model_path)
         else:
-            results[name] = run_engine(mode, workload, args, prefix_caching, conversations)
+            results[name] = run_engine(mode, workload, args, prefix_caching, conversations, live, name)
+            if live is not None:
+                live.finish_run(name, results[name].summary())
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -292,6 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     for s in summaries.values():
         s["total_tokens_per_s_vs_continuous"] = s["total_tokens_per_s"] / baseline if baseline else None
     print_table(summaries)
+    if live is not None:
+        linger_live_view(live, args.live_linger)
 
     report = {
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},

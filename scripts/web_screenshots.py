@@ -1,10 +1,14 @@
-"""The screenshots of docs/web-pages.md: the chat page after a question, the dashboard during a load, by headless Chromium.
+"""The screenshots of docs/web-pages.md: the chat page after a question, the dashboard during a load,
+and `bench_offline.py --live` after a run, by headless Chromium.
 
-    python scripts/web_screenshots.py [--out docs/images] [--num-requests 48]
+    python scripts/web_screenshots.py [--out docs/images] [--num-requests 48] [--pages chat,live]
 
 Starts the real server on the default model (as `make serve` does), asks the chat page
 one question, then sends a burst of chat requests of mixed lengths and photographs the
-dashboard while they run.
+dashboard while they run (`chat`: chat_page.png and dashboard.png). `live` runs the
+offline benchmark's reference workload (cut to --live-requests) through continuous,
+static and static-padded batching with --live, and photographs the page once the three
+strips are full (live_view.png).
 """
 
 from __future__ import annotations
@@ -41,8 +45,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "images")
     parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--pages", default="chat,live", help="chat (the chat page and the dashboard), live, or both")
+    parser.add_argument("--live-requests", type=int, default=32)
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    pages = set(args.pages.split(","))
+    if "live" in pages:
+        take_live_screenshot(args)
+    if "chat" not in pages:
+        return
     from engine.model_files import DEFAULT_MODEL, resolve_model
 
     server = FrontendServer(Path(resolve_model(DEFAULT_MODEL)), "--engine-command", f"{sys.executable} -m engine.core_process",
@@ -85,6 +96,33 @@ def take_screenshots(server, args) -> None:
         browser.screenshot(args.out / "dashboard.png")
         for thread in threads:
             thread.join()
+
+
+def take_live_screenshot(args) -> None:
+    import bench_offline
+    from fake_engine import free_port
+
+    port = free_port()
+    argv = ["--modes", "continuous,static,static-padded", "--num-requests", str(args.live_requests),
+            "--live", "--live-port", str(port), "--live-linger", "30"]
+    run = threading.Thread(target=bench_offline.main, args=(argv,), daemon=True)
+    run.start()
+    url = f"http://127.0.0.1:{port}/live"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            requests.get(url, timeout=5)
+            break
+        except requests.ConnectionError:
+            time.sleep(0.2)
+    with HeadlessChromium(window_size=(1280, 720)) as browser:
+        browser.driver.get(url)
+        while browser.driver.find_element("id", "feed-status").text != "run finished":
+            if time.monotonic() > deadline + 600:
+                raise TimeoutError("the offline run did not finish")
+            time.sleep(0.5)
+        browser.screenshot(args.out / "live_view.png")
+    run.join()
 
 
 if __name__ == "__main__":

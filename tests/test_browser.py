@@ -156,16 +156,16 @@ def dashboard_counters(browser) -> dict[str, int]:
         list(ids))
 
 
-def painted_cells(browser) -> int:
-    """Pixels the occupancy strip of engine 0 has painted."""
+def painted_cells(browser, canvas_id: str = "strip-0") -> int:
+    """Pixels an occupancy strip (the dashboard's engine 0 by default) has painted."""
     return browser.driver.execute_script("""
-        const canvas = document.getElementById('strip-0');
+        const canvas = document.getElementById(arguments[0]);
         if (!canvas) return 0;
         const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
         let n = 0;
         for (let i = 3; i < data.length; i += 4) if (data[i]) n++;
         return n;
-    """)
+    """, canvas_id)
 
 
 def test_dashboard_counters_move_under_load_and_return_to_zero(browser, server):
@@ -219,3 +219,19 @@ def test_pages_behind_an_api_key_ask_for_it_and_send_it(browser, keyed_server):
     wait_until(lambda: element(browser, "key-form").is_displayed(), timeout_s=10, what="the key form")
     assert "401" in element(browser, "status").text
     browser.console_errors()  # Chromium logs that 401 itself; drop it so no later test sees it
+
+
+def test_offline_live_view_draws_a_strip_per_mode(browser, tmp_path):
+    from test_live_view import MODES, connect, start_live_run
+
+    thread, url, _, errors = start_live_run(tmp_path, linger_s=20)
+    connect(url, errors).close()
+    browser.driver.get(url)
+    wait_until(lambda: element(browser, "feed-status").text == "run finished", timeout_s=120, what="the run's end")
+    assert not errors, errors
+    for mode in MODES:
+        assert painted_cells(browser, f"strip-{mode}") > 0
+        label = browser.driver.execute_script(
+            "return document.getElementById(arguments[0]).previousElementSibling.textContent", f"strip-{mode}")
+        assert label.startswith(f"{mode}: done,") and "tokens/s" in label
+    assert browser.console_errors() == []

@@ -2,11 +2,6 @@
 // GET /dashboard/events (a few JSON snapshots a second, read with fetch so the key can be sent).
 "use strict";
 
-const PREFILL_COLOR = "#f28e2b";
-const DECODE_COLOR = "#4e79a7";
-const CELL_WIDTH = 3;  // px per step column
-const MIN_ROWS = 8;  // the strip's height in cells until a bigger batch is seen
-
 const strips = [];  // per engine: {canvas, label, columns: [[prefill, decode], ...], maxRows}
 
 const el = (id) => document.getElementById(id);
@@ -17,41 +12,8 @@ function setText(id, value) {
 }
 
 function strip(index) {
-  while (strips.length <= index) {
-    const i = strips.length;
-    const box = document.createElement("div");
-    box.className = "strip";
-    const label = document.createElement("div");
-    label.className = "strip-label";
-    const canvas = document.createElement("canvas");
-    canvas.id = `strip-${i}`;
-    canvas.height = 160;
-    box.append(label, canvas);
-    el("strips").append(box);
-    strips.push({ canvas, label, columns: [], maxRows: MIN_ROWS });
-  }
+  while (strips.length <= index) strips.push(makeStrip(el("strips"), `strip-${strips.length}`));
   return strips[index];
-}
-
-function draw(s) {
-  const canvas = s.canvas;
-  const width = canvas.clientWidth || 800;
-  if (canvas.width !== width) canvas.width = width;
-  const maxColumns = Math.floor(width / CELL_WIDTH);
-  if (s.columns.length > maxColumns) s.columns.splice(0, s.columns.length - maxColumns);
-  const ctx = canvas.getContext("2d");
-  ctx.clearRect(0, 0, canvas.width, canvas.height);
-  const cellHeight = canvas.height / s.maxRows;
-  const gap = cellHeight >= 4 ? 1 : 0;  // cell borders while the cells are big enough to see them
-  const x0 = canvas.width - s.columns.length * CELL_WIDTH;
-  s.columns.forEach(([prefill, decode], i) => {
-    const x = x0 + i * CELL_WIDTH;
-    for (let row = 0; row < prefill + decode; row++) {
-      ctx.fillStyle = row < decode ? DECODE_COLOR : PREFILL_COLOR;
-      const y = canvas.height - (row + 1) * cellHeight;
-      ctx.fillRect(x, y + gap, CELL_WIDTH - (CELL_WIDTH > 2 ? 1 : 0), cellHeight - gap);
-    }
-  });
 }
 
 function update(snapshot) {
@@ -69,16 +31,14 @@ function update(snapshot) {
   setText("num-preemptions", totals.num_preemptions);
   for (const engine of snapshot.engines) {
     const s = strip(engine.index);
-    for (let i = 0; i < engine.num_steps_dropped; i++) s.columns.push([0, 0]);  // a gap marks skipped steps
-    for (const column of engine.steps) {
-      s.columns.push(column);
-      s.maxRows = Math.max(s.maxRows, column[0] + column[1]);
-    }
+    addColumns(s, engine.steps, engine.num_steps_dropped);
+    // Keep what a wide window can show; the oldest columns go.
+    if (s.columns.length > 4096) s.columns.splice(0, s.columns.length - 4096);
     s.label.textContent = `engine ${engine.index}${engine.is_alive ? "" : " (dead)"}: `
       + `${engine.num_running} running, ${engine.num_waiting} waiting, `
       + `${engine.num_kv_blocks_used}/${engine.num_kv_blocks} KV blocks, `
       + `${Math.round(engine.tokens_out_per_s)} tokens/s out; strip height ${s.maxRows} sequences`;
-    draw(s);
+    drawStrip(s);
   }
 }
 
@@ -116,4 +76,4 @@ async function followFeed() {
 
 tokenloom.setUpKeyForm(follow);
 if (!tokenloom.needsKey || tokenloom.apiKey()) follow();
-window.addEventListener("resize", () => strips.forEach(draw));
+window.addEventListener("resize", () => strips.forEach((s) => drawStrip(s)));
