@@ -22,6 +22,7 @@ import platform
 from pathlib import Path
 from types import ModuleType
 
+from engine.kernels.build_lock import exclusive_build
 from engine.model_files import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -64,15 +65,15 @@ def load_cpu_kernels() -> ModuleType:
         from torch.utils.cpp_extension import load
 
         build_dir = cache_dir() / "torch_extensions" / f"{_cpu_key()}-{_sources_key()}"
-        build_dir.mkdir(parents=True, exist_ok=True)
         logger.info("loading CPU kernels (built on first use) from %s", build_dir)
-        _module = load(
-            name="tokenloom_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-        )
+        with exclusive_build(build_dir):
+            _module = load(
+                name="tokenloom_cpu_kernels",
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+            )
     return _module
 
 
