@@ -5,9 +5,9 @@ torch.utils.cpp_extension compiles them with the host compiler the first time
 processes only load the shared library. The code is compiled for the host's own
 instruction set (-march=native), so the folder is keyed by the CPU's model and
 flags: a cache shared with another kind of machine never hands it an incompatible
-binary. It is keyed by the sources, headers and flags too, so two checkouts with
-different kernels (a branch, a worktree) each keep their build instead of
-rebuilding over each other's.
+binary. It is keyed by the sources, headers, flags and the sources' path too, so two
+checkouts (a branch, a worktree) each keep their build instead of rebuilding over
+each other's.
 
 -ffast-math lets the compiler vectorize exp (glibc's libmvec) and reassociate
 fp32 sums; every sum still accumulates in fp32. fused_ops.cpp turns it off for
@@ -50,8 +50,9 @@ def _cpu_key() -> str:
 
 def _sources_key() -> str:
     """torch rebuilds when a source or a flag changes, but does not read headers: the
-    folder's name hashes all of them."""
-    digest = hashlib.sha256()
+    folder's name hashes all of them. It hashes the sources' folder too: ninja rebuilds
+    everything when the same files come from another checkout's path."""
+    digest = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode())
     for path in SOURCES + HEADERS:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
