@@ -6,7 +6,7 @@ and `bench_offline.py --live` after a run, by headless Chromium.
 Starts the real server on the default model (as `make serve` does), asks the chat page
 one question, then sends a burst of chat requests of mixed lengths and photographs the
 dashboard while they run (`chat`: chat_page.png and dashboard.png). `live` runs the
-offline benchmark's reference workload (cut to --live-requests) through continuous,
+offline benchmark's reference workload (cut to --live-requests, continuous at 16 sequences like the static batches) through continuous,
 static and static-padded batching with --live, and photographs the page once the three
 strips are full (live_view.png).
 """
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "images")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--pages", default="chat,live", help="chat (the chat page and the dashboard), live, or both")
-    parser.add_argument("--live-requests", type=int, default=32)
+    parser.add_argument("--live-requests", type=int, default=48)
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     pages = set(args.pages.split(","))
@@ -103,7 +103,8 @@ def take_live_screenshot(args) -> None:
     from fake_engine import free_port
 
     port = free_port()
-    argv = ["--modes", "continuous,static,static-padded", "--num-requests", str(args.live_requests),
+    # Continuous as wide as the static batches (16), so its strip shows the refilling.
+    argv = ["--modes", "continuous,static,static-padded", "--num-requests", str(args.live_requests), "--max-num-seqs", "16",
             "--live", "--live-port", str(port), "--live-linger", "30"]
     run = threading.Thread(target=bench_offline.main, args=(argv,), daemon=True)
     run.start()
@@ -115,7 +116,7 @@ def take_live_screenshot(args) -> None:
             break
         except requests.ConnectionError:
             time.sleep(0.2)
-    with HeadlessChromium(window_size=(1280, 720)) as browser:
+    with HeadlessChromium(window_size=(1280, 820)) as browser:
         browser.driver.get(url)
         while browser.driver.find_element("id", "feed-status").text != "run finished":
             if time.monotonic() > deadline + 600:
