@@ -1,4 +1,5 @@
-"""engine.kernels.build_lock: a killed kernel build no longer hangs every later engine start."""
+"""Kernel builds: a killed build no longer hangs every later engine start (engine.kernels.build_lock),
+and checkouts with the same kernels share one build (engine.kernels.cpu_extension.copy_sources)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,24 @@ def test_waits_for_a_live_build_then_takes_over_when_it_is_killed(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_sources_are_compiled_from_one_copy_whichever_checkout_asks(tmp_path):
+    """Two checkouts with the same kernels hand ninja the same paths, so neither rebuilds the other's build."""
+    from engine.kernels.cpu_extension import HEADERS, SOURCES, copy_sources
+
+    folder = tmp_path / "src"
+    copies = copy_sources(SOURCES + HEADERS, folder)
+    assert [c.parent for c in copies] == [folder] * len(copies)
+    assert all(c.read_bytes() == s.read_bytes() for c, s in zip(copies, SOURCES + HEADERS))
+    mtimes = [c.stat().st_mtime_ns for c in copies]
+    other_checkout = tmp_path / "other"
+    other_checkout.mkdir()
+    moved = [other_checkout / s.name for s in SOURCES + HEADERS]
+    for source, path in zip(SOURCES + HEADERS, moved):
+        path.write_bytes(source.read_bytes())
+    assert copy_sources(moved, folder) == copies
+    assert [c.stat().st_mtime_ns for c in copies] == mtimes  # the same bytes: untouched, nothing to rebuild
+    moved[0].write_bytes(moved[0].read_bytes() + b"\n// changed\n")
+    copy_sources(moved, folder)
+    assert copies[0].read_bytes().endswith(b"// changed\n")

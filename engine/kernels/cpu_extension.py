@@ -5,9 +5,11 @@ torch.utils.cpp_extension compiles them with the host compiler the first time
 processes only load the shared library. The code is compiled for the host's own
 instruction set (-march=native), so the folder is keyed by the CPU's model and
 flags: a cache shared with another kind of machine never hands it an incompatible
-binary. It is keyed by the sources, headers, flags and the sources' path too, so two
-checkouts (a branch, a worktree) each keep their build instead of rebuilding over
-each other's.
+binary. It is keyed by the sources, headers and flags too, so two checkouts with
+different kernels (a branch, a worktree) each keep their build instead of
+rebuilding over each other's. The sources are compiled from a copy inside the
+folder: ninja rebuilds everything when the same files come from another path, so
+checkouts with the same kernels share one build.
 
 -ffast-math lets the compiler vectorize exp (glibc's libmvec) and reassociate
 fp32 sums; every sum still accumulates in fp32. fused_ops.cpp turns it off for
@@ -50,13 +52,26 @@ def _cpu_key() -> str:
 
 def _sources_key() -> str:
     """torch rebuilds when a source or a flag changes, but does not read headers: the
-    folder's name hashes all of them. It hashes the sources' folder too: ninja rebuilds
-    everything when the same files come from another checkout's path."""
-    digest = hashlib.sha256(str(SOURCES[0].parent.resolve()).encode())
+    folder's name hashes all of them."""
+    digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     return digest.hexdigest()[:12]
+
+
+def copy_sources(paths: list[Path], folder: Path) -> list[Path]:
+    """The files copied into `folder` (rewritten only where they differ, so ninja's
+    timestamps stay put); headers beside the sources keep their #include "x.h" working."""
+    folder.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for path in paths:
+        copy = folder / path.name
+        data = path.read_bytes()
+        if not copy.exists() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+        copies.append(copy)
+    return copies
 
 
 def load_cpu_kernels() -> ModuleType:
@@ -68,9 +83,10 @@ def load_cpu_kernels() -> ModuleType:
         build_dir = cache_dir() / "torch_extensions" / f"{_cpu_key()}-{_sources_key()}"
         logger.info("loading CPU kernels (built on first use) from %s", build_dir)
         with exclusive_build(build_dir):
+            sources = copy_sources(SOURCES + HEADERS, build_dir / "src")[:len(SOURCES)]
             _module = load(
                 name="tokenloom_cpu_kernels",
-                sources=[str(s) for s in SOURCES],
+                sources=[str(s) for s in sources],
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
