@@ -31,6 +31,7 @@ import zmq
 from engine.config import DEFAULT_MODEL
 from engine.distributed.executor import WorkerDeadError
 from engine.engine_core import StepError
+from engine.thread_governor import ThreadGovernor
 from ipc.codec import DecodeError
 from ipc.engine_config import add_engine_args, engine_config_from_args
 from ipc.messages import (
@@ -60,6 +61,17 @@ class ModelBrokenError(RuntimeError):
     """Steps keep failing: the model itself is broken, and the core gives up."""
 
 
+def make_thread_governor(engine) -> ThreadGovernor | None:
+    """One for a single-process CPU core stepping with several threads (--adaptive-threads)."""
+    import torch
+
+    config = engine.config
+    if (not config.adaptive_threads or engine.executor is not None or engine.model_runner.device.type != "cpu"
+            or torch.get_num_threads() < 2):
+        return None
+    return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+
+
 class EngineCoreProcess:
     def __init__(self, engine, sock: zmq.Socket, engine_id: int, model_name: str, parent_pid: int = 0) -> None:
         self.engine = engine
@@ -72,6 +84,7 @@ class EngineCoreProcess:
         self.num_steps = 0
         self.num_consecutive_step_failures = 0
         self.last_send_time = time.monotonic()
+        self.thread_governor = make_thread_governor(engine)
         self.handlers = {
             Hello: self._on_hello,
             AddRequest: self._on_add_request,
@@ -110,6 +123,8 @@ class EngineCoreProcess:
 
     def _step(self) -> None:
         self.num_steps += 1
+        if self.thread_governor is not None:
+            self.thread_governor.update()
         try:
             outputs = self.engine.step()
         except StepError as e:

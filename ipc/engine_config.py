@@ -51,6 +51,8 @@ class EngineConfig:
     seed: int = field(default=0, metadata=_flag("sampling seed for requests that bring none of their own"))
     num_threads: int | None = field(default=None, metadata=_flag(
         "CPU: torch intra-op threads (default: torch's own)"))
+    adaptive_threads: bool = field(default=True, metadata=_flag(
+        "CPU, served: step with fewer threads while other processes use the cores (engine.thread_governor)"))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "CUDA: no CUDA graphs; CPU: no torch.compile even with --compile"))
     compile: bool = field(default=False, metadata=_flag(
