@@ -1,19 +1,21 @@
-"""Fewer matmul threads while other processes want the CPUs the core's threads run on.
+"""Fewer matmul threads while other processes take the cores the core's threads run on.
 
 A CPU step is a few hundred OpenMP parallel regions (each linear, each layer's
-attention), each ending at a barrier. When the machine has fewer free cores than the
-core has threads, say a frontend tokenizing hostile prompts on a 2-core host, the
-scheduler keeps taking one thread's core away, and every barrier then waits for that
-thread's next time slice: steps of 20 ms take a second, and every stream stalls
-(issue #30). One thread fewer has no barrier to wait at and keeps its core.
+attention), each ending at a barrier. When long-running work elsewhere (a frontend
+tokenizing hostile prompts on a 2-core host, say) keeps taking one thread's core, every
+barrier waits for that thread's next time slice: steps of 20 ms take a second, and
+every stream stalls (issue #30). One thread fewer has no barrier to wait at and keeps
+its core.
 
 So the served core's loop asks `ThreadGovernor.update` before each step. Every
-WINDOW_S it reads how much CPU time the rest of the machine used (all CPUs' busy
-time from /proc/stat, less this process's own): when others used more than
-HIGH_OTHER_CORES, it runs with the cores they leave free (at least one thread);
-after HOLD_S with others below LOW_OTHER_CORES it gives the threads back. The
-frontend's normal work (detokenizing, streaming) stays well below the high mark.
-Two file reads per window, no cost per step. Off with --no-adaptive-threads.
+WINDOW_S it reads two things: how busy our threads were (this process's CPU time over
+the window, per thread) and how much CPU the rest of the machine used (all CPUs' busy
+time in /proc/stat, less ours). Threads go only when both say so: ours were stalled
+(below STALLED_SHARE busy) while others used more than HIGH_OTHER_CORES. A frontend's
+normal work, short and once per step, takes as much CPU in a burst of streams but
+leaves our threads busy, so it never costs a thread. They come back after HOLD_S with
+others below LOW_OTHER_CORES. Two file reads per window, nothing per step. Off with
+--no-adaptive-threads.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 WINDOW_S = 0.2  # one measurement; short enough to react within a stream's gap target (0.3 s)
 HOLD_S = 2.0  # how long the machine must be quiet before the threads come back
-HIGH_OTHER_CORES = 0.6  # others' CPU use (in cores) that takes threads away
+HIGH_OTHER_CORES = 0.7  # others' CPU use (in cores) that, with our threads stalled, takes threads away
 LOW_OTHER_CORES = 0.3  # ... and below which, for HOLD_S, they come back
+STALLED_SHARE = 0.6  # our CPU time over (window x threads) below this: our threads waited for a core
 USER_HZ = os.sysconf("SC_CLK_TCK")
 
 
@@ -47,7 +50,7 @@ def own_cpu_s() -> float:
 
 
 class ThreadGovernor:
-    """Picks the intra-op thread count for the next step from what the rest of the machine uses."""
+    """Picks the intra-op thread count for the next step from how busy our threads were and others are."""
 
     def __init__(self, max_threads: int, set_num_threads, num_cpus: int | None = None,
                  read_machine=machine_busy_s, read_own=own_cpu_s, clock=time.monotonic) -> None:
@@ -57,7 +60,8 @@ class ThreadGovernor:
         self.read_machine, self.read_own, self.clock = read_machine, read_own, clock
         self.num_threads = max_threads
         self.num_changes = 0
-        self.other_cores = 0.0  # the last window's reading
+        self.other_cores = 0.0  # the last window's readings
+        self.busy_share = 1.0
         self._start = self._sample()
         self._quiet_since: float | None = None
 
@@ -76,12 +80,16 @@ class ThreadGovernor:
             return self.num_threads
         _, machine_before, own_before = self._start
         self._start = sample
-        self.other_cores = max(0.0, (sample[1] - machine_before) - (sample[2] - own_before)) / elapsed
-        if self.other_cores > HIGH_OTHER_CORES:
+        own = sample[2] - own_before
+        self.other_cores = max(0.0, (sample[1] - machine_before) - own) / elapsed
+        self.busy_share = own / (elapsed * self.num_threads)
+        if self.other_cores > HIGH_OTHER_CORES and self.busy_share < STALLED_SHARE and self.num_threads > 1:
             self._quiet_since = None
             free = self.num_cpus - math.ceil(self.other_cores - 0.25)  # a core 3/4 used by others is theirs
             self._set(max(1, min(self.max_threads, free)))
-        elif self.other_cores < LOW_OTHER_CORES and self.num_threads < self.max_threads:
+        elif self.other_cores >= LOW_OTHER_CORES:
+            self._quiet_since = None  # quiet means quiet for the whole hold
+        elif self.num_threads < self.max_threads:
             if self._quiet_since is None:
                 self._quiet_since = now
             elif now - self._quiet_since >= HOLD_S:
@@ -91,7 +99,8 @@ class ThreadGovernor:
     def _set(self, num_threads: int) -> None:
         if num_threads == self.num_threads:
             return
-        logger.info("%d intra-op threads (others use %.1f of %d CPUs)", num_threads, self.other_cores, self.num_cpus)
+        logger.info("%d intra-op threads (others use %.1f of %d CPUs; ours were %.0f%% busy)", num_threads,
+                    self.other_cores, self.num_cpus, 100 * self.busy_share)
         self.set_num_threads(num_threads)
         self.num_threads = num_threads
         self.num_changes += 1

@@ -1,4 +1,4 @@
-"""engine.thread_governor: the served core steps with fewer threads while others use the cores.
+"""engine.thread_governor: the served core steps with fewer threads while others take the cores.
 
 The decision rule runs on a scripted clock and scripted CPU readings; the readings
 themselves (/proc/stat, getrusage) and the whole loop run for real against processes
@@ -16,14 +16,14 @@ from engine.thread_governor import HOLD_S, WINDOW_S, ThreadGovernor, machine_bus
 
 
 class Readings:
-    """A clock and CPU counters that a test moves by hand: `others` cores busy besides us."""
+    """A clock and CPU counters that a test moves by hand: `others` cores busy besides our `own`."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self.machine = 0.0
         self.own = 0.0
 
-    def advance(self, seconds: float, others: float, own: float = 1.0) -> None:
+    def advance(self, seconds: float, others: float, own: float) -> None:
         self.now += seconds
         self.machine += seconds * (others + own)
         self.own += seconds * own
@@ -36,39 +36,56 @@ def make_governor(readings: Readings, max_threads: int = 2, num_cpus: int = 2):
     return governor, calls
 
 
-def run_windows(governor, readings: Readings, seconds: float, others: float) -> int:
+def run_windows(governor, readings: Readings, seconds: float, others: float, own: float | None = None) -> int:
+    """`own` defaults to our threads all busy (a step's threads compute or spin at the barriers)."""
     for _ in range(round(seconds / WINDOW_S)):
-        readings.advance(WINDOW_S * 1.001, others)  # a step ends a little after the window
+        busy = governor.num_threads if own is None else own
+        readings.advance(WINDOW_S * 1.001, others, busy)  # a step ends a little after the window
         governor.update()
     return governor.num_threads
 
 
-def test_threads_go_while_others_use_a_core_and_come_back_after_a_quiet_hold():
+def test_threads_go_while_others_stall_ours_and_come_back_after_a_quiet_hold():
     readings = Readings()
     governor, calls = make_governor(readings)
     assert run_windows(governor, readings, 1.0, others=0.2) == 2  # a frontend streaming: left alone
     assert calls == []
-    assert run_windows(governor, readings, WINDOW_S, others=1.0) == 1  # one window of abuse is enough
+    # Others take a core and ours wait for it: one window is enough.
+    assert run_windows(governor, readings, WINDOW_S, others=1.0, own=1.0) == 1
     assert calls == [1]
+    assert run_windows(governor, readings, 2 * HOLD_S, others=1.0) == 1  # ours is busy now, theirs goes on
     assert run_windows(governor, readings, HOLD_S - 2 * WINDOW_S, others=0.1) == 1  # quiet, but not for long
     assert run_windows(governor, readings, 3 * WINDOW_S, others=0.1) == 2
     assert calls == [1, 2] and governor.num_changes == 2
 
 
-def test_middling_use_changes_nothing_either_way():
+def test_a_burst_of_frontend_work_that_leaves_our_threads_busy_costs_no_thread():
     readings = Readings()
     governor, calls = make_governor(readings)
-    assert run_windows(governor, readings, 2.0, others=0.45) == 2  # between the marks: no flapping
-    run_windows(governor, readings, WINDOW_S, others=0.9)
-    assert run_windows(governor, readings, 2 * HOLD_S, others=0.45) == 1  # and no return while it lasts
-    assert calls == [1]
+    # A burst of streams: the frontend and the client use a core's worth between our steps,
+    # but our threads stay on their cores (short work, once per step).
+    assert run_windows(governor, readings, 5.0, others=1.0, own=1.8) == 2
+    # Our threads idle-ish (Python-only work, a grammar compiling) with nobody else: no change either.
+    assert run_windows(governor, readings, 5.0, others=0.1, own=0.5) == 2
+    assert calls == []
+
+
+def test_a_quiet_moment_inside_the_abuse_does_not_bring_the_threads_back():
+    readings = Readings()
+    governor, calls = make_governor(readings)
+    run_windows(governor, readings, WINDOW_S, others=1.0, own=1.0)
+    run_windows(governor, readings, HOLD_S - 2 * WINDOW_S, others=0.1)
+    run_windows(governor, readings, WINDOW_S, others=0.5)  # not quiet: the hold starts again
+    assert run_windows(governor, readings, HOLD_S - 2 * WINDOW_S, others=0.1) == 1
+    assert run_windows(governor, readings, 3 * WINDOW_S, others=0.1) == 2
+    assert calls == [1, 2]
 
 
 def test_the_count_left_is_what_others_leave_free_and_at_least_one():
     readings = Readings()
     governor, calls = make_governor(readings, max_threads=8, num_cpus=8)
-    assert run_windows(governor, readings, WINDOW_S, others=2.9) == 5  # 3 cores mostly theirs
-    assert run_windows(governor, readings, WINDOW_S, others=20.0) == 1
+    assert run_windows(governor, readings, WINDOW_S, others=2.9, own=4.0) == 5  # 3 cores mostly theirs
+    assert run_windows(governor, readings, WINDOW_S, others=20.0, own=1.0) == 1
     assert calls == [5, 1]
 
 
@@ -93,6 +110,8 @@ BURN = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: 
 
 
 def test_the_governor_sees_real_processes_take_the_cores():
+    """The readings for real: burners take all but one core while this process (sleeping: busy
+    0%, as stalled threads would read) asks; then they go and the machine is quiet."""
     num_cpus = os.cpu_count() or 1
     calls: list[int] = []
     governor = ThreadGovernor(2, calls.append, num_cpus=num_cpus)
@@ -107,7 +126,7 @@ def test_the_governor_sees_real_processes_take_the_cores():
         for burner in burners:
             burner.kill()
             burner.wait()
-    deadline = time.monotonic() + HOLD_S + 5
+    deadline = time.monotonic() + HOLD_S + 15  # a stray process resets the hold
     while governor.num_threads == 1 and time.monotonic() < deadline:
         time.sleep(WINDOW_S / 4)
         governor.update()
