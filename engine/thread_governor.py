@@ -3,7 +3,7 @@
 A CPU step is a few hundred OpenMP parallel regions (each linear, each layer's
 attention), each ending at a barrier. When long-running work elsewhere (a frontend
 tokenizing hostile prompts on a 2-core host, say) keeps taking one thread's core, every
-barrier waits for that thread's next time slice: steps of 20 ms take a second, and
+barrier waits for that thread's next time slice: a step then takes tens of times as long, and
 every stream stalls (issue #30). One thread fewer has no barrier to wait at and keeps
 its core.
 
