@@ -39,13 +39,13 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 demo: model kernels
-	$(PY) scripts/demo.py --model $(MODEL)
+	$(PY) -m scripts.demo --model $(MODEL)
 
 serve: model kernels
 	$(PY) -m frontend.cli serve --model $(MODEL) --port $(PORT)
 
 bench: model kernels
-	$(PY) scripts/bench_offline.py --json results/bench_offline.json
+	$(PY) -m scripts.bench.offline --json results/bench_offline.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -23,7 +23,7 @@ finished rows computing until the batch ends. The seed's baseline, on our model 
             prefill (5 tokens a row)   decode steps (every row, every step)
 
 Real rows compute exactly what the other modes compute, so greedy outputs are equal
-(tests/test_padded_static.py). No prefix caching: a padded row is laid out whole.
+(tests/unit/test_padded_static.py). No prefix caching: a padded row is laid out whole.
 """
 
 from __future__ import annotations

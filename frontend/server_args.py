@@ -73,7 +73,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_engine_args(parser.add_argument_group(
         "engine core", "passed to the cores this server starts; unset flags keep the core's defaults"),
         unset_by_default=True)
-    # Tests swap the core for tests/fake_engine.py, and make it fail; not for users.
+    # Tests swap the core for scripts/lib/fake_engine.py, and make it fail; not for users.
     parser.add_argument("--engine-command", help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-at-step", type=int, help=argparse.SUPPRESS)  # first start of each core only
     parser.add_argument("--inject-fault-persistent", action="store_true", help=argparse.SUPPRESS)

@@ -2,7 +2,7 @@
 # Offline throughput of the published small-model shapes, ours against vLLM-CPU, each at its
 # defaults, in one run (issue #26's speed table): Qwen3-0.6B (head_dim 128, q/k norm),
 # Qwen2.5-0.5B (q/k/v bias) and Llama-3.2-1B (llama3 rotary), random weights of each published
-# config.json (scripts/make_model_config.py; `--load-format dummy` in both engines, no
+# config.json (scripts/lib/make_model_config.py; `--load-format dummy` in both engines, no
 # checkpoint needed), on bench_offline's reference workload cut to 24 requests. For each shape
 # vLLM runs first, then us, on the same token ids. Optional, outside CI.
 #
@@ -23,13 +23,13 @@ mkdir -p "$OUT_DIR"
 
 for shape in $SHAPES; do
   folder="$OUT_DIR/models/$shape"
-  "$OUR_PY" scripts/make_model_config.py "$shape" "$folder" >/dev/null
+  "$OUR_PY" -m scripts.lib.make_model_config "$shape" "$folder" >/dev/null
   log "$shape: vLLM"
-  "$VPY" scripts/bench_vllm_offline.py --model "$folder" --load-format dummy "${WORKLOAD[@]}" \
+  "$VPY" -m scripts.peers.vllm_offline --model "$folder" --load-format dummy "${WORKLOAD[@]}" \
     --json "$OUT_DIR/vllm_$shape.json" 2>&1 | tee "$OUT_DIR/vllm_$shape.log" | grep -E "^vllm|Error" || true
   [[ -f "$OUT_DIR/vllm_$shape.json" ]] || { log "vLLM failed on $shape: see $OUT_DIR/vllm_$shape.log"; exit 1; }
   log "$shape: ours"
-  "$OUR_PY" scripts/bench_offline.py --modes continuous --model "$folder" --load-format dummy "${WORKLOAD[@]}" \
+  "$OUR_PY" -m scripts.bench.offline --modes continuous --model "$folder" --load-format dummy "${WORKLOAD[@]}" \
     --json "$OUT_DIR/ours_$shape.json" 2>&1 | tee "$OUT_DIR/ours_$shape.log" | tail -n 3
 done
 

@@ -100,7 +100,7 @@ offline_json() {
 }
 
 run_serving() {  # run_serving PORT RATE JSON SEED: vLLM's own client, the same for both servers
-  timeout "$STEP_TIMEOUT_S" "$VPY" scripts/vllm_bench_serve.py --backend openai --endpoint /v1/completions \
+  timeout "$STEP_TIMEOUT_S" "$VPY" -m scripts.peers.vllm_bench_serve --backend openai --endpoint /v1/completions \
     --base-url "http://$HOST:$1" --model smollm2 --tokenizer "$MODEL_DIR" --request-rate "$2" --seed "$4" \
     "${SERVING_ARGS[@]}" --save-result --result-dir "$(dirname "$3")" --result-filename "$(basename "$3")"
 }
@@ -170,7 +170,7 @@ for config in $CONFIGS; do
     out="$(offline_json vllm "$workload" "$config")"
     log "vLLM offline (LLM.generate, $workload, $config)"
     rm -f "$out"
-    timeout "$STEP_TIMEOUT_S" "$VPY" scripts/bench_vllm_offline.py --model "$MODEL_DIR" "${flags[@]}" \
+    timeout "$STEP_TIMEOUT_S" "$VPY" -m scripts.peers.vllm_offline --model "$MODEL_DIR" "${flags[@]}" \
       "${wargs[@]}" --json "$out" 2>&1 | tee "$LOG_DIR/vllm_offline_${workload}_$config.log" \
       || fail "vllm offline $workload $config (see $LOG_DIR/vllm_offline_${workload}_$config.log)"
   done
@@ -182,14 +182,14 @@ for config in $CONFIGS; do
       out="$(offline_json ours "$workload" "$config")"
       log "ours offline (bench_offline --modes continuous ${caching[*]}, $workload, $config)"
       rm -f "$out"
-      timeout "$STEP_TIMEOUT_S" "$OUR_PY" scripts/bench_offline.py --modes continuous --model "$MODEL_DIR" \
+      timeout "$STEP_TIMEOUT_S" "$OUR_PY" -m scripts.bench.offline --modes continuous --model "$MODEL_DIR" \
         "${flags[@]}" "${wargs[@]}" "${caching[@]}" --json "$out" || fail "ours offline $workload $config"
     done
   fi
   serve_and_bench "$config"
 done
 
-"$OUR_PY" scripts/peers_table.py "$OUT_DIR" --configs $CONFIGS --rates $RATES --workloads $WORKLOADS
+"$OUR_PY" -m scripts.peers.table "$OUT_DIR" --configs $CONFIGS --rates $RATES --workloads $WORKLOADS
 if ((${#FAILED[@]})); then
   log "failed steps: ${FAILED[*]}"
   exit 1

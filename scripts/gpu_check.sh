@@ -6,7 +6,7 @@
 #   4. bench_decode on a random-weight Mistral-7B shape (bf16, triton, batch 32, 512 in, 64 out)
 #   5. the capacity simulator's prediction of step 4 on this GPU's profile, beside the
 #      measurement (appended to bench_mistral7b.log)
-#   6. tensor parallelism on two GPUs: tests/test_tp_equivalence.py, TP = 2 over NCCL with
+#   6. tensor parallelism on two GPUs: tests/models/test_tp_equivalence.py, TP = 2 over NCCL with
 #      the Triton kernels on each rank's GPU, greedy tokens equal to TP = 1 (fp32); skipped
 #      (not failed) on a machine with one GPU, where two NCCL ranks cannot share it
 # Results go to ${OUT:-results/gpu}: a log per step and the two bench JSONs, 8 files (the
@@ -64,21 +64,21 @@ print("triton", triton.__version__)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
 step versions 20 bash -c 'nvidia-smi; "$0" -c "$1"' "$PYTHON" "$VERSIONS"
 
-step test_kernels 110 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py
+step test_kernels 110 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kernels.py
 
 # The default model, converted weights if cached (or convertible), else its shape with random weights.
 if try_step prepare_smollm2 20 "$PYTHON" -m engine.model_files smollm2; then
     smollm2=(--model smollm2 --load-format auto)
 else
     echo "+ smollm2 weights unavailable: timing its shape with random weights (load_format=dummy)"
-    "$PYTHON" scripts/make_model_config.py smollm2 "$WORK/smollm2-shape"
+    "$PYTHON" -m scripts.lib.make_model_config smollm2 "$WORK/smollm2-shape"
     smollm2=(--model "$WORK/smollm2-shape" --load-format dummy)
 fi
-step bench_smollm2 60 "$PYTHON" scripts/bench_decode.py "${smollm2[@]}" --dtype bfloat16 \
+step bench_smollm2 60 "$PYTHON" -m scripts.bench.decode "${smollm2[@]}" --dtype bfloat16 \
     --attention-backend triton --batch-size 64 --input-len 128 --output-len 128 --json "$OUT/bench_smollm2.json"
 
-"$PYTHON" scripts/make_model_config.py mistral-7b "$WORK/mistral-7b"
-step bench_mistral7b 90 "$PYTHON" scripts/bench_decode.py --model "$WORK/mistral-7b" --load-format dummy \
+"$PYTHON" -m scripts.lib.make_model_config mistral-7b "$WORK/mistral-7b"
+step bench_mistral7b 90 "$PYTHON" -m scripts.bench.decode --model "$WORK/mistral-7b" --load-format dummy \
     --dtype bfloat16 --attention-backend triton --batch-size 32 --input-len 512 --output-len 64 \
     --json "$OUT/bench_mistral7b.json"
 
@@ -91,8 +91,8 @@ SIM_VS_BENCH='import json, sys
 sim, bench = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 for key in ("elapsed_s", "total_tokens_per_s", "output_tokens_per_s", "num_steps"):
     print(f"{key}: simulated {sim[key]:.4g}, measured {bench[key]:.4g}, error {100 * (sim[key] / bench[key] - 1):+.1f}%")'
-echo "+ [sim_mistral7b, 60s] simulate.py on the $profile profile" | tee -a "$OUT/bench_mistral7b.log"
-timeout -k 5 60 bash -c '"$0" scripts/simulate.py --model mistral-7b --hardware "$1" --num-requests 32 \
+echo "+ [sim_mistral7b, 60s] scripts/simulate/run.py on the $profile profile" | tee -a "$OUT/bench_mistral7b.log"
+timeout -k 5 60 bash -c '"$0" -m scripts.simulate.run --model mistral-7b --hardware "$1" --num-requests 32 \
     --input-len 512 512 --output-len 64 64 --max-num-seqs 32 --max-num-batched-tokens 16384 --num-kv-blocks 1152 \
     --json "$2/sim.json" && "$0" -c "$3" "$2/sim.json" "$4"' \
     "$PYTHON" "$profile" "$WORK" "$SIM_VS_BENCH" "$OUT/bench_mistral7b.json" 2>&1 | tee -a "$OUT/bench_mistral7b.log"
@@ -100,7 +100,7 @@ timeout -k 5 60 bash -c '"$0" scripts/simulate.py --model mistral-7b --hardware 
 # 6. Tensor parallelism over NCCL, one GPU per rank.
 num_gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$num_gpus" -ge 2 ]; then
-    step tp_nccl 90 "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/test_tp_equivalence.py -m "not slow"
+    step tp_nccl 90 "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider tests/models/test_tp_equivalence.py -m "not slow"
 else
     echo "+ [tp_nccl] skipped: $num_gpus GPU(s); NCCL tensor parallelism needs one GPU per rank" | tee "$OUT/tp_nccl.log"
 fi

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Chromium and chromedriver from Debian's packages, for the browser tests (tests/test_browser.py)
+# Chromium and chromedriver from Debian's packages, for the browser tests (tests/server/test_browser.py)
 # and the screenshots of docs/web-pages.md. Idempotent: does nothing when both are there. Elsewhere (no
 # apt-get, no root and no sudo) it says so and goes on: the browser tests then skip, except
 # under CI, where a missing browser fails them.

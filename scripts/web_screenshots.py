@@ -1,7 +1,7 @@
 """The screenshots of docs/web-pages.md: the chat page after a question, the dashboard during a load,
-and `bench_offline.py --live` after a run, by headless Chromium.
+and `scripts/bench/offline.py --live` after a run, by headless Chromium.
 
-    python scripts/web_screenshots.py [--out docs/images] [--num-requests 48] [--pages chat,live]
+    python -m scripts.web_screenshots [--out docs/images] [--num-requests 48] [--pages chat,live]
 
 Starts the real server on the default model (as `make serve` does), asks the chat page
 one question, then sends a burst of chat requests of mixed lengths and photographs the
@@ -22,11 +22,10 @@ from pathlib import Path
 
 import requests
 
+from scripts.lib.fake_engine import FrontendServer
+from scripts.lib.headless_browser import HeadlessChromium
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-from fake_engine import FrontendServer  # noqa: E402
-from headless_browser import HeadlessChromium  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +98,8 @@ def take_screenshots(server, args) -> None:
 
 
 def take_live_screenshot(args) -> None:
-    import bench_offline
-    from fake_engine import free_port
+    from scripts.bench import offline as bench_offline
+    from scripts.lib.fake_engine import free_port
 
     port = free_port()
     # Continuous as wide as the static batches (16), so its strip shows the refilling.

@@ -1,8 +1,10 @@
-"""Shared test helpers: the default model's folder and a greedy transformers reference."""
+"""Fixtures for every test: the fake model folder, the default model, and a live server on it.
+The helpers they are built from are in tests/helpers/."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -13,8 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if os.path.exists("/dev/nvidia0") 
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
-    """A tokenizer-only model folder for the fake engine core (tests/fake_engine.py)."""
-    from fake_engine import write_fake_model
+    """A tokenizer-only model folder for the fake engine core (scripts/lib/fake_engine.py)."""
+    from scripts.lib.fake_engine import write_fake_model
 
     return write_fake_model(tmp_path_factory.mktemp("fake-model"))
 
@@ -25,21 +27,6 @@ def event_log(tmp_path_factory):
     return tmp_path_factory.mktemp("events") / "events.log"
 
 
-def cached_default_model():
-    """The default model's converted folder, found where engine.model_files puts it
-    ($TOKENLOOM_CACHE included). Missing, it skips the test, except under CI, where
-    `make test` converts it first and a missing model is a failure."""
-    from engine.model_files import DEFAULT_MODEL, cache_dir, find_known_model
-
-    folder = cache_dir() / "models" / find_known_model(DEFAULT_MODEL).folder_name
-    if not (folder / "tokenizer.json").is_file():
-        message = f"the default model is not converted at {folder} (make model)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return folder
-
-
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     from engine.model_files import DEFAULT_MODEL, resolve_model
@@ -47,18 +34,12 @@ def default_model_path() -> str:
     return resolve_model(DEFAULT_MODEL)
 
 
-def hf_greedy(model, prompt_token_ids: list[int], num_new_tokens: int) -> list[int]:
-    """Token-by-token greedy decoding with transformers' own forward and KV cache (EOS ignored)."""
-    import torch
+@pytest.fixture(scope="module")
+def server(request, default_model_path):
+    """The real two-process server on the default model (served as "smollm2"), one per module; a
+    module adds flags with SERVER_ARGS, or defines its own `server` (the fake-core ones do)."""
+    from tests.helpers.server import real_server
 
-    input_ids = torch.tensor([prompt_token_ids])
-    output_ids = []
-    past = None
-    with torch.inference_mode():
-        for _ in range(num_new_tokens):
-            out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            next_id = int(out.logits[0, -1].argmax())
-            output_ids.append(next_id)
-            input_ids = torch.tensor([[next_id]])
-    return output_ids
+    with real_server(default_model_path, *getattr(request.module, "SERVER_ARGS", ())) as s:
+        s.start_time = time.time()
+        yield s

@@ -9,5 +9,5 @@ stepped on a simulated clock by a runner that prices each step instead of runnin
     calibration.py       this machine's profile from micro-benchmarks and measured steps
     capacity.py          the highest request rate within an SLO
 
-`scripts/simulate.py` is the command line.
+`scripts/simulate/run.py` is the command line.
 """

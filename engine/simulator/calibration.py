@@ -3,8 +3,8 @@ overheads by least squares on measured engine steps.
 
 1. Peaks (`measure_peaks`): the read bandwidth (summing a buffer the size of the
    model's weights) and the matmul rate (an MLP-shaped prepacked matmul of 512 tokens),
-   each the best of several timings, as scripts/bench_bound.py measures them.
-2. Steps: a `bench_offline.py` run records each step's start, end, sequences and
+   each the best of several timings, as scripts/bench/bound.py measures them.
+2. Steps: a `scripts/bench/offline.py` run records each step's start, end, sequences and
    tokens. The simulator replays the same workload with the same settings (offline,
    scheduling does not depend on time, so the steps must come out identical: this is
    checked) and so knows each step's context lengths and chunks.
@@ -21,7 +21,7 @@ overheads by least squares on measured engine steps.
    decode step of 1 to 8 sequences costs about one weight read, whatever its size.
    What elapsed time lies outside the steps (adding the requests) is
    `request_overhead_s` per request.
-4. Served (`fit_server`): a `bench_serving.py` run through our HTTP server, replayed,
+4. Served (`fit_server`): a `scripts/bench/serving.py` run through our HTTP server, replayed,
    gives the factor by which served steps are slower (the frontend and the client share
    the CPU) and the latency of the path between client and core.
 """

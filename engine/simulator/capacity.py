@@ -3,7 +3,7 @@
     --slo ttft_p99=1000,tpot_p50=50      milliseconds; metrics ttft, tpot, itl, latency
                                           at mean, p50, p90, p95 or p99
 
-For a rate, the same seeded Poisson arrivals as scripts/bench_serving.py run through
+For a rate, the same seeded Poisson arrivals as scripts/bench/serving.py run through
 the simulator; past the capacity the queue grows for as long as requests arrive, so
 TTFT climbs with the number of requests, and a few hundred make the edge sharp. The
 search doubles the rate until the SLO fails, then bisects. Replicas for a target rate
@@ -42,7 +42,7 @@ def parse_slo(text: str) -> dict[str, float]:
 
 
 def statistic(values: list[float], stat: str) -> float:
-    """Percentiles interpolate linearly between ranks, as scripts/bench_metrics.percentile."""
+    """Percentiles interpolate linearly between ranks, as scripts/lib/bench_metrics.percentile."""
     if stat == "mean":
         return statistics.fmean(values)
     if len(values) == 1:
@@ -68,7 +68,7 @@ def measure_slo(result: SimulationResult, slo: dict[str, float]) -> dict[str, fl
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
-    """As scripts/bench_serving.py sends: the first at 0, then exponential gaps from Random(seed)."""
+    """As scripts/bench/serving.py sends: the first at 0, then exponential gaps from Random(seed)."""
     rng = random.Random(seed)
     times, now = [], 0.0
     for i in range(num_requests):

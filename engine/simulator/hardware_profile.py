@@ -3,7 +3,7 @@ an efficiency factor for each, the memory left for the KV pool, and the engine's
 per-step overheads.
 
 Profiles are JSON files. The GPU ones ship in `profiles/` and cite their spec sheets in
-`source`; `calibrated` is this machine's, written by `scripts/simulate.py --calibrate`
+`source`; `calibrated` is this machine's, written by `scripts/simulate/run.py --calibrate`
 to `$TOKENLOOM_CACHE/simulator/calibrated.json` (the CPU changes between sessions, so
 it records the CPU model and dtype it was fitted on and must be refitted on another).
 """
@@ -105,7 +105,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if name_or_path == CALIBRATED:
         path = calibrated_profile_path()
         if not path.is_file():
-            raise FileNotFoundError(f"no calibrated profile at {path}: run scripts/simulate.py --calibrate first")
+            raise FileNotFoundError(f"no calibrated profile at {path}: run python -m scripts.simulate.run --calibrate first")
     elif (PROFILES_DIR / f"{name_or_path}.json").is_file():
         path = PROFILES_DIR / f"{name_or_path}.json"
     else:

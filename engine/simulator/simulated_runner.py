@@ -10,7 +10,7 @@ from __future__ import annotations
 from engine.scheduler import SampledToken, SchedulerOutput
 from engine.simulator.step_cost import StepCost, StepCostModel, StepShape
 
-FIRST_SAFE_TOKEN_ID = 100  # as scripts/workload.py: clear of the special tokens
+FIRST_SAFE_TOKEN_ID = 100  # as scripts/lib/workload.py: clear of the special tokens
 
 
 class SimulatedRunner:

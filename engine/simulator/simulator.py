@@ -9,7 +9,7 @@ simulated clock by a runner that prices each step instead of running it.
 
 The pool is sized as EngineCore sizes it (KV bytes from the profile, blocks of
 `block_size`), and so is the context limit, so the same workload takes the same
-decisions here as in the engine: tests/test_simulator_engine.py holds them side by side.
+decisions here as in the engine: tests/simulator/test_simulator_engine.py holds them side by side.
 """
 
 from __future__ import annotations

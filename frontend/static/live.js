@@ -1,4 +1,4 @@
-// The offline live view (scripts/live_view.py): one occupancy strip per benchmark mode, filled
+// The offline live view (scripts/lib/live_view.py): one occupancy strip per benchmark mode, filled
 // from GET /live/events as the modes run one after another, every strip on the same scale.
 "use strict";
 

@@ -1,4 +1,4 @@
-// The occupancy strip, shared by the dashboard and the offline live view (scripts/live_view.py):
+// The occupancy strip, shared by the dashboard and the offline live view (scripts/lib/live_view.py):
 // each step one column, each sequence of it one cell, coloured prefill, decode or padding.
 "use strict";
 

@@ -1,0 +1,1 @@
+"""Benchmarks of tokenloom alone: offline, serving, structured outputs, kernels, IPC, TP, bounds."""

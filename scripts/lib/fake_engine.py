@@ -1,0 +1,326 @@
+"""A fake engine core for frontend tests and the IPC benchmark: the real protocol, no model.
+
+It speaks what `engine.core_process` speaks (a ROUTER; Hello -> EngineReady; AddRequest,
+AbortRequests, Shutdown in; one EngineOutputs per step out) but "generates" by reading
+a fixed script: the choice with seed s emits the script's token ids from offset s, so
+output text is readable and deterministic. Every running request gets one token per
+step; steps run back to back, or `--step-delay` seconds apart. Like the real core, it
+sends an empty EngineOutputs as a heartbeat every HEARTBEAT_S while idle.
+
+    python -m scripts.lib.fake_engine --address tcp://127.0.0.1:PORT --model FOLDER
+
+`write_fake_model(folder)` makes the model folder: a tiny byte-level BPE tokenizer
+(tokenizer.json, tokenizer_config.json with a ChatML template) and a config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+from ipc.messages import (
+    AbortRequests, AddRequest, EngineError, EngineOutputs, EngineReady, FinishReason, Hello, RequestOutput,
+    ResetPrefixCache, SchedulerStats, Shutdown, TokenLogprobs,
+)
+from ipc.sockets import bind_router, recv_routed_message, send_message
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The fake core's command line: run from the repository root (or with it on PYTHONPATH).
+FAKE_ENGINE_ARGV = (sys.executable, "-m", "scripts.lib.fake_engine")
+FAKE_ENGINE = " ".join(FAKE_ENGINE_ARGV)
+SCRIPT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
+CORPUS = [SCRIPT * 3, "Hello world, how are you today? I am fine, thank you.", "user assistant system\n"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+MAX_MODEL_LEN = 1024
+BLOCK_SIZE = 16
+NUM_KV_BLOCKS = 4096
+HEARTBEAT_S = 1.0
+
+
+def write_fake_model(folder: Path) -> Path:
+    """A model folder with a real (tiny) tokenizer; the fake core needs no weights."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+                        "chat_template": CHATML}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    config = {"model_type": "fake", "vocab_size": tokenizer.get_vocab_size(), "max_position_embeddings": MAX_MODEL_LEN}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+class FakeRequest:
+    def __init__(self, identity: bytes, msg: AddRequest, num_script_tokens: int):
+        self.identity = identity
+        self.request_id = msg.request_id
+        self.params = msg.sampling_params
+        self.num_prompt_tokens = len(msg.prompt_token_ids)
+        self.offset = (msg.sampling_params.seed or 0) % num_script_tokens
+        self.num_output_tokens = 0
+
+
+class FakeEngineCore:
+    """The busy loop: drain the inbox, then step every running request by one token."""
+
+    def __init__(self, args: argparse.Namespace):
+        from tokenizers import Tokenizer
+
+        self.args = args
+        tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+        self.script_ids = tokenizer.encode(SCRIPT).ids
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.max_model_len = args.max_model_len or MAX_MODEL_LEN
+        self.ctx = zmq.Context()
+        self.socket = bind_router(self.ctx, args.address, allow_remote=args.allow_remote)
+        self.running: dict[str, FakeRequest] = {}
+        self.frontend_identities: set[bytes] = set()  # every frontend that said Hello: heartbeats go to each
+        self.is_shutdown = False
+        self.event_log = open(args.event_log, "a", buffering=1) if args.event_log else None  # line-buffered
+        self.handlers = {Hello: self.on_hello, AddRequest: self.on_add, AbortRequests: self.on_abort,
+                         Shutdown: self.on_shutdown, ResetPrefixCache: self.on_reset_prefix_cache}
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        next_parent_check = 0.0
+        next_heartbeat = 0.0
+        while not self.is_shutdown:
+            if poller.poll(0 if self.running else 100):
+                self.drain()
+            if self.args.parent_pid and time.monotonic() > next_parent_check:
+                next_parent_check = time.monotonic() + 0.5
+                if not _is_alive(self.args.parent_pid):
+                    break
+            if self.running:
+                self.step()
+                if self.args.step_delay:
+                    time.sleep(self.args.step_delay)
+            elif time.monotonic() > next_heartbeat:
+                next_heartbeat = time.monotonic() + HEARTBEAT_S
+                for identity in self.frontend_identities:
+                    send_message(self.socket, EngineOutputs(self.args.engine_id, [], self.stats()),
+                                 identity)
+        self.socket.close(linger=0)
+
+    def drain(self) -> None:
+        while True:
+            try:
+                identity, msg = recv_routed_message(self.socket, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handlers[type(msg)](identity, msg)
+
+    def on_hello(self, identity: bytes, msg: Hello) -> None:
+        self.frontend_identities.add(identity)
+        ready = EngineReady(self.args.engine_id, self.args.model, self.max_model_len, self.vocab_size,
+                            NUM_KV_BLOCKS, BLOCK_SIZE, [2])
+        send_message(self.socket, ready, identity)
+
+    def on_add(self, identity: bytes, msg: AddRequest) -> None:
+        max_tokens = msg.sampling_params.max_tokens
+        if max_tokens is not None and max_tokens == self.args.crash_max_tokens:
+            send_message(self.socket, EngineError("fake crash", None, True, self.args.engine_id), identity)
+            sys.exit(1)
+        if max_tokens is not None and max_tokens == self.args.fail_max_tokens:
+            send_message(self.socket, EngineError("fake failure", msg.request_id, False, self.args.engine_id), identity)
+            return
+        self.running[msg.request_id] = FakeRequest(identity, msg, len(self.script_ids))
+        self.log_event("add", msg.request_id)
+
+    def log_event(self, event: str, request_id: str) -> None:
+        if self.event_log is not None:
+            self.event_log.write(f"{event} {request_id}\n")
+
+    def on_abort(self, identity: bytes, msg: AbortRequests) -> None:
+        aborted = [self.running.pop(rid) for rid in msg.request_ids if rid in self.running]
+        for req in aborted:
+            self.log_event("abort", req.request_id)
+        outputs = [RequestOutput(req.request_id, [], FinishReason.ABORT) for req in aborted]
+        send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, self.stats()), identity)
+
+    def on_reset_prefix_cache(self, identity: bytes, msg: ResetPrefixCache) -> None:
+        self.log_event("reset_prefix_cache", str(self.args.engine_id))
+
+    def on_shutdown(self, identity: bytes, msg: Shutdown) -> None:
+        self.is_shutdown = True
+
+    def step(self) -> None:
+        outputs_by_frontend: dict[bytes, list[RequestOutput]] = {}
+        for req in list(self.running.values()):
+            outputs_by_frontend.setdefault(req.identity, []).append(self.next_output(req))
+        stats = self.stats()
+        for identity, outputs in outputs_by_frontend.items():
+            send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, stats), identity)
+
+    def next_output(self, req: FakeRequest) -> RequestOutput:
+        token_id = self.script_ids[(req.offset + req.num_output_tokens) % len(self.script_ids)]
+        req.num_output_tokens += 1
+        params = req.params
+        finish_reason, stop_token_id = None, None
+        if token_id in params.stop_token_ids:
+            finish_reason, stop_token_id = FinishReason.STOP, token_id
+        elif req.num_output_tokens == params.max_tokens or req.num_prompt_tokens + req.num_output_tokens >= self.max_model_len:
+            finish_reason = FinishReason.LENGTH
+        logprobs = None
+        if params.logprobs is not None:
+            top_ids = [token_id, *(t for t in self.script_ids[:params.logprobs + 1] if t != token_id)][:params.logprobs]
+            logprobs = [TokenLogprobs(token_id, -0.25, top_ids, [-0.25 - i for i in range(len(top_ids))])]
+        if finish_reason is not None:
+            del self.running[req.request_id]
+        return RequestOutput(req.request_id, [token_id], finish_reason, logprobs, stop_token_id)
+
+    def stats(self) -> SchedulerStats:
+        used = sum(math.ceil((r.num_prompt_tokens + r.num_output_tokens) / BLOCK_SIZE) for r in self.running.values())
+        return SchedulerStats(len(self.running), 0, used, NUM_KV_BLOCKS - used, 0)
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------- launching, for tests and benchmarks
+
+
+def read_event_log(path: Path, event: str) -> list[str]:
+    """Request ids with `event` ("add" or "abort") in a core's --event-log, in order."""
+    if not path.exists():
+        return []
+    return [line.split(" ", 1)[1] for line in path.read_text().splitlines() if line.startswith(event + " ")]
+
+
+def expected_text(model_folder: Path, num_tokens: int, seed: int = 0) -> str:
+    """What the fake core generates for `num_tokens` tokens at this seed, decoded in one go."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_folder / "tokenizer.json"))
+    script_ids = tokenizer.encode(SCRIPT).ids
+    ids = [script_ids[(seed + i) % len(script_ids)] for i in range(num_tokens)]
+    return tokenizer.decode(ids)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def start_fake_engine(model_folder: Path, address: str, *extra_args: str):
+    """A standalone fake core bound at `address`, as `tokenloom engine --listen` would run a real one."""
+    import subprocess
+
+    command = [*FAKE_ENGINE_ARGV, "--model", str(model_folder), "--address", address, *extra_args]
+    return subprocess.Popen(command, env=subprocess_env(), cwd=REPO_ROOT)
+
+
+class FrontendServer:
+    """`python -m frontend.api_server` in a subprocess on a free loopback port, waited on until /health is 200."""
+
+    def __init__(self, model_folder: Path, *args: str, log_path: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--model", str(model_folder), "--port", str(self.port), "--log-level", "warning", *args]
+        if "--engine" not in args and "--engine-command" not in args:
+            self.args += ["--engine-command", FAKE_ENGINE]
+        self.log_path = log_path or Path(tempfile.gettempdir()) / f"tokenloom-frontend-{self.port}.log"
+        self.process = None
+
+    def start(self, timeout_s: float = 60.0) -> "FrontendServer":
+        import subprocess
+        import urllib.request
+
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "frontend.api_server", *self.args],
+                                            stdout=log, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=REPO_ROOT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"frontend exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"frontend not healthy after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def child_pids(self) -> list[int]:
+        """The fake cores this frontend started (Linux /proc)."""
+        pid = self.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        return [int(p) for p in children.read_text().split()] if children.exists() else []
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        import subprocess
+
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.terminate()
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def __enter__(self) -> "FrontendServer":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.stop()
+        if exc_type is None:  # keep the log of a failed test for a look
+            self.log_path.unlink(missing_ok=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--model", required=True, help="folder made by write_fake_model")
+    parser.add_argument("--engine-id", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=0)
+    parser.add_argument("--allow-remote", action="store_true")
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds between steps")
+    parser.add_argument("--event-log", help="append 'add ID' and 'abort ID' lines to this file")
+    parser.add_argument("--fail-max-tokens", type=int, default=-1, help="reject requests with this max_tokens")
+    parser.add_argument("--crash-max-tokens", type=int, default=-1, help="die on a request with this max_tokens")
+    args, unknown = parser.parse_known_args(argv)  # the real core's engine args are accepted and ignored
+    return args
+
+
+if __name__ == "__main__":
+    FakeEngineCore(parse_args()).run()

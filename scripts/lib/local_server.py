@@ -1,0 +1,102 @@
+"""A tokenloom server the benchmark scripts start for themselves, and its /metrics.
+
+    process, url, log_path = start_server("smollm2", ["--no-enable-prefix-caching"])
+    metrics = scrape_metrics(url)        # {"kv_blocks_used": 0.0, "prefix_cache_hits_total": 0.0, ...}
+    stop_server(process)
+
+The server runs `frontend.api_server` on a free loopback port with its log in the
+temporary folder, so a script can start one per configuration (prefix caching on, then
+off) in a single run. scrape_metrics reads the Prometheus text of tokenloom (names
+without the `tokenloom_` prefix) or of `vllm serve` (without `vllm:`; its
+prefix_cache_queries_total and prefix_cache_hits_total count prompt tokens, as ours do),
+summed over label sets, histograms left out.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 600  # a cold start builds the CPU kernels (~20 s) and may convert the model
+METRIC_PREFIXES = ("tokenloom_", "vllm:")
+
+
+def start_server(model: str, server_args: list[str] = (), log_name: str = "tokenloom-server"
+                 ) -> tuple[subprocess.Popen, str, Path]:
+    """Starts a server and waits for /health; returns the process, its base URL and its log."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_path = Path(tempfile.gettempdir()) / f"{log_name}-{port}.log"
+    command = [sys.executable, "-m", "frontend.api_server", "--model", model, "--port", str(port),
+               "--log-level", "warning", *server_args]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with {process.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, url, log_path
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise SystemExit(f"the server did not become healthy; see {log_path}")
+
+
+def stop_server(process: subprocess.Popen, timeout_s: float = 120) -> int:
+    """SIGTERM (the server drains), then SIGKILL if it is still there after `timeout_s`."""
+    process.terminate()
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample values by name, summed over label sets (engines, models); tokenloom's
+    requests_finished_total is kept per reason as `requests_finished_total:REASON`."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        prefix = next((p for p in METRIC_PREFIXES if line.startswith(p)), None)
+        if prefix is None:
+            continue
+        name_and_labels, _, value = line.rpartition(" ")
+        name = name_and_labels.split("{", 1)[0][len(prefix):]
+        if name.endswith(("_bucket", "_sum", "_count", "_created")):
+            continue
+        if 'finish_reason="' in name_and_labels and prefix == "tokenloom_":
+            name += ":" + name_and_labels.split('finish_reason="', 1)[1].split('"', 1)[0]
+        try:
+            values[name] = values.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return values
+
+
+def scrape_metrics(url: str, timeout_s: float = 30) -> dict[str, float]:
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as response:
+        return parse_metrics(response.read().decode())
+
+
+def reset_prefix_cache(url: str) -> bool:
+    """POST /reset_prefix_cache; False where the server has no such route (vllm serve
+    outside its dev mode), so the caller can say the run may start warm."""
+    request = urllib.request.Request(url.rstrip("/") + "/reset_prefix_cache", method="POST", data=b"")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return 200 <= response.status < 300
+    except OSError:
+        return False

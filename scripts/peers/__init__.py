@@ -1,0 +1,1 @@
+"""tokenloom beside vLLM: the vLLM-side runners and the summary table (driven by scripts/bench_peers.sh)."""

@@ -1,0 +1,1 @@
+"""The capacity simulator's command line (`python -m scripts.simulate.run`) and its validation."""

@@ -1,0 +1,85 @@
+"""Models for tests: tiny random ones of any supported family, the default model's folder, and
+transformers' greedy tokens as the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+
+def make_tiny_model(tmp_path, architecture: str, **overrides):
+    """A random-weight model of the given architecture, saved as an HF folder under tmp_path;
+    (the folder, the transformers model). Small (3 layers of 128, a 512-token vocabulary) unless
+    `overrides` say otherwise."""
+    import torch
+    import transformers
+
+    config_class = {
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "Phi3ForCausalLM": transformers.Phi3Config,
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+    }[architecture]
+    # Phi3Config's default special tokens (32000) lie outside a tiny vocabulary.
+    family_defaults = {"Phi3ForCausalLM": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)}.get(architecture, {})
+    config = config_class(**{
+        **family_defaults,
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.1,  # peaky logits: no near-ties for greedy to trip on
+        **overrides,
+    })
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.1)  # biases start at zero; make them count
+    path = tmp_path / architecture
+    model.save_pretrained(path, safe_serialization=True)
+    assert json.loads((path / "config.json").read_text())["architectures"] == [architecture]
+    return str(path), model
+
+
+def cached_default_model():
+    """The default model's converted folder, found where engine.model_files puts it
+    ($TOKENLOOM_CACHE included). Missing, it skips the test, except under CI, where
+    `make test` converts it first and a missing model is a failure."""
+    from engine.model_files import DEFAULT_MODEL, cache_dir, find_known_model
+
+    folder = cache_dir() / "models" / find_known_model(DEFAULT_MODEL).folder_name
+    if not (folder / "tokenizer.json").is_file():
+        message = f"the default model is not converted at {folder} (make model)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return folder
+
+
+def hf_greedy(model, prompt_token_ids: list[int], num_new_tokens: int) -> list[int]:
+    """Token-by-token greedy decoding with transformers' own forward and KV cache (EOS ignored)."""
+    import torch
+
+    input_ids = torch.tensor([prompt_token_ids])
+    output_ids = []
+    past = None
+    with torch.inference_mode():
+        for _ in range(num_new_tokens):
+            out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            next_id = int(out.logits[0, -1].argmax())
+            output_ids.append(next_id)
+            input_ids = torch.tensor([[next_id]])
+    return output_ids

@@ -1,0 +1,90 @@
+"""Golden bytes: the wire encoding of every message type, recorded from the hand-written
+codec before the records became msgspec Structs. docs/protocol.md is these bytes;
+a change here is a change of the wire format, which must stay append-only."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+
+from ipc.codec import decode, encode
+from ipc.messages import AddRequest, FinishReason, GenerateOutput, GenerateRequest, MessageType
+from ipc.sampling_params import SamplingParams
+from ipc.structured_outputs import StructuredOutputsParams
+from tests.protocol.test_ipc import MESSAGES
+
+# Bounds of every integer width, str8/str16/str32, negative and unsigned 64-bit ints.
+EDGES = [
+    AddRequest("x" * 40, [0, 127, 128, 255, 256, 65535, 65536, 2**31 - 1],
+               SamplingParams(temperature=0, top_k=2**31 - 1, seed=-(2**63), max_tokens=2**31 - 1,
+                              stop=["é" * 100]), arrival_time=1.7e9),
+    AddRequest("y", [1], SamplingParams(seed=2**63 - 1, min_p=1, top_p=0.5, logprobs=20)),
+    GenerateOutput("z", "t" * 300, [1] * 20, FinishReason.ERROR, "e" * 70000),
+    # Every field appended since: penalties, logit_bias pairs, allowed and bad words, prompt log-probs, a grammar.
+    AddRequest("n", [1], SamplingParams(
+        repetition_penalty=1.5, frequency_penalty=-2.0, presence_penalty=2.0, logit_bias=[(0, -100.0), (5, 1.5)],
+        allowed_token_ids=[1, 2], bad_words=["x"], bad_words_token_ids=[[3, 4]], prompt_logprobs=2,
+        structured_outputs=StructuredOutputsParams(json='{"type": "object"}'))),
+    # A grammar that waits for the end of the reasoning (--reasoning-parser).
+    AddRequest("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(
+        regex="[0-9]+", reasoning_end_token_ids=[151668]))),
+]
+# hex, or "sha256:" + the digest for the long ones
+GOLDEN = [
+'sha256:cff3e8a97672a3117bbb3d7984b1a7e6ade56737e0b5e6c53b868bfd666e0a5a',
+    '9501a57265712d3290dc0016cb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c0c000c29090c0c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0cb0000000000000000',
+    '920293a161a162a163',
+    '920290',
+    '9203a3627965',
+    '9204aa66726f6e74656e642d30',
+    '9105',
+    '990a01aa74696e792d6c6c616d61cd0800cd7d0064109202cd7d00a862666c6f61743136',
+    '940b019297a57265712d3192050601929405cbbfd000000000000092050992cbbfd0000000000000cbbff80000000000009406cbbfe000000000000090900610c097a57265712d329107c0c0c000c0980102030405060708',
+    '940b0090980000000000000000',
+    '960ca4626f6f6da57265712d31c303c2',  # EngineError: is_request_error appended
+    '960ca4626f6f6dc0c200c2',
+    '9514a3672d31a568656c6c6fc0dc0016cb3fe6666666666666cb3feccccccccccccd28cb3fa999999999999acd04d24002c392020792a20a0aa3454e4403c2c3cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0',
+    '9514a3672d32c0920102dc0016cb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c01000c29090c0c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0',
+    '9615a3672d31aa68c3a96c6c6f20e29c9392010202ac6c617465206661696c757265',
+    '9615a3672d32a090c0c0',
+    'sha256:b73953637a8d757d388a7877f2cf3ec0fdd58510ff71d9f1b2513000034e70f0',
+    '9501a1799101dc0016cb3ff0000000000000cb3fe0000000000000ff01cf7fffffffffffffff1000c2909014c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0cb0000000000000000',
+    'sha256:bbb1691909f603ed9a10198724c6cd71fb617d2f821de61be43d90316c3d8f9d',
+    'sha256:29f1179da335f07ea4e5b1f96f6c71b2f5568cb972084b7c11f090efad0f1f2e',  # reasoning_end_token_ids appended
+    'sha256:8022d23588b93e2d297130681f48934042b7c48ea8bf2f585e9a54c1bc975d38',
+]
+
+
+def recorded(data: bytes) -> str:
+    return data.hex() if len(data) <= 100 else "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("msg, golden", list(zip(MESSAGES + EDGES, GOLDEN)),
+                         ids=[type(m).__name__ for m in MESSAGES + EDGES])
+def test_encoding_is_byte_identical_to_the_recorded_one(msg, golden):
+    data = encode(msg)
+    assert recorded(data) == golden
+    assert decode(data) == msg
+
+
+def test_the_readmes_raw_msgpack_example_still_speaks_the_protocol():
+    params = [0.0, 1.0, -1, 0.0, None, 32, 0, False, [], [], None, True, False]
+    request = decode(msgpack.packb([20, "req-1", "Once upon a time", None, params]))
+    assert request == GenerateRequest("req-1", "Once upon a time", None,
+                                      SamplingParams(temperature=0.0, max_tokens=32))
+    _, request_id, text, token_ids, finish_reason, error = msgpack.unpackb(
+        encode(GenerateOutput("req-1", "Once", [7], FinishReason.LENGTH)))
+    assert (request_id, text, token_ids, finish_reason, error) == ("req-1", "Once", [7], 2, None)
+    assert msgpack.unpackb(encode(GenerateOutput("r", "", [])))[0] == MessageType.GENERATE_OUTPUT
+
+
+def test_a_grammar_from_before_reasoning_end_token_ids_still_decodes():
+    """Append-only: a peer that sends the six fields of StructuredOutputsParams gets no end tokens."""
+    msg = EDGES[3]
+    fields = msgpack.unpackb(encode(msg))
+    structured = fields[3][-1]
+    assert structured[-1] is None  # reasoning_end_token_ids, the appended field
+    fields[3][-1] = structured[:-1]
+    assert decode(msgpack.packb(fields)) == msg

@@ -1,0 +1,79 @@
+"""Kernel builds: a killed build no longer hangs every later engine start (engine.kernels.build_lock),
+and checkouts with the same kernels share one build (engine.kernels.cpu_extension.copy_sources)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine.kernels.build_lock import TORCH_LOCK_NAME, exclusive_build
+from tests.helpers import REPO_ROOT
+
+
+# A build that takes the flock, leaves torch's lock file as a build in progress does, and hangs.
+HOLDER = """
+import sys, time
+from pathlib import Path
+from engine.kernels.build_lock import exclusive_build
+with exclusive_build(Path(sys.argv[1])):
+    (Path(sys.argv[1]) / "lock").touch()
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_lock_file_left_by_a_dead_build_is_removed(tmp_path):
+    (tmp_path / TORCH_LOCK_NAME).touch()  # a build killed before torch could delete it
+    with exclusive_build(tmp_path):
+        assert not (tmp_path / TORCH_LOCK_NAME).exists()
+
+
+def test_waits_for_a_live_build_then_takes_over_when_it_is_killed(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        acquired = threading.Event()
+        lock_seen_inside: list[bool] = []
+
+        def build() -> None:
+            with exclusive_build(tmp_path):
+                lock_seen_inside.append((tmp_path / TORCH_LOCK_NAME).exists())
+                acquired.set()
+
+        thread = threading.Thread(target=build, daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        assert not acquired.is_set()  # the live build's lock file is left alone while it runs
+        assert (tmp_path / TORCH_LOCK_NAME).exists()
+        holder.kill()  # killed mid-build: its lock file stays, its flock goes
+        assert acquired.wait(timeout=10)
+        assert lock_seen_inside == [False]
+        thread.join(timeout=5)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_sources_are_compiled_from_one_copy_whichever_checkout_asks(tmp_path):
+    """Two checkouts with the same kernels hand ninja the same paths, so neither rebuilds the other's build."""
+    from engine.kernels.cpu_extension import HEADERS, SOURCES, copy_sources
+
+    folder = tmp_path / "src"
+    copies = copy_sources(SOURCES + HEADERS, folder)
+    assert [c.parent for c in copies] == [folder] * len(copies)
+    assert all(c.read_bytes() == s.read_bytes() for c, s in zip(copies, SOURCES + HEADERS))
+    mtimes = [c.stat().st_mtime_ns for c in copies]
+    other_checkout = tmp_path / "other"
+    other_checkout.mkdir()
+    moved = [other_checkout / s.name for s in SOURCES + HEADERS]
+    for source, path in zip(SOURCES + HEADERS, moved):
+        path.write_bytes(source.read_bytes())
+    assert copy_sources(moved, folder) == copies
+    assert [c.stat().st_mtime_ns for c in copies] == mtimes  # the same bytes: untouched, nothing to rebuild
+    moved[0].write_bytes(moved[0].read_bytes() + b"\n// changed\n")
+    copy_sources(moved, folder)
+    assert copies[0].read_bytes().endswith(b"// changed\n")
