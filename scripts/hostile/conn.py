@@ -14,43 +14,15 @@ from urllib.parse import urlparse
 import requests
 
 from scripts.hostile.client import Target
+from scripts.lib.raw_http import connect, is_answered, read_status_line, request_head, status_code
 
 CHUNK = 64 * 1024
 BODY = json.dumps({"prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
 
 
-def _address(target: Target) -> tuple[str, int]:
-    parsed = urlparse(target.url)
-    return parsed.hostname, parsed.port or 80
-
-
 def _connect(target: Target, timeout_s: float = 10.0) -> socket.socket:
-    sock = socket.create_connection(_address(target), timeout=timeout_s)
-    sock.settimeout(timeout_s)
-    return sock
-
-
-def _read_status(sock: socket.socket) -> str:
-    """The status line the server sent, or what happened instead ('closed', 'ConnectionResetError', ...)."""
-    data = b""
-    try:
-        while b"\r\n" not in data:
-            chunk = sock.recv(4096)
-            if not chunk:
-                return "closed" if not data else data.decode("latin-1")[:80]
-            data += chunk
-    except OSError as e:
-        return type(e).__name__
-    return data.split(b"\r\n", 1)[0].decode("latin-1")
-
-
-def _status_code(status_line: str) -> int | None:
-    parts = status_line.split()
-    return int(parts[1]) if len(parts) >= 2 and parts[0].startswith("HTTP/") and parts[1].isdigit() else None
-
-
-def _headers(path: str, extra: str = "", method: str = "POST") -> bytes:
-    return f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{extra}\r\n".encode()
+    parsed = urlparse(target.url)
+    return connect(parsed.hostname, parsed.port or 80, timeout_s=timeout_s)
 
 
 def oversized_bodies(target: Target, sizes_mib: tuple[int, ...] = (4, 16)) -> dict:
@@ -64,7 +36,7 @@ def oversized_bodies(target: Target, sizes_mib: tuple[int, ...] = (4, 16)) -> di
                     else "Transfer-Encoding: chunked\r\n"
                 send_error = None
                 try:
-                    sock.sendall(_headers("/v1/completions", framing_header))
+                    sock.sendall(request_head("/v1/completions", framing_header))
                     for offset in range(0, size, CHUNK):
                         piece = b"x" * min(CHUNK, size - offset)
                         sock.sendall(piece if framing == "content-length" else b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -72,8 +44,8 @@ def oversized_bodies(target: Target, sizes_mib: tuple[int, ...] = (4, 16)) -> di
                         sock.sendall(b"0\r\n\r\n")
                 except OSError as e:
                     send_error = type(e).__name__
-                status_line = _read_status(sock)
-            seen[f"{size_mib}MiB_{framing}"] = {"status": _status_code(status_line), "read": status_line,
+                status_line = read_status_line(sock)
+            seen[f"{size_mib}MiB_{framing}"] = {"status": status_code(status_line), "read": status_line,
                                                 "send_error": send_error}
         seen[f"{size_mib}MiB_requests_library"] = _post_with_requests(target, size)
     return {"passed": all(v["status"] == 413 for v in seen.values()), "answers": seen}
@@ -96,11 +68,11 @@ def big_header(target: Target) -> dict:
                         ("4000_headers", "".join(f"X-Junk-{i}: {'b' * 64}\r\n" for i in range(4000)))):
         with _connect(target) as sock:
             try:
-                sock.sendall(_headers("/v1/models", extra, method="GET"))
-                status_line = _read_status(sock)
+                sock.sendall(request_head("/v1/models", extra, method="GET"))
+                status_line = read_status_line(sock)
             except OSError as e:
                 status_line = type(e).__name__
-        status = _status_code(status_line)
+        status = status_code(status_line)
         seen[name] = {"status": status, "read": status_line, "refused": status is None or 400 <= status < 500}
     return {"passed": all(v["refused"] for v in seen.values()), "answers": seen}
 
@@ -116,7 +88,7 @@ def slowloris(target: Target, num_partial_headers: int, num_half_bodies: int, bu
                 if i < num_partial_headers:
                     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
                 else:  # full headers, 10 of 1,000 promised body bytes
-                    sock.sendall(_headers("/v1/completions", "Content-Length: 1000\r\n") + b'{"prompt":')
+                    sock.sendall(request_head("/v1/completions", "Content-Length: 1000\r\n") + b'{"prompt":')
                 socks.append(sock)
             except OSError:
                 num_refused += 1
@@ -124,7 +96,7 @@ def slowloris(target: Target, num_partial_headers: int, num_half_bodies: int, bu
         start = time.monotonic()
         status, text, _ = target.post("/v1/completions", BODY, timeout=max(budget_s, 10.0))
         elapsed_s = time.monotonic() - start
-        num_answered = sum(1 for s in socks if _is_answered(s))
+        num_answered = sum(1 for s in socks if is_answered(s))
     finally:
         for sock in socks:
             sock.close()
@@ -136,16 +108,3 @@ def slowloris(target: Target, num_partial_headers: int, num_half_bodies: int, bu
         "num_answered_or_closed_by_server": num_answered,  # by the time the normal request was answered
         "normal_request": {"status": status, "seconds": round(elapsed_s, 2), "body": text[:200]},
     }
-
-
-def _is_answered(sock: socket.socket) -> bool:
-    try:
-        sock.setblocking(False)
-        sock.recv(1, socket.MSG_PEEK)  # an early answer (429, 408...) or b"": closed
-        return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    finally:
-        sock.setblocking(True)

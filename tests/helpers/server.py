@@ -1,12 +1,11 @@
 """A live server for tests and what they do with it: start one on the real engine core, read
-/metrics, wait for a condition, look at process state, run many streams at once, send raw HTTP."""
+/metrics, wait for a condition, look at process state, run many streams at once."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -66,40 +65,6 @@ def health(url: str) -> int:
         return requests.get(f"{url}/health", timeout=5).status_code
     except requests.ConnectionError:
         return 0
-
-
-def raw_http(port: int, request: bytes, chunks: list[bytes] = (), timeout_s: float = 10.0) -> tuple[int, bytes]:
-    """Send a hand-written request (then each chunk), read until the server closes; (status, body).
-
-    Stops sending as soon as the server has answered, as a client should on 413.
-    """
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as conn:
-        conn.sendall(request)
-        for chunk in chunks:
-            try:
-                conn.sendall(chunk)
-            except OSError:
-                break
-            time.sleep(0.05)
-        data = b""
-        try:
-            while b"\r\n\r\n" not in data or len(data) < _response_length(data):
-                part = conn.recv(65536)
-                if not part:
-                    break
-                data += part
-        except OSError:
-            pass
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
-
-
-def _response_length(data: bytes) -> int:
-    head, _, _ = data.partition(b"\r\n\r\n")
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            return len(head) + 4 + int(line.split(b":")[1])
-    return 1 << 62  # no length: read until close
 
 
 @dataclass

@@ -25,6 +25,7 @@ import requests
 
 from frontend.server_args import admission_config, make_parser
 from scripts.lib.fake_engine import FAKE_ENGINE, FrontendServer
+from scripts.lib.raw_http import connect, read_until_closed
 from tests.helpers.server import health, rss_mb, run_streams
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,27 +70,6 @@ def post_good(server) -> requests.Response:
     return requests.post(f"{server.url}/v1/completions", json=GOOD, timeout=10)
 
 
-def connect(server, data: bytes = b"") -> socket.socket:
-    conn = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    if data:
-        conn.sendall(data)
-    return conn
-
-
-def read_until_closed(conn: socket.socket, timeout_s: float) -> tuple[bytes, bool]:
-    """What the server sent, and whether it closed the connection (EOF or reset) within timeout_s."""
-    conn.settimeout(timeout_s)
-    data = b""
-    try:
-        while part := conn.recv(65536):
-            data += part
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    except TimeoutError:
-        return data, False
-    return data, True
-
-
 def status_and_error(response: bytes) -> tuple[int, dict]:
     head, _, body = response.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)["error"]
@@ -97,7 +77,7 @@ def status_and_error(response: bytes) -> tuple[int, dict]:
 
 def send_head(server, head: bytes) -> bytes:
     """Send a whole request head (however large), then read the answer."""
-    with connect(server) as conn:
+    with connect("127.0.0.1", server.port) as conn:
         conn.sendall(head)
         return read_until_closed(conn, 10)[0]
 
@@ -124,7 +104,7 @@ def test_server_raises_its_open_file_limit(server):
 
 def test_half_sent_bodies_hold_no_slot_and_get_408(server):
     started = time.monotonic()
-    conns = [connect(server, HALF_BODY) for _ in range(2 * MAX_CONCURRENT)]
+    conns = [connect("127.0.0.1", server.port, HALF_BODY) for _ in range(2 * MAX_CONCURRENT)]
     time.sleep(0.2)  # all their heads are in
     response = post_good(server)
     assert response.status_code == 200 and time.monotonic() - started < 2
@@ -151,12 +131,12 @@ def trickle(conn: socket.socket, data: bytes, interval_s: float) -> None:
 
 def test_idle_and_unfinished_heads_are_closed_after_the_header_timeout(server):
     started = time.monotonic()
-    silent = connect(server)
-    partial = connect(server, PARTIAL_HEAD)
-    trickling = connect(server)
+    silent = connect("127.0.0.1", server.port)
+    partial = connect("127.0.0.1", server.port, PARTIAL_HEAD)
+    trickling = connect("127.0.0.1", server.port)
     threading.Thread(target=trickle, args=(trickling, PARTIAL_HEAD + b"a" * 100, 0.2), daemon=True).start()
     # A kept-alive connection: one whole request, then half of the next head.
-    kept_alive = connect(server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    kept_alive = connect("127.0.0.1", server.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
     kept_alive_started = time.monotonic()
     kept_alive.sendall(b"GET /health HTTP/1.1\r\nHo")
@@ -204,7 +184,7 @@ def test_oversized_heads_get_431(server, size):
 
 def test_unterminated_heads_do_not_grow_the_server(server):
     def flood() -> None:
-        with contextlib.suppress(OSError), connect(server, b"GET /health HTTP/1.1\r\nX-Big: ") as conn:
+        with contextlib.suppress(OSError), connect("127.0.0.1", server.port, b"GET /health HTTP/1.1\r\nX-Big: ") as conn:
             for _ in range(32):  # 32 MiB, never terminated
                 conn.sendall(b"a" * (1 << 20))
 
@@ -272,8 +252,8 @@ def test_slowloris_of_2000_connections_does_not_starve_requests(server):
         pytest.skip("this test opens 2,000 sockets")
     with soft_open_file_limit(hard):
         started = time.monotonic()
-        partial = [connect(server, PARTIAL_HEAD) for _ in range(1000)]
-        half = [connect(server, HALF_BODY) for _ in range(1000)]
+        partial = [connect("127.0.0.1", server.port, PARTIAL_HEAD) for _ in range(1000)]
+        half = [connect("127.0.0.1", server.port, HALF_BODY) for _ in range(1000)]
         opened_s = time.monotonic() - started
         try:
             request_started = time.monotonic()

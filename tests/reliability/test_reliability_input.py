@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scripts.lib.fake_engine import FrontendServer
-from tests.helpers.server import metric, raw_http, wait_for
+from scripts.lib.raw_http import exchange
+from tests.helpers.server import metric, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 MAX_REQUEST_BYTES = 65536
@@ -118,14 +119,14 @@ def test_body_over_the_limit_gets_413(server):
     # Content-Length over the limit: answered from the headers, no body sent at all.
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 1000000000\r\n\r\n")
-    status, body = raw_http(server.port, head, timeout_s=5)
+    status, body = exchange(server.port, head, timeout_s=5)
     assert status == 413 and f"limit of {MAX_REQUEST_BYTES} bytes" in json.loads(body)["error"]["message"]
     # A chunked body with no length: cut off once it passes the limit, long before its end.
     head = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
     piece = b'{"prompt": "' + b"a" * 30000
     chunks = [b"%x\r\n%s\r\n" % (len(piece), piece)] + [b"7530\r\n" + b"a" * 30000 + b"\r\n"] * 100
-    status, body = raw_http(server.port, head, chunks)
+    status, body = exchange(server.port, head, chunks)
     assert status == 413 and "streamed" in json.loads(body)["error"]["message"]
     # Just under the limit is fine.
     response = requests.post(f"{server.url}/v1/completions", json={**GOOD, "user": "u" * (MAX_REQUEST_BYTES - 100)})

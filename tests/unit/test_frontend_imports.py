@@ -1,7 +1,8 @@
 """Import boundaries. The frontend, and the text logic it shares with the offline API
 (`ipc.text`), must never import torch, not even through transformers: checked in fresh
 interpreters. The engine and the frontend meet only in `ipc`: neither imports the other,
-checked by parsing every module's imports."""
+checked by parsing every module's imports. The scripts are packages run with `python -m`: they
+import nothing from tests/ and never edit sys.path."""
 
 from __future__ import annotations
 
@@ -56,8 +57,14 @@ def imported_packages(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("package, forbidden", [("engine", "frontend"), ("frontend", "engine"),
-                                                ("ipc", "engine"), ("ipc", "frontend")])
+                                                ("ipc", "engine"), ("ipc", "frontend"), ("scripts", "tests")])
 def test_packages_do_not_import_each_other(package, forbidden):
     offenders = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / package).rglob("*.py")
                        if forbidden in imported_packages(path))
     assert not offenders, f"{offenders} import {forbidden}"
+
+
+def test_scripts_do_not_edit_sys_path():
+    offenders = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "scripts").rglob("*.py")
+                       if "sys.path" in path.read_text(encoding="utf-8"))
+    assert not offenders, f"{offenders} edit sys.path; run them with python -m from the repository root"
