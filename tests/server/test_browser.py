@@ -118,7 +118,7 @@ def test_stop_button_ends_a_long_answer_early(browser, server):
     assert element(browser, "send").is_enabled() and not element(browser, "stop").is_enabled()
     # The server saw the browser hang up and aborted the request in the core.
     wait_for(lambda: metric(server.url, "requests_finished_total", 'finish_reason="abort"') > num_aborted,
-               timeout_s=10, what="the abort")
+             timeout_s=10, what="the abort")
     assert browser.console_errors() == []
 
 
@@ -151,13 +151,13 @@ def test_dashboard_counters_move_under_load_and_return_to_zero(browser, server):
     for thread in threads:
         thread.start()
     busiest = wait_for(lambda: (c := dashboard_counters(browser))["num-running"] > 0 and c["tokens-out"] > 0 and c,
-                         timeout_s=60, interval_s=0.05, what="requests on the dashboard")
+                       timeout_s=60, interval_s=0.05, what="requests on the dashboard")
     assert busiest["kv-used"] > 0
     for thread in threads:
         thread.join()
     assert painted_cells(browser) > 0
     idle = wait_for(lambda: (c := dashboard_counters(browser))["tokens-out"] == 0 and c["tokens-in"] == 0 and c,
-                      timeout_s=10, what="the dashboard going idle")
+                    timeout_s=10, what="the dashboard going idle")
     assert idle == {"num-running": 0, "num-waiting": 0, "kv-used": 0, "tokens-in": 0, "tokens-out": 0}
     assert browser.console_errors() == []
 

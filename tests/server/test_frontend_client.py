@@ -194,7 +194,7 @@ def test_second_server_refuses_a_live_client_socket(server, model_folder):
 
     result = subprocess.run(
         [sys.executable, "-m", "frontend.api_server", "--model", str(model_folder), "--port", "1",
-         "--engine-command", f"{FAKE_ENGINE}", "--client-socket", server.client_socket],
+         "--engine-command", FAKE_ENGINE, "--client-socket", server.client_socket],
         capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "in use by a running process" in result.stderr, result.stderr[-2000:]
 
