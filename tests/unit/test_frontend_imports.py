@@ -36,7 +36,7 @@ def test_every_ipc_text_module_is_checked():
 
 
 def test_loading_a_tokenizer_keeps_torch_out(tmp_path):
-    code = ("from scripts.lib.fake_engine import write_fake_model; "
+    code = ("import sys; from scripts.lib.fake_engine import write_fake_model; "
             "from pathlib import Path; from frontend.model_folder import load_tokenizer; "
             f"tok = load_tokenizer(str(write_fake_model(Path({str(tmp_path)!r})))); "
             "tok.encode_chat([{'role': 'user', 'content': 'hi'}]); "
