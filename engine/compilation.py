@@ -10,9 +10,9 @@ steps, which dynamo specializes), so steady state never recompiles.
 Attention stays out of the graph as the opaque custom op `tokenloom::paged_attention`:
 the backends plan per step from Python lists and call a C++ kernel, none of
 which dynamo should trace. A custom op takes only tensors and scalars, so the
-step's backend, metadata and KV pool reach it through `attention_step(...)`, set
-by the model runner around each compiled forward (vLLM's forward context does
-the same). This is the module's one piece of global state.
+step's backend (prepared by the model runner) and KV pool reach it through
+`attention_step(...)`, set by the model runner around each compiled forward
+(vLLM's forward context does the same). This is the module's one piece of global state.
 
 Inductor's caches live under <tokenloom cache>/inductor/<cpu key> (its C++ is
 built for the host's instruction set).
@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention.backend import AttentionBackend, KVCache
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu_extension import _cpu_key
 from engine.model_files import cache_dir
+from engine.models.attention import COMPILED
 
 logger = logging.getLogger(__name__)
 
@@ -47,19 +49,18 @@ _user_cache_dir = os.environ.get(INDUCTOR_CACHE_ENV)
 
 @dataclass
 class _AttentionStep:
-    backend: object
-    metadata: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    backend: AttentionBackend  # prepared for the step
+    kv_caches: list[KVCache]
 
 
 _step: _AttentionStep | None = None
 
 
 @contextlib.contextmanager
-def attention_step(backend, metadata: AttentionMetadata, kv_caches):
-    """Make the step's attention state visible to `paged_attention` for one forward."""
+def attention_step(backend: AttentionBackend, kv_caches: list[KVCache]):
+    """Make the step's prepared backend and KV pool visible to `paged_attention` for one forward."""
     global _step
-    _step = _AttentionStep(backend, metadata, kv_caches)
+    _step = _AttentionStep(backend, kv_caches)
     try:
         yield
     finally:
@@ -78,9 +79,9 @@ def paged_attention(
     """Store the step's K/V into layer `layer_index`'s paged cache, then attend (inside `attention_step`)."""
     if _step is None:
         raise RuntimeError("tokenloom::paged_attention called outside attention_step()")
-    k_cache, v_cache = _step.kv_caches[layer_index]
-    _step.backend.store_kv(key, value, k_cache, v_cache, _step.metadata.slot_mapping)
-    return _step.backend.forward(query, k_cache, v_cache, _step.metadata, scale, key, value, window).contiguous()
+    kv_cache = _step.kv_caches[layer_index]
+    _step.backend.store_kv(key, value, kv_cache)
+    return _step.backend.forward(query, key, value, kv_cache, scale, window).contiguous()
 
 
 @paged_attention.register_fake
@@ -101,7 +102,7 @@ def compile_forward(model: torch.nn.Module):
     inductor_config.freezing = True  # weights are constants: prepacked, folded, never re-read as inputs
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return model(input_ids, positions, None, None, None)
+        return model(input_ids, positions, None, COMPILED)
 
     return torch.compile(forward, dynamic=True, fullgraph=True)
 
@@ -125,7 +126,8 @@ def warm_up(compiled, model_runner) -> float:
             query_lens_cpu=[num_tokens],
             seq_lens_cpu=[seq_len],
         )
-        with torch.inference_mode(), attention_step(model_runner.backend, metadata, model_runner.kv_caches):
+        model_runner.backend.prepare(metadata)
+        with torch.inference_mode(), attention_step(model_runner.backend, model_runner.kv_caches):
             compiled(torch.zeros(num_tokens, dtype=torch.int64, device=device), torch.tensor(positions, device=device))
     for k_cache, v_cache in model_runner.kv_caches:  # leave the pool as it was
         k_cache[0].zero_()

@@ -111,7 +111,7 @@ def _replay_error(runner: CudaGraphRunner, size: int, num_seqs: int, generator: 
     )
     runner.graphs[size].replay()
     replayed = runner.outputs[size][:num_seqs].clone()  # [num_seqs, hidden_size]
-    metadata = batch.metadata(num_seqs, seq_lens)
-    eager = runner.model(batch.input_ids, batch.positions, runner.kv_caches, metadata, runner.backend)
+    runner.backend.prepare(batch.metadata(num_seqs, seq_lens))
+    eager = runner.model(batch.input_ids, batch.positions, runner.kv_caches, runner.backend)
     return max_row_error(replayed, eager)
 

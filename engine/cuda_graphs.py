@@ -181,9 +181,9 @@ def decode_forward(model, kv_caches, static: DecodeInputs, num_rows: int, max_mo
     from engine.kernels.decode_attention import choose_num_splits
 
     backend = TritonAttentionBackend(num_splits=choose_num_splits(num_rows, model.config.num_kv_heads, max_model_len))
-    metadata = static.metadata(num_rows, [max_model_len] * num_rows)
+    backend.prepare(static.metadata(num_rows, [max_model_len] * num_rows))
     input_ids, positions = static.input_ids[:num_rows], static.positions[:num_rows]
-    return model(input_ids, positions, kv_caches, metadata, backend)  # [num_rows, hidden_size]
+    return model(input_ids, positions, kv_caches, backend)  # [num_rows, hidden_size]
 
 
 class CudaGraphRunner:

@@ -1,7 +1,10 @@
 """Runs one scheduled step on the model: every Python-list-to-tensor conversion lives here.
 
 Owns the model, the paged KV pool (one K and one V tensor per layer, carved
-into blocks once at start-up), the attention backend and the sampler.
+into blocks once at start-up), the attention backend and the sampler; the constructor
+builds them in named steps, in order: model, backend, model preparation (the CPU fast
+paths), KV pool, sampler, CUDA graphs or compilation. The host's CPU features are read
+once and handed to each step that needs them.
 
 Under tensor parallelism every rank has a ModelRunner holding its shard. Rank 0
 turns the scheduler's output into a `StepInputs` record of lists, hands it to
@@ -15,7 +18,8 @@ import logging
 
 import torch
 
-from engine.attention import get_attention_backend
+from engine.attention import make_attention_backend, resolve_attention_backend
+from engine.attention.backend import AttentionBackend, KVCache
 from engine.attention.metadata import AttentionMetadata
 from engine.block_manager import num_blocks_for
 from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
@@ -30,7 +34,7 @@ from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.models.fast_paths import apply_fast_paths
-from engine.models.fused import select_fused_ops
+from engine.models.fused import CpuFusedOps, select_fused_ops
 from engine.request import Request
 from engine.logits_processing import LogitsProcessingState, bad_word_bans
 from engine.prompt_logprobs import PromptLogprobRows, PromptLogprobsCollector
@@ -42,17 +46,26 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """cuda when present, else cpu; the dtype as asked, or by engine.dtype_policy for "auto"."""
-    device, dtype, _ = resolve_device_dtype_and_reason(config)
-    return device, dtype
+def resolve_device(config: EngineConfig) -> torch.device:
+    """cuda when present, else cpu, unless the config names one."""
+    return torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def resolve_device_dtype_and_reason(config: EngineConfig) -> tuple[torch.device, torch.dtype, str]:
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cpu = detect_cpu_features() if device.type == "cpu" else CpuFeatures()
+def resolve_dtype(config: EngineConfig, device: torch.device, cpu: CpuFeatures) -> tuple[torch.dtype, str]:
+    """(dtype, why): as asked, or by engine.dtype_policy for "auto"."""
     name, reason = choose_dtype(config.dtype, device.type, cpu)
-    return device, DTYPES[name], reason
+    return DTYPES[name], reason
+
+
+def cpu_features_of(device: torch.device) -> CpuFeatures:
+    """The host CPU's bf16 support where the engine runs on it; none on a GPU."""
+    return detect_cpu_features() if device.type == "cpu" else CpuFeatures()
+
+
+def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype a ModelRunner for `config` runs in (the engine core sizes the KV pool by them)."""
+    device = resolve_device(config)
+    return device, resolve_dtype(config, device, cpu_features_of(device))[0]
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -71,53 +84,91 @@ class ModelRunner:
         self.model_config = model_config
         self.executor = executor
         self.tp = executor.group if executor is not None else tp
-        self.device, self.dtype, reason = resolve_device_dtype_and_reason(config)
-        logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, reason)
         self.block_size = config.block_size
-        num_threads = config.num_threads
-        if not num_threads and self.tp is not None:
-            num_threads = threads_per_rank(config.tensor_parallel_size, config.nnodes)
-        if num_threads and self.device.type == "cpu":
-            torch.set_num_threads(num_threads)
+        self.device = resolve_device(config)
+        cpu = cpu_features_of(self.device)  # read once; every choice below that needs it is handed it
+        self.dtype, reason = resolve_dtype(config, self.device, cpu)
+        logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, reason)
+        self._set_num_threads()
         # Compiled, inductor prepacks the weights itself (freezing).
         self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
-        prepack = config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
-        if prepack or self.is_compiled:
-            bound_primitive_caches()
-        self.model = load_model(model_config, self.dtype, self.device, config.load_format, self.tp)
-        # Counted before prepacking, which turns weights into opaque oneDNN buffers.
-        self.num_params = sum(p.numel() for p in self.model.parameters())
-        self.num_weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        slabs = plan_slabs(self.dtype, self.num_weight_bytes, detect_cpu_features()) if prepack else None
-        self.backend = get_attention_backend(config.attention_backend, self.device.type, self.dtype)
-        fused_ops = select_fused_ops(self.device, self.backend.name, self.is_compiled)
-        # Prepacked (or slab) matmuls and the fused element-wise ops, on whatever blocks the model has.
-        apply_fast_paths(self.model, batch_size_hint=config.max_num_seqs if prepack else None, slabs=slabs,
-                         fused_ops=fused_ops, backend_name=self.backend.name, is_compiled=self.is_compiled)
-        # One K and one V tensor per layer, in the backend's block layout.
-        num_kv_heads = num_local_kv_heads(model_config.num_kv_heads, config.tensor_parallel_size)
-        shape = self.backend.kv_cache_shape(num_kv_blocks, config.block_size, num_kv_heads, model_config.head_dim)
-        self.kv_caches = [(self._new_cache(shape), self._new_cache(shape)) for _ in range(model_config.num_layers)]
-        kernels = sampling_kernels(self.device)
-        self.logits_state = LogitsProcessingState(model_config.vocab_size, self.device, kernels)
-        self.sampler = Sampler(torch.Generator().manual_seed(config.seed), kernels, self.logits_state)
+        is_prepacked = config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
+        self.model = self._load_model(bound_caches=is_prepacked or self.is_compiled)
+        self.backend, fused_ops = self._make_backend(cpu)
+        self._prepare_model(fused_ops, cpu, is_prepacked)
+        self.kv_caches = self._make_kv_pool(num_kv_blocks)
+        self.sampler = self._make_sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
         # static-padded's padding and finished rows feed this; any id computes the same, EOS as transformers pads
         self.pad_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else 0
-        logger.info("KV pool: %d blocks of %d tokens on %s", num_kv_blocks, config.block_size, self.device)
-        # Decode steps replay CUDA graphs sized for the longest sequence.
-        self.cuda_graphs = CudaGraphRunner(
-            self.model, self.kv_caches, self.backend, device=self.device, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            enforce_eager=config.enforce_eager or self.tp is not None,  # graphs would capture the collectives
-        )
-        self.cuda_graphs.capture()
+        self.cuda_graphs = self._capture_cuda_graphs(max_model_len)
         self.compiled_forward = None
         if self.is_compiled:
-            self.compiled_forward = compile_forward(self.model)
-            seconds = warm_up(self.compiled_forward, self)
-            logger.info("torch.compile: forward ready in %.1f s (cache: %s)", seconds, inductor_cache_dir())
+            self._compile()
+
+    def _set_num_threads(self) -> None:
+        num_threads = self.config.num_threads
+        if not num_threads and self.tp is not None:
+            num_threads = threads_per_rank(self.config.tensor_parallel_size, self.config.nnodes)
+        if num_threads and self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
+
+    def _load_model(self, bound_caches: bool) -> torch.nn.Module:
+        if bound_caches:
+            bound_primitive_caches()
+        model = load_model(self.model_config, self.dtype, self.device, self.config.load_format, self.tp)
+        # Counted before prepacking, which turns weights into opaque oneDNN buffers.
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.num_weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return model
+
+    def _make_backend(self, cpu: CpuFeatures) -> tuple[AttentionBackend, CpuFusedOps | None]:
+        """The attention backend, and the fused CPU ops where they apply (the backend's KV
+        store then runs fused with rotary, on their kernels)."""
+        name = resolve_attention_backend(self.config.attention_backend, self.device.type, self.dtype, cpu)
+        fused_ops = select_fused_ops(self.device, name, self.is_compiled)
+        windows = tuple(sorted({self.model_config.window_of(i) for i in range(self.model_config.num_layers)}))
+        kernels = fused_ops.kernels if fused_ops is not None else None
+        return make_attention_backend(name, self.block_size, windows, kernels), fused_ops
+
+    def _prepare_model(self, fused_ops: CpuFusedOps | None, cpu: CpuFeatures, is_prepacked: bool) -> None:
+        """Prepacked (or slab) matmuls and the fused element-wise ops, on whatever blocks the model has."""
+        slabs = plan_slabs(self.dtype, self.num_weight_bytes, cpu) if is_prepacked else None
+        apply_fast_paths(self.model, batch_size_hint=self.config.max_num_seqs if is_prepacked else None, slabs=slabs,
+                         fused_ops=fused_ops, backend=self.backend, is_compiled=self.is_compiled)
+
+    def _make_kv_pool(self, num_kv_blocks: int) -> list[KVCache]:
+        """One K and one V tensor per layer, in the backend's block layout."""
+        num_kv_heads = num_local_kv_heads(self.model_config.num_kv_heads, self.config.tensor_parallel_size)
+        shape = self.backend.kv_cache_shape(num_kv_blocks, self.block_size, num_kv_heads, self.model_config.head_dim)
+        logger.info("KV pool: %d blocks of %d tokens on %s", num_kv_blocks, self.block_size, self.device)
+        return [(self._new_cache(shape), self._new_cache(shape)) for _ in range(self.model_config.num_layers)]
+
+    def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":  # blocks are read scattered: fewer TLB misses on huge pages
+            return zeros_on_huge_pages(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _make_sampler(self) -> Sampler:
+        kernels = sampling_kernels(self.device)
+        self.logits_state = LogitsProcessingState(self.model_config.vocab_size, self.device, kernels)
+        return Sampler(torch.Generator().manual_seed(self.config.seed), kernels, self.logits_state)
+
+    def _capture_cuda_graphs(self, max_model_len: int) -> CudaGraphRunner:
+        """Decode steps replay CUDA graphs sized for the longest sequence."""
+        cuda_graphs = CudaGraphRunner(
+            self.model, self.kv_caches, self.backend, device=self.device, block_size=self.block_size,
+            max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
+            enforce_eager=self.config.enforce_eager or self.tp is not None,  # graphs would capture the collectives
+        )
+        cuda_graphs.capture()
+        return cuda_graphs
+
+    def _compile(self) -> None:
+        self.compiled_forward = compile_forward(self.model)
+        seconds = warm_up(self.compiled_forward, self)
+        logger.info("torch.compile: forward ready in %.1f s (cache: %s)", seconds, inductor_cache_dir())
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
@@ -147,26 +198,22 @@ class ModelRunner:
         """The model on one step's inputs: the sampled rows' logits (None when none are sampled,
         and on a worker rank)."""
         input_ids, positions, metadata, sample_rows = self._to_tensors(inputs)
+        self.backend.prepare(metadata)  # the step's plan, made once for every layer
         if self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)[sample_rows]  # [num_sampled, hidden_size]
         elif self.compiled_forward is not None:
-            with attention_step(self.backend, metadata, self.kv_caches):
+            with attention_step(self.backend, self.kv_caches):
                 hidden = self.compiled_forward(input_ids, positions)[sample_rows]  # [num_sampled, hidden_size]
         else:
             # Only the sampled rows leave the last layer. A decode step samples every row, in
             # order; a step that samples none (a prompt's middle chunk) runs it whole, so no
             # matmul or all-reduce ever sees zero rows.
             every_row = len(inputs.sample_rows) in (0, len(inputs.input_ids))
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata, self.backend,
+            hidden = self.model(input_ids, positions, self.kv_caches, self.backend,
                                 None if every_row else sample_rows)  # [num_sampled, hidden_size]
         if not inputs.sample_rows:
             return None
         return self.model.compute_logits(hidden)  # [num_sampled, vocab_size]
-
-    def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type == "cpu":  # blocks are read scattered: fewer TLB misses on huge pages
-            return zeros_on_huge_pages(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

@@ -1,36 +1,56 @@
-"""Attention backends, chosen once at start-up: Triton on CUDA, the C++ kernel backend on
-the CPU (the plain torch one where it cannot be built, and for bf16 on a CPU without
-AVX512_BF16, where the kernels' bf16 path drifts from fp32 further than transformers' bf16
-does: tests/test_bf16_fidelity.py)."""
+"""Attention backends (engine/attention/backend.py is their interface), chosen once at
+start-up: Triton on CUDA, the C++ kernel backend on the CPU (the plain torch one where it
+cannot be built, and for bf16 on a CPU without AVX512_BF16, where the kernels' bf16 path
+drifts from fp32 further than transformers' bf16 does: tests/test_bf16_fidelity.py)."""
 
 from __future__ import annotations
 
 import logging
+from types import ModuleType
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import NO_WINDOW
+from engine.dtype_policy import CpuFeatures
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("torch", "cpu", "triton")
 
 
-def get_attention_backend(name: str | None, device_type: str, dtype=None):
-    if name is None:
-        if device_type == "cuda":
-            name = "triton"
-        elif _is_bf16_without_avx512_bf16(dtype):
-            logger.info("bf16 on a CPU without AVX512_BF16: attention runs the torch backend")
-            name = "torch"
-        else:
-            try:
-                return _cpu_backend()
-            except Exception as exc:  # no compiler, say: the torch path does the same work, slower
-                logger.warning("CPU attention kernels unavailable (%s); using the torch backend", exc)
-                name = "torch"
+def resolve_attention_backend(name: str | None, device_type: str, dtype: torch.dtype | None,
+                              cpu: CpuFeatures) -> str:
+    """The backend's name: `name` if given, else the default for this device, dtype and CPU."""
+    if name is not None:
+        if name not in BACKEND_NAMES:
+            raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {name!r}")
+        return name
+    if device_type == "cuda":
+        return "triton"
+    if dtype == torch.bfloat16 and not cpu.has_avx512_bf16:
+        logger.info("bf16 on a CPU without AVX512_BF16: attention runs the torch backend")
+        return "torch"
+    try:
+        _load_kernels()
+    except Exception as exc:  # no compiler, say: the torch path does the same work, slower
+        logger.warning("CPU attention kernels unavailable (%s); using the torch backend", exc)
+        return "torch"
+    return "cpu"
+
+
+def make_attention_backend(name: str, block_size: int, windows: tuple[int, ...] = (NO_WINDOW,),
+                           kernels: ModuleType | None = None) -> AttentionBackend:
+    """`windows`: the sliding windows the model's layers use; `kernels`: the C++ module, for
+    a torch backend to store K/V fused with rotary (the cpu backend always has it)."""
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(block_size, windows, kernels)
     if name == "cpu":
-        return _cpu_backend()
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend(kernels if kernels is not None else _load_kernels(), block_size, windows)
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
 
@@ -38,16 +58,7 @@ def get_attention_backend(name: str | None, device_type: str, dtype=None):
     raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {name!r}")
 
 
-def _is_bf16_without_avx512_bf16(dtype) -> bool:
-    import torch
-
-    from engine.dtype_policy import detect_cpu_features
-
-    return dtype == torch.bfloat16 and not detect_cpu_features().has_avx512_bf16
-
-
-def _cpu_backend():
-    from engine.attention.cpu_backend import CpuAttentionBackend
+def _load_kernels() -> ModuleType:
     from engine.kernels.cpu_extension import load_cpu_kernels
 
-    return CpuAttentionBackend(load_cpu_kernels())
+    return load_cpu_kernels()

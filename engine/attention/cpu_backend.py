@@ -1,4 +1,5 @@
-"""The CPU attention backend: the torch backend's cache layout, with attention in C++ kernels.
+"""The CPU attention backend: the head-major cache layout (head_major.py, shared with the
+torch backend), with attention in C++ kernels.
 
 The kernels read each sequence's blocks in place through its block table
 instead of gathering them into copies:
@@ -32,8 +33,10 @@ from types import ModuleType
 
 import torch
 
+from engine.attention import head_major
+from engine.attention.backend import KVCache
 from engine.attention.metadata import NO_WINDOW, AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+
 
 @dataclass
 class _KernelDecodePlan:
@@ -54,42 +57,59 @@ class _SharedDecodePlan:
 MIN_SHARED_TOKENS = 64
 
 
-class CpuAttentionBackend(TorchAttentionBackend):
+class CpuAttentionBackend:
     name = "cpu"
+    can_rotate_and_store = True
 
-    def __init__(self, kernels: ModuleType) -> None:
-        super().__init__()
+    def __init__(self, kernels: ModuleType, block_size: int, windows: tuple[int, ...] = (NO_WINDOW,)) -> None:
+        """`windows`: those the model's layers use (any window > 0: its decodes are planned per step)."""
         self._kernels = kernels
+        self._block_size = block_size
+        self._has_windows = any(window > 0 for window in windows)
+        self._metadata: AttentionMetadata | None = None
+        self._slots: head_major.Slots | None = None
         self._prefill_seq_indices: torch.Tensor | None = None  # [num_prefill_seqs] int32
         self._shared: _SharedDecodePlan | None = None
-        self._decode_seqs: list[int] = []
-        self._starts: list[int] = []
-        self._windowed_decode: _KernelDecodePlan | None = None  # every decode, for windowed layers; made on first use
+        self._decode: _KernelDecodePlan | None = None  # decodes outside every shared group
+        self._windowed_decode: _KernelDecodePlan | None = None  # every decode, for windowed layers
 
-    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+    kv_cache_shape = staticmethod(head_major.kv_cache_shape)
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
         """Split the step, once, into decodes (alone or in groups sharing a prefix) and
         prefill chunks; every layer reuses it."""
+        block_size = self._block_size
         self._metadata = metadata
+        self._slots = head_major.split_slots(metadata.slot_mapping, block_size)
         decode_seqs = [i for i, n in enumerate(metadata.query_lens_cpu) if n == 1]
         prefill_seqs = [i for i, n in enumerate(metadata.query_lens_cpu) if n > 1]
         self._prefill_seq_indices = torch.tensor(prefill_seqs, dtype=torch.int32) if prefill_seqs else None
         self._shared = self._plan_shared_decodes(decode_seqs, metadata, block_size)
-        self._decode_seqs, self._windowed_decode = decode_seqs, None
-        alone = bool(decode_seqs) and (prefill_seqs or self._shared is not None)
+        alone = decode_seqs
         if self._shared is not None:
             grouped = set(self._shared.members.tolist())
-            decode_seqs = [i for i in decode_seqs if i not in grouped]
-        self._starts = metadata.query_start_loc.tolist() if alone else []
-        self._decode = self._plan_decodes(decode_seqs, self._starts, metadata, block_size) if decode_seqs else None
+            alone = [i for i in decode_seqs if i not in grouped]
+        needs_rows = bool(decode_seqs) and (prefill_seqs or self._shared is not None)
+        starts = metadata.query_start_loc.tolist() if needs_rows else []
+        self._decode = self._plan_decodes(alone, starts, metadata) if alone else None
+        # Windowed layers send every decode to the decode kernel, shared or not.
+        self._windowed_decode = None
+        if self._has_windows and decode_seqs:
+            self._windowed_decode = self._plan_decodes(decode_seqs, starts, metadata)
 
-    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, key=None, value=None,
-                window: int = NO_WINDOW) -> torch.Tensor:
+    def store_kv(self, key, value, kv_cache: KVCache) -> None:
+        head_major.store_kv(key, value, kv_cache, self._slots)
+
+    def rotary_store_kv(self, qkv, cos_sin, kv_cache: KVCache, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        return head_major.rotary_store_kv(self._kernels, qkv, cos_sin, kv_cache, self._slots, num_heads, num_kv_heads)
+
+    def forward(self, query, key, value, kv_cache: KVCache, scale: float, window: int = NO_WINDOW) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape; key and value unused (the kernels read the cache)
-        if metadata is not self._metadata:
-            self.prepare(metadata, k_cache.shape[2])
+        k_cache, v_cache = kv_cache
+        metadata = self._metadata
         decode, shared = self._decode, self._shared
         if window > 0:  # every decode in the decode kernel, which reads only the window's blocks
-            decode, shared = self._decodes_for_windows(metadata, k_cache.shape[2]), None
+            decode, shared = self._windowed_decode, None
         if self._prefill_seq_indices is None and shared is None:  # decode-only: query row i is sequence i
             return self._decode_attention(decode, query, k_cache, v_cache, scale, window)
         out = torch.empty_like(query)
@@ -141,20 +161,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
             torch.tensor(shared_blocks, dtype=torch.int32),
         )
 
-    def _plan_decodes(
-        self, seq_indices: list[int], starts: list[int], metadata: AttentionMetadata, block_size: int
-    ) -> _KernelDecodePlan:
+    @staticmethod
+    def _plan_decodes(seq_indices: list[int], starts: list[int], metadata: AttentionMetadata) -> _KernelDecodePlan:
         device = metadata.block_tables.device
         if len(seq_indices) == metadata.num_seqs:  # decode-only step: every sequence, in order
             return _KernelDecodePlan(None, metadata.block_tables, metadata.seq_lens)
         rows = torch.tensor([starts[i] for i in seq_indices], device=device)
         index = torch.tensor(seq_indices, device=device)
         return _KernelDecodePlan(rows, metadata.block_tables[index], metadata.seq_lens[index])
-
-    def _decodes_for_windows(self, metadata: AttentionMetadata, block_size: int) -> _KernelDecodePlan | None:
-        if self._windowed_decode is None and self._decode_seqs:
-            self._windowed_decode = self._plan_decodes(self._decode_seqs, self._starts, metadata, block_size)
-        return self._windowed_decode
 
     def _decode_attention(self, plan: _KernelDecodePlan, query, k_cache, v_cache, scale: float,
                           window: int) -> torch.Tensor:

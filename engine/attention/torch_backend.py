@@ -23,10 +23,13 @@ Plans are made once per step for each window the model's layers use.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention import head_major
+from engine.attention.backend import KVCache
 from engine.attention.metadata import NO_WINDOW, AttentionMetadata
 
 
@@ -57,39 +60,29 @@ class _StepPlan:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self) -> None:
-        self._metadata: AttentionMetadata | None = None
-        self._block_size = 0
-        self._plans: dict[int, _StepPlan] = {}  # by window
-        self._slot_mapping: torch.Tensor | None = None
-        self._slot_blocks: torch.Tensor | None = None  # [num_tokens] block of each new token
-        self._slot_offsets: torch.Tensor | None = None  # [num_tokens] its offset in the block
-
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (num_blocks, num_kv_heads, block_size, head_dim)
-
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        # key, value: [num_tokens, num_kv_heads, head_dim]; caches [num_blocks, num_kv_heads, block_size, head_dim]
-        if slot_mapping is not self._slot_mapping:  # a new step: split the slots once, not per layer
-            block_size = k_cache.shape[2]
-            self._slot_mapping = slot_mapping
-            self._slot_blocks, self._slot_offsets = slot_mapping // block_size, slot_mapping % block_size
-        # Two advanced indices around a slice: the token dimension comes first, matching key.
-        k_cache[self._slot_blocks, :, self._slot_offsets] = key
-        v_cache[self._slot_blocks, :, self._slot_offsets] = value
-
-    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
-        """A new step: its plans are made on first use, one per window, and every layer reuses them."""
-        self._metadata = metadata
+    def __init__(self, block_size: int, windows: tuple[int, ...] = (NO_WINDOW,),
+                 kernels: ModuleType | None = None) -> None:
+        """`windows`: those the model's layers use, each planned per step; `kernels`: the C++
+        module, for the fused rotary + KV store (None: `store_kv` alone)."""
         self._block_size = block_size
-        self._plans = {}
+        self._windows = windows
+        self._kernels = kernels
+        self.can_rotate_and_store = kernels is not None
+        self._plans: dict[int, _StepPlan] = {}  # by window
+        self._slots: head_major.Slots | None = None
 
-    def _plan(self, window: int) -> _StepPlan:
-        plan = self._plans.get(window)
-        if plan is None:
-            plan = self._plans[window] = self._plan_step(self._metadata, self._block_size, window)
-        return plan
+    kv_cache_shape = staticmethod(head_major.kv_cache_shape)
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Split the step's slots and make one plan per window; every layer reuses them."""
+        self._slots = head_major.split_slots(metadata.slot_mapping, self._block_size)
+        self._plans = {window: self._plan_step(metadata, self._block_size, window) for window in self._windows}
+
+    def store_kv(self, key, value, kv_cache: KVCache) -> None:
+        head_major.store_kv(key, value, kv_cache, self._slots)
+
+    def rotary_store_kv(self, qkv, cos_sin, kv_cache: KVCache, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        return head_major.rotary_store_kv(self._kernels, qkv, cos_sin, kv_cache, self._slots, num_heads, num_kv_heads)
 
     def _plan_step(self, metadata: AttentionMetadata, block_size: int, window: int) -> _StepPlan:
         device = metadata.block_tables.device
@@ -118,7 +111,7 @@ class TorchAttentionBackend:
     def _plan_decodes(
         self, seq_indices: list[int], starts: list[int], metadata: AttentionMetadata, block_size: int, window: int
     ) -> _DecodePlan:
-        # starts: query_start_loc as a list, already read back by prepare
+        # starts: query_start_loc as a list, already read back by _plan_step
         device = metadata.block_tables.device
         decode_lens = [metadata.seq_lens_cpu[i] for i in seq_indices]
         # With a window, only the blocks holding a decode's last `window` positions.
@@ -141,13 +134,11 @@ class TorchAttentionBackend:
             valid=valid,
         )
 
-    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float, key=None, value=None,
-                window: int = NO_WINDOW) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache: KVCache, scale: float, window: int = NO_WINDOW) -> torch.Tensor:
         # query: [num_tokens, num_heads, head_dim] -> same shape
         # key, value: [num_tokens, num_kv_heads, head_dim], the step's own (already in the cache), or None
-        if metadata is not self._metadata:
-            self.prepare(metadata, k_cache.shape[2])
-        plan = self._plan(window)
+        k_cache, v_cache = kv_cache
+        plan = self._plans[window]
         if not plan.prefills:  # decode-only: query row i is sequence i
             return self._decode_attention(plan.decode, query, k_cache, v_cache, scale)
         out = torch.empty_like(query)
@@ -160,16 +151,10 @@ class TorchAttentionBackend:
                 v = value[rows][seq.first_key :].transpose(0, 1)
             else:
                 num_keys = seq.seq_len - seq.first_key
-                k, v = self._gather(k_cache, seq.block_ids, num_keys), self._gather(v_cache, seq.block_ids, num_keys)
+                k = head_major.gather(k_cache, seq.block_ids, num_keys)  # [num_kv_heads, num_keys, head_dim]
+                v = head_major.gather(v_cache, seq.block_ids, num_keys)
             out[rows] = self._prefill_attention(query[rows], k, v, seq, scale)
         return out
-
-    @staticmethod
-    def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_keys: int) -> torch.Tensor:
-        """The first num_keys rows of the blocks `block_ids`, in order."""
-        num_kv_heads, head_dim = cache.shape[1], cache.shape[3]
-        blocks = cache[block_ids].transpose(0, 1)  # [num_kv_heads, num_blocks, block_size, head_dim]
-        return blocks.reshape(num_kv_heads, -1, head_dim)[:, :num_keys]  # [num_kv_heads, num_keys, head_dim]
 
     @staticmethod
     def _prefill_attention(query, key, value, seq: _PrefillSeq, scale: float) -> torch.Tensor:

@@ -4,13 +4,15 @@ in one matmul (optional bias), optional per-head q/k RMSNorm before rotary (Qwen
 a sliding window (config.window_of) hands it to the backend, which reads only the blocks
 inside it; the scale is head_dim ** -0.5 unless the config sets query_pre_attn_scalar.
 
-Three ways through, chosen by what the engine handed the module:
+Three ways through, chosen by what the engine handed the module; in each, the backend
+is the KV cache's one writer:
 
 - compiled (engine.compilation calls the model with `backend=None`, COMPILED): plain
-  torch ops for inductor to fuse, attention as the opaque op `tokenloom::paged_attention`;
-- eager with the fused CPU kernels (`fused`, set by engine/models/fast_paths.py where they
-  apply: full rotary, and q/k norm if any an RMSNorm, written back into qkv first): rotary
-  and the KV store in one C++ pass;
+  torch ops for inductor to fuse, attention (the KV store with it) as the opaque op
+  `tokenloom::paged_attention`;
+- eager with rotary fused into the KV store (`is_rotary_fused`, set by
+  engine/models/fast_paths.py where it applies: full rotary, and q/k norm if any an
+  RMSNorm, written back into qkv first): the backend's rotary_store_kv, one C++ pass;
 - otherwise the torch ops, then the backend's store_kv: the reference, and the path for
   Gemma's (1 + w) q/k norm and partial rotary, which the fused kernel cannot apply.
 """
@@ -48,7 +50,8 @@ class Attention(nn.Module):
         self.q_norm = norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, tp)
-        self.fused = None  # engine.models.fused.CpuFusedOps, set by engine.models.fast_paths where it applies
+        # Rotary inside the backend's KV store (rotary_store_kv): set by engine.models.fast_paths where it applies.
+        self.is_rotary_fused = False
 
     @property
     def why_rotary_not_fused(self) -> str | None:
@@ -59,36 +62,31 @@ class Attention(nn.Module):
             return "partial rotary"
         return None
 
-    def forward(self, cos_sin, hidden, kv_cache, metadata, backend, output_rows=None) -> torch.Tensor:
+    def forward(self, cos_sin, hidden, kv_cache, backend, output_rows=None) -> torch.Tensor:
         """[num_tokens, hidden_size] -> the attention block's output for every row, or for
-        `output_rows` only (every row's K and V still reach the cache)."""
+        `output_rows` only (every row's K and V still reach the cache). `backend` has been
+        prepared for the step by the model runner."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
-        if self.fused is not None and backend is not COMPILED:
+        if self.is_rotary_fused and backend is not COMPILED:
             # Rotary and the KV store in one pass; k is rotated in place inside qkv.
-            k_cache, v_cache = kv_cache
             if self.q_norm is not None:
                 self._norm_qk_in_place(qkv)
-            q = self.fused.rotary_store_kv(
-                qkv, cos_sin, metadata.slot_mapping, k_cache, v_cache, self.num_heads, self.num_kv_heads
-            )  # [num_tokens, num_heads, head_dim]
+            q = backend.rotary_store_kv(qkv, cos_sin, kv_cache, self.num_heads,
+                                        self.num_kv_heads)  # [num_tokens, num_heads, head_dim]
             k, v = self._split_kv(qkv)
-            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v,
-                                  self.sliding_window)  # [num_tokens, num_heads, head_dim]
-            return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))
-        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-        k, v = self._split_kv(qkv)  # [num_tokens, num_kv_heads, head_dim] each
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
-        if backend is COMPILED:
-            out = torch.ops.tokenloom.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                                      self.layer_index, self.scale, self.sliding_window)
         else:
-            k_cache, v_cache = kv_cache
-            backend.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-            out = backend.forward(q, k_cache, v_cache, metadata, self.scale, k, v,
-                                  self.sliding_window)  # [num_tokens, num_heads, head_dim]
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k, v = self._split_kv(qkv)  # [num_tokens, num_kv_heads, head_dim] each
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, k, cos_sin)
+            if backend is COMPILED:
+                out = torch.ops.tokenloom.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                          self.layer_index, self.scale, self.sliding_window)
+                return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))
+            backend.store_kv(k, v, kv_cache)
+        out = backend.forward(q, k, v, kv_cache, self.scale, self.sliding_window)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))  # [num_out, hidden_size]
 
     def _norm_qk_in_place(self, qkv: torch.Tensor) -> None:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention.metadata import NO_WINDOW, AttentionMetadata
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import NO_WINDOW
 from engine.distributed.parallel_layers import (
     num_local_kv_heads, row_parallel_linear, shard_checkpoint_tensor, shard_rows, vocab_parallel_embedding,
 )
@@ -65,7 +66,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp  # SwiGLUMLP or MoEBlock: [num_tokens, hidden_size] -> the same
 
-    def forward(self, cos_sin, hidden, residual, kv_cache, metadata, backend,
+    def forward(self, cos_sin, hidden, residual, kv_cache, backend,
                 output_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's layout: the residual stream travels beside the hidden state, and each
         residual add happens inside the next norm (one fused pass on the CPU). Returns
@@ -76,7 +77,7 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(cos_sin, hidden, kv_cache, metadata, backend, output_rows)
+        hidden = self.self_attn(cos_sin, hidden, kv_cache, backend, output_rows)
         hidden, residual = self.post_attention_layernorm(hidden, take_rows(residual, output_rows))
         return self.mlp(hidden), residual
 
@@ -123,8 +124,7 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-        metadata: AttentionMetadata | None,
-        backend,  # attention.COMPILED (None): compiled, attention through engine.compilation's op
+        backend: AttentionBackend | None,  # prepared for the step; COMPILED (None): engine.compilation's op
         output_rows: torch.Tensor | None = None,  # [num_out] int64: the rows to return; None: all
     ) -> torch.Tensor:
         """[num_tokens] ids -> [num_tokens or num_out, hidden_size] final hidden states.
@@ -140,7 +140,7 @@ class DecoderForCausalLM(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches or [None] * len(self.layers))):
             rows = output_rows if i == last else None
             angles = cos_sin if layer.self_attn.sliding_window == NO_WINDOW else local_cos_sin
-            hidden, residual = layer(angles, hidden, residual, kv_cache, metadata, backend, rows)
+            hidden, residual = layer(angles, hidden, residual, kv_cache, backend, rows)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

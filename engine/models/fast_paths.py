@@ -7,8 +7,8 @@ from, so a new family gets them without code of its own:
   all-reduce; the slabs then move onto huge pages;
 - the fused element-wise kernels (engine/models/fused.py), handed to each block that can
   use them: every RMSNorm (with the residual add; the per-head q/k norms too), every
-  SwiGLU MLP's SiLU×up (the MoE experts' too), and rotary with the KV store in attention
-  layers whose rotary the kernel computes. It cannot apply a q/k norm between the
+  SwiGLU MLP's SiLU×up (the MoE experts' too), and, in attention layers whose rotary the
+  kernel computes, rotary inside the attention backend's KV store. It cannot apply a q/k norm between the
   projection and rotary (Qwen3) or rotate part of a head (Phi-4-mini): those layers run
   the torch ops, the reference, and the log says so. Nor are there kernels for Gemma's
   (1 + w) RMSNorm or a GELU-tanh gate: those blocks run the torch ops, and the log says so.
@@ -23,6 +23,7 @@ from collections import Counter
 
 from torch import nn
 
+from engine.attention.backend import AttentionBackend
 from engine.distributed.parallel_layers import RowParallelLinear
 from engine.models.attention import Attention
 from engine.models.cpu_packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 def apply_fast_paths(model: nn.Module, *, batch_size_hint: int | None, slabs: SlabPlan | None,
-                     fused_ops: CpuFusedOps | None, backend_name: str, is_compiled: bool) -> list[str]:
+                     fused_ops: CpuFusedOps | None, backend: AttentionBackend, is_compiled: bool) -> list[str]:
     """Prepack the matmuls (when `batch_size_hint` is given) and hand out the fused ops (when
     given); returns the notes it logs, one per kind of fast path."""
     notes = []
@@ -45,10 +46,10 @@ def apply_fast_paths(model: nn.Module, *, batch_size_hint: int | None, slabs: Sl
     else:
         notes.append("matmuls: plain F.linear")
     if fused_ops is not None:
-        notes.append(use_fused_ops(model, fused_ops))
+        notes.append(use_fused_ops(model, fused_ops, backend.can_rotate_and_store))
     elif not is_compiled:
         notes.append("element-wise ops: torch (no fused kernels for this device and backend)")
-    notes.append(f"attention: {backend_name} backend")
+    notes.append(f"attention: {backend.name} backend")
     num_moe = sum(isinstance(m, MoEBlock) for m in model.modules())
     if num_moe:
         notes.append(f"MoE: {num_moe} layers, tokens grouped by expert (steps run without CUDA graphs)")
@@ -72,8 +73,9 @@ def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None
     return num_packed
 
 
-def use_fused_ops(model: nn.Module, ops: CpuFusedOps) -> str:
-    """Hand `ops` to every block that can use them; returns what each kind got."""
+def use_fused_ops(model: nn.Module, ops: CpuFusedOps, can_rotate_and_store: bool) -> str:
+    """Hand `ops` to every block that can use them, and turn on the backend's fused rotary
+    + KV store in the attention layers it applies to; returns what each kind got."""
     fused: Counter[str] = Counter()
     unfused: Counter[str] = Counter()  # attention layers on torch rotary, by reason
     torch_ops: Counter[str] = Counter()  # blocks no fused kernel computes
@@ -90,8 +92,10 @@ def use_fused_ops(model: nn.Module, ops: CpuFusedOps) -> str:
             torch_ops[f"{module.activation}×up"] += 1
         elif isinstance(module, Attention):
             reason = module.why_rotary_not_fused
+            if reason is None and not can_rotate_and_store:
+                reason = "the attention backend cannot fuse rotary into its KV store"
             if reason is None:
-                module.fused = ops
+                module.is_rotary_fused = True
                 fused["rotary+KV store"] += 1
             else:
                 unfused[reason] += 1

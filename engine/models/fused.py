@@ -3,7 +3,8 @@
 Between the matmuls, a decoder layer runs a dozen small torch ops (RMSNorm's five,
 the residual adds, rotary's six, the KV store's index_put, SiLU and the multiply),
 each a pass over memory plus Python dispatch. The kernels fuse them into four
-(vLLM's fused_add_rms_norm and silu_and_mul, and rotary with the KV store) and
+(vLLM's fused_add_rms_norm and silu_and_mul, and rotary with the KV store, which the
+attention backend calls as the KV cache's writer: engine/attention/head_major.py) and
 give the same bits as the torch code in engine/models/layers.py, which stays as
 the reference and as the path wherever these do not apply:
 
@@ -37,7 +38,7 @@ LANE_CANDIDATES = (16, 8, 4, 1)  # AVX-512, AVX2, NEON, scalar
 
 class CpuFusedOps:
     def __init__(self, kernels: ModuleType) -> None:
-        self._kernels = kernels
+        self.kernels = kernels  # the attention backend's rotary + KV store runs on them too
         sum_lanes, silu_lanes = _probe_lanes(kernels)
         self.sum_lanes = sum_lanes or 8
         self.silu_lanes = silu_lanes or 16
@@ -47,38 +48,21 @@ class CpuFusedOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # x: [num_tokens, hidden_size] -> a new [num_tokens, hidden_size]
-        return self._kernels.rms_norm(x, weight, eps, self.sum_lanes)
+        return self.kernels.rms_norm(x, weight, eps, self.sum_lanes)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x, then x = rmsnorm(residual), both in place; returns (x, residual)."""
         # x, residual: [num_tokens, hidden_size]
-        self._kernels.add_rms_norm(x, residual, weight, eps, self.sum_lanes)
+        self.kernels.add_rms_norm(x, residual, weight, eps, self.sum_lanes)
         return x, residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]
         if gate_up.dtype == torch.float32 and not self.is_silu_exact:
             return silu_and_mul(gate_up)
-        return self._kernels.silu_and_mul(gate_up, self.silu_lanes)
-
-    def rotary_store_kv(
-        self,
-        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # [num_tokens, 1, head_dim] each, in the model dtype
-        slot_mapping: torch.Tensor,  # [num_tokens] int64
-        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
-        v_cache: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-    ) -> torch.Tensor:  # rotated q: [num_tokens, num_heads, head_dim]
-        """Rotate q and k, write k and v into their cache slots (negative slots: nowhere).
-        The rotated k also replaces k in `qkv`, in place."""
-        cos, sin = cos_sin
-        return self._kernels.rotary_store_kv(
-            qkv, cos.squeeze(1), sin.squeeze(1), slot_mapping, k_cache, v_cache, num_heads, num_kv_heads
-        )
+        return self.kernels.silu_and_mul(gate_up, self.silu_lanes)
 
 
 def select_fused_ops(device: torch.device, backend_name: str, is_compiled: bool) -> CpuFusedOps | None:

@@ -42,7 +42,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = dense_mlp(config, tp)  # GELU-tanh gate (config.activation)
         self.post_feedforward_layernorm = OffsetRMSNorm(hidden, eps)
 
-    def forward(self, cos_sin, hidden, residual, kv_cache, metadata, backend,
+    def forward(self, cos_sin, hidden, residual, kv_cache, backend,
                 output_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """DecoderLayer's contract: returns (the normed MLP output, the residual stream before
         it is added); the next layer's input norm (or the final norm) adds them."""
@@ -51,7 +51,7 @@ class Gemma3DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(cos_sin, hidden, kv_cache, metadata, backend, output_rows)
+        hidden = self.self_attn(cos_sin, hidden, kv_cache, backend, output_rows)
         hidden = self.post_attention_layernorm(hidden)  # before the residual add
         hidden, residual = self.pre_feedforward_layernorm(hidden, take_rows(residual, output_rows))
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

@@ -4,14 +4,17 @@ Caches are in the torch backend's head-major block layout with shuffled block
 tables, so a kernel that read blocks in table order by accident would fail.
 """
 
+import inspect
 import random
 
 import pytest
 import torch
 
-from engine.attention import get_attention_backend
+from engine.attention import head_major, resolve_attention_backend
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.dtype_policy import CpuFeatures
 
 try:
     from engine.kernels.cpu_extension import load_cpu_kernels
@@ -52,6 +55,21 @@ def make_batch(seq_lens, query_lens, block_size, num_kv_heads, group, head_dim, 
         seq_lens_cpu=list(seq_lens),
     )
     return query, k_cache, v_cache, metadata
+
+
+def attend(backend, query, k_cache, v_cache, metadata, scale, key=None, value=None, window=0):
+    """One step through `backend`: prepare, as the model runner does, then one layer's forward."""
+    backend.prepare(metadata)
+    return backend.forward(query, key, value, (k_cache, v_cache), scale, window)
+
+
+def cpu_backend(k_cache, window=0):
+    """The CPU backend for caches shaped like k_cache, planning the full context and `window`."""
+    return CpuAttentionBackend(KERNELS, k_cache.shape[2], (0, window))
+
+
+def torch_backend(k_cache, window=0):
+    return TorchAttentionBackend(k_cache.shape[2], (0, window))
 
 
 def dense_reference(query, k_cache, v_cache, metadata, scale, window=0):
@@ -96,11 +114,11 @@ def test_decode_matches_reference(seq_lens, block_size, num_kv_heads, group, hea
         seq_lens, [1] * len(seq_lens), block_size, num_kv_heads, group, head_dim, dtype
     )
     scale = head_dim**-0.5
-    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, scale)
+    out = attend(cpu_backend(k_cache), query, k_cache, v_cache, metadata, scale)
     assert out.shape == query.shape and out.dtype == dtype
     expected = dense_reference(query, k_cache, v_cache, metadata, scale)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    torch_out = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, scale)
+    torch_out = attend(torch_backend(k_cache), query, k_cache, v_cache, metadata, scale)
     torch.testing.assert_close(out, torch_out, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -111,7 +129,7 @@ def test_decode_of_sequences_sharing_prefix_blocks_matches_reference():
     query, k_cache, v_cache, metadata = make_batch(seq_lens, [1] * 4, 16, 3, 3, 64, torch.float32, seed=4)
     metadata.block_tables[1, :2] = metadata.block_tables[0, :2]
     metadata.block_tables[3, :2] = metadata.block_tables[0, :2]
-    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125)
+    out = attend(cpu_backend(k_cache), query, k_cache, v_cache, metadata, 0.125)
     expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -131,7 +149,7 @@ def test_decode_of_sequences_sharing_prefix_blocks_matches_reference():
 def test_prefill_chunks_match_reference(seq_lens, query_lens, block_size, num_kv_heads, group, head_dim, dtype):
     query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, block_size, num_kv_heads, group, head_dim, dtype)
     scale = head_dim**-0.5
-    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, scale)
+    out = attend(cpu_backend(k_cache), query, k_cache, v_cache, metadata, scale)
     assert out.shape == query.shape and out.dtype == dtype
     expected = dense_reference(query, k_cache, v_cache, metadata, scale)
     tolerance = TOLERANCE.get(dtype, 2e-3)
@@ -174,7 +192,7 @@ def test_mixed_batch_decodes_and_prefills_in_their_kernels():
     # A fresh prompt, a chunk after a cached prefix, and decodes, interleaved.
     seq_lens, query_lens = [40, 9, 70, 3, 12], [40, 1, 20, 1, 1]
     query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, 16, 3, 3, 64, torch.float32, seed=1)
-    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125)
+    out = attend(cpu_backend(k_cache), query, k_cache, v_cache, metadata, 0.125)
     expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -193,8 +211,16 @@ def test_kernel_rejects_context_beyond_its_block_table():
 
 
 def test_cpu_is_the_default_backend_on_cpu():
-    assert get_attention_backend(None, "cpu").name == "cpu"
-    assert get_attention_backend("torch", "cpu").name == "torch"
+    assert resolve_attention_backend(None, "cpu", torch.float32, CpuFeatures()) == "cpu"
+    assert resolve_attention_backend("torch", "cpu", torch.float32, CpuFeatures()) == "torch"
+
+
+def test_cpu_and_torch_backends_implement_the_interface_side_by_side():
+    assert not issubclass(CpuAttentionBackend, TorchAttentionBackend)
+    for cls in (CpuAttentionBackend, TorchAttentionBackend):
+        for method in ("kv_cache_shape", "prepare", "store_kv", "rotary_store_kv", "forward"):
+            want = inspect.signature(getattr(AttentionBackend, method)).parameters
+            assert inspect.signature(getattr(cls, method)).parameters.keys() == want.keys(), (cls, method)
 
 
 def test_torch_backend_fresh_prompts_attend_to_the_steps_own_keys_as_to_the_cache():
@@ -206,17 +232,17 @@ def test_torch_backend_fresh_prompts_attend_to_the_steps_own_keys_as_to_the_cach
     keys, values = [], []
     for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
         blocks = metadata.block_tables[i, : -(-seq_len // block_size)].long()
-        k = TorchAttentionBackend._gather(k_cache, blocks, seq_len).transpose(0, 1)  # [seq_len, num_kv_heads, head_dim]
-        v = TorchAttentionBackend._gather(v_cache, blocks, seq_len).transpose(0, 1)
+        k = head_major.gather(k_cache, blocks, seq_len).transpose(0, 1)  # [seq_len, num_kv_heads, head_dim]
+        v = head_major.gather(v_cache, blocks, seq_len).transpose(0, 1)
         keys.append(k[seq_len - query_len :])
         values.append(v[seq_len - query_len :])
     key, value = torch.cat(keys), torch.cat(values)  # [num_tokens, num_kv_heads, head_dim]
     assert key.shape[0] == starts[-1]
-    given = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, 0.125, key, value)
-    gathered = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, 0.125)
+    given = attend(torch_backend(k_cache), query, k_cache, v_cache, metadata, 0.125, key, value)
+    gathered = attend(torch_backend(k_cache), query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(given, gathered, atol=1e-6, rtol=1e-6)
     # And the given keys are really used: changing a fresh prompt's keys changes its output.
-    changed = TorchAttentionBackend().forward(query, k_cache, v_cache, metadata, 0.125, key * 2, value)
+    changed = attend(torch_backend(k_cache), query, k_cache, v_cache, metadata, 0.125, key * 2, value)
     assert not torch.allclose(changed[: starts[1]], gathered[: starts[1]])
     torch.testing.assert_close(changed[starts[1] : starts[2]], gathered[starts[1] : starts[2]])  # the chunk gathers
 
@@ -230,7 +256,7 @@ def test_prefill_ignores_stale_slots_past_the_context(dtype):
     last_block = metadata.block_tables[0, 1]
     k_cache[last_block, :, 3:] = float("nan")
     v_cache[last_block, :, 3:] = float("nan")
-    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125)
+    out = attend(cpu_backend(k_cache), query, k_cache, v_cache, metadata, 0.125)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -240,8 +266,8 @@ def test_prefill_ignores_stale_slots_past_the_context(dtype):
 def assert_backends_match_windowed_reference(query, k_cache, v_cache, metadata, scale, window, dtype):
     """The CPU kernels and the torch backend both equal the dense windowed reference; returns it."""
     expected = dense_reference(query, k_cache, v_cache, metadata, scale, window)
-    for backend in (CpuAttentionBackend(KERNELS), TorchAttentionBackend()):
-        out = backend.forward(query, k_cache, v_cache, metadata, scale, window=window)
+    for backend in (cpu_backend(k_cache, window), torch_backend(k_cache, window)):
+        out = attend(backend, query, k_cache, v_cache, metadata, scale, window=window)
         torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     return expected
 
@@ -288,7 +314,7 @@ def test_windowed_kernels_read_only_the_windows_blocks(dtype):
         k_cache[blocks] = float("nan")
         v_cache[blocks] = float("nan")
         metadata.block_tables[i, :first_block] = k_cache.shape[0] + 5  # outside the cache
-    out = CpuAttentionBackend(KERNELS).forward(query, k_cache, v_cache, metadata, 0.125, window=window)
+    out = attend(cpu_backend(k_cache, window), query, k_cache, v_cache, metadata, 0.125, window=window)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -300,10 +326,10 @@ def test_windowed_layers_bypass_the_shared_prefix_decode():
     query, k_cache, v_cache, metadata = make_batch(seq_lens, query_lens, 16, 2, 2, 64, torch.float32, seed=8)
     metadata.block_tables[1, :5] = metadata.block_tables[0, :5]
     metadata.block_tables[2, :5] = metadata.block_tables[0, :5]
-    backend = CpuAttentionBackend(KERNELS)
-    full = backend.forward(query, k_cache, v_cache, metadata, 0.125)
+    backend = cpu_backend(k_cache, 16)
+    full = attend(backend, query, k_cache, v_cache, metadata, 0.125)
     assert backend._shared is not None  # the shared-prefix kernel ran for the full layer
-    windowed = backend.forward(query, k_cache, v_cache, metadata, 0.125, window=16)
+    windowed = backend.forward(query, None, None, (k_cache, v_cache), 0.125, window=16)  # the same step
     torch.testing.assert_close(full.double(), dense_reference(query, k_cache, v_cache, metadata, 0.125),
                                atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(windowed.double(), dense_reference(query, k_cache, v_cache, metadata, 0.125, 16),

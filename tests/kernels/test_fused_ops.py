@@ -1,5 +1,5 @@
 """The fused C++ CPU ops (engine/kernels/cpu/fused_ops.cpp) against the torch code they
-replace (engine/models/layers.py, the torch backend's store_kv): the same bits in
+replace (engine/models/layers.py, the head-major backends' store_kv): the same bits in
 fp32, bf16 and fp16, and a KV store that writes its slots and nothing else."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention import head_major
 from engine.models.fused import CpuFusedOps, select_fused_ops
 from engine.models.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 
@@ -62,7 +62,7 @@ def test_rms_norm_probe_found_torch_sum_order(ops):
     x = random(64, 1000, dtype=torch.float32, scale=3, seed=6)
     weight = torch.ones(1000)
     expected = rms_norm(x, weight, 1e-6)
-    results = {lanes: torch.equal(ops._kernels.rms_norm(x, weight, 1e-6, lanes), expected) for lanes in (16, 8, 1)}
+    results = {lanes: torch.equal(ops.kernels.rms_norm(x, weight, 1e-6, lanes), expected) for lanes in (16, 8, 1)}
     assert results[ops.sum_lanes]
     assert not all(results.values())
 
@@ -101,8 +101,14 @@ def reference_rotary_store(qkv, cos_sin, slot_mapping, k_cache, v_cache):
         q.view(num_tokens, NUM_HEADS, HEAD_DIM), k.view(num_tokens, NUM_KV_HEADS, HEAD_DIM), cos_sin
     )
     v = v.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    TorchAttentionBackend().store_kv(k, v, k_cache, v_cache, slot_mapping)
+    head_major.store_kv(k, v, (k_cache, v_cache), head_major.split_slots(slot_mapping, BLOCK_SIZE))
     return q
+
+
+def rotary_store_kv(ops, qkv, cos_sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads):
+    """The fused kernel as the head-major backends call it."""
+    slots = head_major.split_slots(slot_mapping, BLOCK_SIZE)
+    return head_major.rotary_store_kv(ops.kernels, qkv, cos_sin, (k_cache, v_cache), slots, num_heads, num_kv_heads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -111,7 +117,7 @@ def test_rotary_store_kv_matches_torch_bitwise(ops, dtype, num_tokens):
     qkv, cos_sin, slot_mapping, k_cache, v_cache = rotary_inputs(num_tokens, dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected_q = reference_rotary_store(qkv, cos_sin, slot_mapping, expected_k, expected_v)
-    q = ops.rotary_store_kv(qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
+    q = rotary_store_kv(ops, qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
     assert q.shape == (num_tokens, NUM_HEADS, HEAD_DIM) and q.is_contiguous()
     assert torch.equal(q, expected_q)
     # The whole pool: the written slots hold the same bits, every other slot is untouched.
@@ -126,7 +132,7 @@ def test_rotary_store_kv_matches_torch_bitwise(ops, dtype, num_tokens):
 def test_rotary_store_kv_writes_only_its_slots(ops):
     qkv, cos_sin, slot_mapping, k_cache, v_cache = rotary_inputs(5, torch.float32)
     before_k, before_v = k_cache.clone(), v_cache.clone()
-    ops.rotary_store_kv(qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
+    rotary_store_kv(ops, qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
     changed = (k_cache != before_k).any(-1).any(1).flatten()  # [num_blocks * block_size] per slot
     assert set(changed.nonzero().flatten().tolist()) == set(slot_mapping.tolist())
     v = qkv[:, (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM :].view(5, NUM_KV_HEADS, HEAD_DIM)
@@ -145,7 +151,7 @@ def test_rotary_store_kv_skips_padding_slots(ops):
     keep = slot_mapping >= 0
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     reference_rotary_store(qkv[keep], tuple(c[keep] for c in cos_sin), slot_mapping[keep], expected_k, expected_v)
-    q = ops.rotary_store_kv(qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
+    q = rotary_store_kv(ops, qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
     assert torch.equal(q[keep], reference_rotary_store(qkv, cos_sin, slot_mapping.clamp(min=0), k_cache.clone(), v_cache.clone())[keep])
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
@@ -156,16 +162,16 @@ def test_rotary_store_kv_rejects_slots_outside_the_cache(ops, bad_slot):
     slot_mapping[2] = bad_slot
     before = k_cache.clone()
     with pytest.raises(RuntimeError, match="outside the cache"):
-        ops.rotary_store_kv(qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
+        rotary_store_kv(ops, qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
     assert torch.equal(k_cache, before)  # checked before anything is written
 
 
 def test_rotary_store_kv_rejects_mismatched_shapes(ops):
     qkv, cos_sin, slot_mapping, k_cache, v_cache = rotary_inputs(3, torch.float32)
     with pytest.raises(RuntimeError):
-        ops.rotary_store_kv(qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS + 1, NUM_KV_HEADS)
+        rotary_store_kv(ops, qkv, cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS + 1, NUM_KV_HEADS)
     with pytest.raises(RuntimeError):
-        ops.rotary_store_kv(qkv.bfloat16(), cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
+        rotary_store_kv(ops, qkv.bfloat16(), cos_sin, slot_mapping, k_cache, v_cache, NUM_HEADS, NUM_KV_HEADS)
 
 
 @pytest.mark.parametrize(

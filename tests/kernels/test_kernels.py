@@ -269,8 +269,9 @@ def test_backend_store_then_forward(seq_lens, query_lens, num_splits):
         seq_lens, query_lens, 16, 2, 3, 64, seed=3)
     backend = TritonAttentionBackend(num_splits=num_splits)
     assert backend.name == "triton"
-    backend.store_kv(new_k, new_v, k_cache, v_cache, md.slot_mapping)
-    out = backend.forward(query, k_cache, v_cache, md, scale=0.125)
+    backend.prepare(md)
+    backend.store_kv(new_k, new_v, (k_cache, v_cache))
+    out = backend.forward(query, None, None, (k_cache, v_cache), scale=0.125)
     assert out.shape == query.shape
     # Compared with the original K/V, not the cache, so store_kv is checked too.
     assert_close(out, reference_attention(query, k_ctx, v_ctx, query_lens, 0.125), torch.float32)

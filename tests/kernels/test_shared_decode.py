@@ -6,7 +6,7 @@ reference, with the grouping the backend plans and the checks the kernel makes.
 import pytest
 import torch
 
-from tests.kernels.test_cpu_attention import TOLERANCE, dense_reference, make_batch
+from tests.kernels.test_cpu_attention import TOLERANCE, attend, dense_reference, make_batch
 
 try:
     from engine.kernels.cpu_extension import load_cpu_kernels
@@ -39,9 +39,9 @@ def test_groups_sharing_prefixes_match_reference(block_size, num_kv_heads, group
                                                    dtype, seed=7)
     share_prefix(metadata, 0, [1, 2], long)  # the last's only token of its own is just past them
     share_prefix(metadata, 4, [5], short)
-    backend = CpuAttentionBackend(KERNELS)
+    backend = CpuAttentionBackend(KERNELS, k_cache.shape[2])
     scale = head_dim**-0.5
-    out = backend.forward(query, k_cache, v_cache, metadata, scale)
+    out = attend(backend, query, k_cache, v_cache, metadata, scale)
     assert backend._shared is not None
     assert backend._shared.members.tolist() == [0, 1, 2, 4, 5]
     assert backend._shared.shared_blocks.tolist() == [long, short]
@@ -55,8 +55,8 @@ def test_more_sharers_than_one_tile_holds():
     seq_lens = [100 + i for i in range(40)]
     query, k_cache, v_cache, metadata = make_batch(seq_lens, [1] * 40, 16, 3, 3, 64, torch.bfloat16, seed=8)
     share_prefix(metadata, 0, list(range(1, 40)), 6)
-    backend = CpuAttentionBackend(KERNELS)
-    out = backend.forward(query, k_cache, v_cache, metadata, 0.125)
+    backend = CpuAttentionBackend(KERNELS, k_cache.shape[2])
+    out = attend(backend, query, k_cache, v_cache, metadata, 0.125)
     assert backend._shared is not None and backend._shared.members.numel() == 40
     expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
@@ -72,8 +72,8 @@ def test_stale_slots_of_a_members_last_block_stay_out(dtype):
         last = metadata.block_tables[i, seq_len // 16]
         k_cache[last, :, seq_len % 16 :] = float("nan")
         v_cache[last, :, seq_len % 16 :] = float("nan")
-    backend = CpuAttentionBackend(KERNELS)
-    out = backend.forward(query, k_cache, v_cache, metadata, 0.125)
+    backend = CpuAttentionBackend(KERNELS, k_cache.shape[2])
+    out = attend(backend, query, k_cache, v_cache, metadata, 0.125)
     assert backend._shared is not None
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -83,8 +83,8 @@ def test_short_shared_prefixes_take_the_decode_kernel():
     blocks = MIN_SHARED_TOKENS // 16 - 1  # one block short of the threshold
     query, k_cache, v_cache, metadata = make_batch([100, 110], [1, 1], 16, 3, 3, 64, torch.float32, seed=10)
     share_prefix(metadata, 0, [1], blocks)
-    backend = CpuAttentionBackend(KERNELS)
-    out = backend.forward(query, k_cache, v_cache, metadata, 0.125)
+    backend = CpuAttentionBackend(KERNELS, k_cache.shape[2])
+    out = attend(backend, query, k_cache, v_cache, metadata, 0.125)
     assert backend._shared is None
     torch.testing.assert_close(out.double(), dense_reference(query, k_cache, v_cache, metadata, 0.125),
                                atol=1e-5, rtol=1e-5)

@@ -209,8 +209,9 @@ def test_captured_forward_matches_eager(tiny_model_path):
     batch = batch.to(DEVICE)
     static = DecodeInputs.padding(8, -(-max_model_len // block_size), DEVICE)
     with torch.inference_mode():
-        eager = model(batch.input_ids, batch.positions, kv_caches, batch.metadata(num_seqs, seq_lens),
-                      TritonAttentionBackend())  # [num_seqs, hidden_size]
+        backend = TritonAttentionBackend()
+        backend.prepare(batch.metadata(num_seqs, seq_lens))
+        eager = model(batch.input_ids, batch.positions, kv_caches, backend)  # [num_seqs, hidden_size]
         after_eager = [(k.clone(), v.clone()) for k, v in kv_caches]
         pad_decode_inputs(static, batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                           batch.block_tables, bucket)

@@ -78,7 +78,7 @@ def test_gemma3_matches_transformers(backend, gemma, caplog):
         assert "q/k norm other than RMSNorm before rotary" in log_line
     model = llm.engine.model_runner.model
     assert [layer.self_attn.sliding_window for layer in model.layers] == [WINDOW, WINDOW, 0]
-    assert all(layer.mlp.fused is None and layer.self_attn.fused is None for layer in model.layers)
+    assert all(layer.mlp.fused is None and not layer.self_attn.is_rotary_fused for layer in model.layers)
 
 
 def test_gemma3_tp2_matches_transformers(gemma):

@@ -79,7 +79,7 @@ def test_family_matches_transformers(case, tmp_path, caplog):
         assert isinstance(layer.self_attn.qkv_proj, PackedLinear)
         assert layer.input_layernorm.fused is not None
         reason = ROTARY_NOT_FUSED.get(case)
-        assert (layer.self_attn.fused is None) == (reason is not None)
+        assert layer.self_attn.is_rotary_fused == (reason is None)
         if reason is not None:
             assert reason in log_line
         if isinstance(layer.mlp, MoEBlock):  # experts are MLPs like any other: packed and fused

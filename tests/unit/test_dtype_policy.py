@@ -7,7 +7,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
-from engine.model_runner import resolve_device_dtype_and_reason
+from engine.model_runner import resolve_device, resolve_dtype
 
 AMX = CpuFeatures(has_amx_bf16=True, has_avx512_bf16=True)  # Sapphire Rapids
 AVX512_BF16_ONLY = CpuFeatures(has_avx512_bf16=True)  # Cooper Lake, Zen 4
@@ -53,9 +53,10 @@ def test_default_config_is_auto_and_follows_this_machine():
     assert EngineConfig().dtype == "auto"
     features = detect_cpu_features()
     want = torch.bfloat16 if (features.has_amx_bf16 or features.has_avx512_bf16) else torch.float32
-    device, dtype, reason = resolve_device_dtype_and_reason(EngineConfig(device="cpu"))
+    device = resolve_device(EngineConfig(device="cpu"))
+    dtype, reason = resolve_dtype(EngineConfig(device="cpu"), device, features)
     assert (device.type, dtype) == ("cpu", want) and reason.startswith("auto")
-    assert resolve_device_dtype_and_reason(EngineConfig(device="cpu", dtype="float32"))[1] == torch.float32
+    assert resolve_dtype(EngineConfig(device="cpu", dtype="float32"), device, features)[0] == torch.float32
 
 
 def test_detected_features_agree_with_proc_cpuinfo():
