@@ -100,7 +100,7 @@ def load_cpu_kernels_or_none(fallback: str) -> ModuleType | None:
     try:
         return load_cpu_kernels()
     except Exception as exc:
-        logger.info("%s: no CPU kernels (%s)", fallback, exc)
+        logger.warning("%s: no CPU kernels (%s)", fallback, exc)
         return None
 
 

@@ -69,13 +69,12 @@ def select_fused_ops(device: torch.device, backend_name: str, is_compiled: bool)
     """The fused ops where the eager CPU path can use them, else None (the torch code runs)."""
     if device.type != "cpu" or is_compiled or backend_name not in HEAD_MAJOR_BACKENDS:
         return None
-    try:
-        from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.kernels.cpu_extension import load_cpu_kernels_or_none
 
-        ops = CpuFusedOps(load_cpu_kernels())
-    except Exception as exc:  # no compiler, say: the torch code does the same work, slower
-        logger.warning("fused CPU ops unavailable (%s); using the torch ops", exc)
+    kernels = load_cpu_kernels_or_none("fused CPU ops off, the torch ops run")  # the same work, slower
+    if kernels is None:
         return None
+    ops = CpuFusedOps(kernels)
     logger.info("fused CPU ops on (vector lanes: sum %d, silu %d)", ops.sum_lanes, ops.silu_lanes)
     return ops
 

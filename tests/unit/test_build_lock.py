@@ -1,5 +1,6 @@
 """Kernel builds: a killed build no longer hangs every later engine start (engine.kernels.build_lock),
-and checkouts with the same kernels share one build (engine.kernels.cpu_extension.copy_sources)."""
+checkouts with the same kernels share one build (engine.kernels.cpu_extension.copy_sources), and
+without kernels their users fall back to torch through one helper (load_cpu_kernels_or_none)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,26 @@ def test_sources_are_compiled_from_one_copy_whichever_checkout_asks(tmp_path):
     moved[0].write_bytes(moved[0].read_bytes() + b"\n// changed\n")
     copy_sources(moved, folder)
     assert copies[0].read_bytes().endswith(b"// changed\n")
+
+
+def test_without_kernels_attention_fused_ops_and_sampling_fall_back_to_torch(monkeypatch, caplog):
+    """A machine that cannot build the kernels (no compiler): every user of them takes the torch path, with a warning."""
+    import logging
+
+    import torch
+
+    import engine.kernels.cpu_extension as cpu_extension
+    from engine.attention import resolve_attention_backend
+    from engine.dtype_policy import CpuFeatures
+    from engine.models.fused import select_fused_ops
+
+    def no_compiler():
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(cpu_extension, "load_cpu_kernels", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_extension"):
+        assert resolve_attention_backend(None, "cpu", torch.float32, CpuFeatures(has_avx512_bf16=True)) == "torch"
+        assert select_fused_ops(torch.device("cpu"), "torch", is_compiled=False) is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["attention runs the torch backend: no CPU kernels (c++: command not found)",
+                        "fused CPU ops off, the torch ops run: no CPU kernels (c++: command not found)"]
