@@ -9,7 +9,8 @@ binary. It is keyed by the sources, headers and flags too, so two checkouts with
 different kernels (a branch, a worktree) each keep their build instead of
 rebuilding over each other's. The sources are compiled from a copy inside the
 folder: ninja rebuilds everything when the same files come from another path, so
-checkouts with the same kernels share one build.
+checkouts with the same kernels share one build; the torch the venv holds is in the
+key, since its header paths are in ninja's command lines too.
 
 -ffast-math lets the compiler vectorize exp (glibc's libmvec) and reassociate
 fp32 sums; every sum still accumulates in fp32. fused_ops.cpp turns it off for
@@ -57,6 +58,10 @@ def _sources_key() -> str:
     for path in SOURCES + HEADERS:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
+    # ninja's command lines name torch's headers: two venvs sharing the cache would rebuild over each other.
+    import torch
+
+    digest.update(str(Path(torch.__file__).resolve().parent).encode() + torch.__version__.encode())
     return digest.hexdigest()[:12]
 
 
