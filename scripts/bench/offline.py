@@ -143,7 +143,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
     llm.engine.step_stats.clear()
     llm.engine.record_step_stats = True
     if live is not None:
-        live.start_run(name or mode, llm.engine)
+        live.start_run(name or mode, llm.engine.step_stats)
     start = time.perf_counter()
     if conversations:
         outputs, workload = generate_conversations(llm, conversations)

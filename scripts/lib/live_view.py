@@ -42,11 +42,12 @@ MAX_COLUMNS_PER_EVENT = 4096
 
 @dataclass
 class LiveRun:
-    """One mode's run as the page sees it; `engine` is set while it runs and kept after."""
+    """One mode's run as the page sees it; `steps` is the engine's own StepStats list, which
+    the engine appends to while the run lasts (holding it does not hold the engine)."""
 
     name: str
     state: str = "waiting"  # waiting, running, done
-    engine: object | None = None  # engine.engine_core.EngineCore, reading its step_stats
+    steps: list = field(default_factory=list)  # engine.engine_core.StepStats
     start_time: float = 0.0
     elapsed_s: float = 0.0
     summary: dict = field(default_factory=dict)  # the benchmark's figures once done
@@ -81,10 +82,10 @@ class LiveView:
         logger.info("live view at %s", self.url)
         return self
 
-    def start_run(self, name: str, engine) -> None:
+    def start_run(self, name: str, step_stats: list) -> None:
         with self._lock:
             run = self.runs.setdefault(name, LiveRun(name))
-            run.state, run.engine, run.start_time = "running", engine, time.perf_counter()
+            run.state, run.steps, run.start_time = "running", step_stats, time.perf_counter()
 
     def finish_run(self, name: str, summary: dict) -> None:
         with self._lock:
@@ -92,9 +93,6 @@ class LiveView:
             if run.state == "running":
                 run.elapsed_s = time.perf_counter() - run.start_time
             run.state, run.summary = "done", summary
-            if run.engine is not None:
-                # Keep the columns, drop the engine: the benchmark frees each mode's model.
-                run.engine = _RecordedSteps(list(run.engine.step_stats))
 
     def close(self) -> None:
         self.is_closed = True
@@ -106,7 +104,7 @@ class LiveView:
         runs = []
         with self._lock:
             for run in self.runs.values():
-                steps = run.engine.step_stats if run.engine is not None else []
+                steps = run.steps
                 num_steps = len(steps)  # the engine thread appends; a length read once is a safe bound
                 first = cursors.get(run.name, 0)
                 skip = max(0, num_steps - first - MAX_COLUMNS_PER_EVENT)
@@ -173,9 +171,3 @@ class LiveView:
 
         return Handler
 
-
-class _RecordedSteps:
-    """A finished run's step records, without the engine that made them."""
-
-    def __init__(self, step_stats: list) -> None:
-        self.step_stats = step_stats
