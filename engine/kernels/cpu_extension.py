@@ -12,9 +12,11 @@ folder: ninja rebuilds everything when the same files come from another path, so
 checkouts with the same kernels share one build; the torch the venv holds is in the
 key, since its header paths are in ninja's command lines too.
 
--ffast-math lets the compiler vectorize exp (glibc's libmvec) and reassociate
-fp32 sums; every sum still accumulates in fp32. fused_ops.cpp turns it off for
-itself with a pragma: its ops must give the torch code's exact bits.
+The flags here are the ones every kernel needs; a kernel that needs more or less
+says so at its top with a pragma (fused_ops.cpp and apply_penalties.cpp turn FMA
+contraction off to give the torch code's exact bits). No file is built with
+-ffast-math: the kernels vectorize exp with ATen's own and reduce with explicit
+vectors or `omp simd` reductions, so nothing waits on the compiler to reassociate.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ SOURCES = [
                  "bindings.cpp")
 ]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h")]
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _module: ModuleType | None = None
 

@@ -3,9 +3,8 @@
 //   x = seen ? (x > 0 ? x / repetition : x * repetition) : x      (where repetition != 1)
 //   x = x - frequency * count;  x = x - presence * (count > 0)
 // the same operations, in the same order, as the torch code in engine/penalties.py, so both
-// give the same bits: no fast-math or FMA contraction here.
-#pragma GCC optimize("no-fast-math", "fp-contract=off")
-#undef __FAST_MATH__
+// give the same bits: no FMA contraction here.
+#pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

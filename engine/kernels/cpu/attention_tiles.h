@@ -39,7 +39,7 @@ using tokenloom_cpu::Vec;
 
 constexpr int64_t kTileRows = 96;  // query rows (queries x group) per task
 constexpr int kRowChunk = 8;       // rows whose score accumulators stay in registers together
-constexpr float kMasked = -1e30f;  // not -inf: the build uses -ffast-math, which assumes finite values
+constexpr float kMasked = -1e30f;  // not -inf: a row masked so far keeps exp(m - new_max) finite, never inf - inf
 
 struct Shape {
   int64_t num_heads, group, head_dim, block_size, block_stride, head_stride;

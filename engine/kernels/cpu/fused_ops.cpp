@@ -9,16 +9,13 @@
 // Every op gives the same bits as the torch code it replaces (engine/models/layers.py) in
 // fp32 and in bf16/fp16: math in fp32, rounded to the model dtype wherever the torch code
 // rounds (each torch op on bf16 returns bf16). Two things make that hold:
-//  * no -ffast-math here (the build passes it for the attention kernel): it would allow
-//    FMA contraction, reassociated sums and approximate 1/sqrt and division. The pragma
-//    below comes before every include so inlined header code agrees with it.
-//    __FAST_MATH__ goes too, or glibc's headers let the vectorizer swap expf for libmvec's.
+//  * no FMA contraction: the pragma below comes before every include so inlined header
+//    code agrees with it (the build passes no -ffast-math to any kernel).
 //  * RMSNorm's sum of squares follows ATen's cascade_sum order (aten/src/ATen/native/cpu/
 //    SumKernel.cpp) for a vector width passed in as `lanes`; SiLU's exp is ATen's own
 //    (SLEEF's expf u10) on the elements ATen vectorizes, glibc's expf on its scalar tail.
 //    Which widths this torch build uses is probed once from Python (engine/models/fused.py).
-#pragma GCC optimize("no-fast-math", "fp-contract=off")
-#undef __FAST_MATH__
+#pragma GCC optimize("fp-contract=off")
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -294,14 +294,21 @@ void score_and_weigh_scalar(const float* q_buf, const scalar_t* k_cache, const s
   }
 }
 
-// Exact softmax of each of the group's score rows, in place.
+// Exact softmax of each of the group's score rows, in place; exp is ATen's vectorized one
+// (the build has no -ffast-math to hand std::exp to libmvec).
 void softmax_rows(float* scores, int64_t group, int64_t width) {
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * width;
     const float max_score = *std::max_element(s, s + width);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < width; ++t) {
+    Vec sums(0.f);
+    int64_t t = 0;
+    for (; t + Vec::size() <= width; t += Vec::size()) {
+      const Vec e = (Vec::loadu(s + t) - Vec(max_score)).exp_u20();
+      e.store(s + t);
+      sums = sums + e;
+    }
+    float sum = reduce_add(sums);
+    for (; t < width; ++t) {
       s[t] = std::exp(s[t] - max_score);
       sum += s[t];
     }
