@@ -13,10 +13,15 @@ from pathlib import Path
 
 import requests
 
-from scripts.lib.fake_engine import FrontendServer
+from scripts.lib.fake_engine import FAKE_ENGINE_ARGV, FrontendServer
 
 REAL_ENGINE = f"{sys.executable} -m engine.core_process"
 REAL_ENGINE_ARGS = ("--engine-command", REAL_ENGINE, "--served-model-name", "smollm2")
+
+
+def fake_core(*args: str) -> tuple[str, str]:
+    """FrontendServer's arguments for a fake engine core (scripts/lib/fake_engine.py) given `args`."""
+    return "--engine-command", " ".join([*FAKE_ENGINE_ARGV, *args])
 
 
 def metric(url: str, name: str, label: str = "") -> float:

@@ -24,9 +24,9 @@ import pytest
 import requests
 
 from frontend.server_args import admission_config, make_parser
-from scripts.lib.fake_engine import FAKE_ENGINE, FrontendServer
+from scripts.lib.fake_engine import FrontendServer
 from scripts.lib.raw_http import connect, read_until_closed
-from tests.helpers.server import health, rss_mb, run_streams
+from tests.helpers.server import fake_core, health, rss_mb, run_streams
 
 pytestmark = pytest.mark.timeout(120)
 HEADER_TIMEOUT_S = 1.0
@@ -56,8 +56,7 @@ def soft_open_file_limit(soft: int):
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    engine_command = f"{FAKE_ENGINE} --step-delay {STEP_DELAY_S}"
-    server = FrontendServer(model_folder, "--engine-command", engine_command,
+    server = FrontendServer(model_folder, *fake_core("--step-delay", str(STEP_DELAY_S)),
                             "--max-concurrent-requests", str(MAX_CONCURRENT),
                             "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S))
     with soft_open_file_limit(1024):

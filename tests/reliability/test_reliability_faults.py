@@ -24,15 +24,11 @@ from ipc.codec import MAX_MESSAGE_BYTES, decode, encode
 from ipc.messages import AddRequest, EngineError, EngineOutputs, EngineReady, Hello, SchedulerStats, Shutdown
 from ipc.sampling_params import SamplingParams
 from scripts.lib.fake_engine import (
-    FAKE_ENGINE_ARGV, REPO_ROOT, FrontendServer, free_port, read_event_log, subprocess_env,
+    REPO_ROOT, FrontendServer, free_port, read_event_log, subprocess_env,
 )
-from tests.helpers.server import health, is_gone, metric, post_completion, real_server, run_streams, wait_for
+from tests.helpers.server import fake_core, health, is_gone, metric, post_completion, real_server, run_streams, wait_for
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def fake_core(*args: str) -> tuple[str, str]:
-    return "--engine-command", " ".join([*FAKE_ENGINE_ARGV, *args])
 
 
 def abort_10_of_100(url: str, num_tokens: int, long_tokens: int, **extra) -> list:

@@ -19,8 +19,8 @@ from frontend.admission import Admission, AdmissionConfig
 from frontend.errors import AuthenticationError
 from frontend.server_args import make_parser
 from ipc.sockets import bind_router
-from scripts.lib.fake_engine import FAKE_ENGINE, REPO_ROOT, FrontendServer, free_port, subprocess_env
-from tests.helpers.server import run_streams, wait_for
+from scripts.lib.fake_engine import REPO_ROOT, FrontendServer, free_port, subprocess_env
+from tests.helpers.server import fake_core, run_streams, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "s3cret-key"
@@ -144,8 +144,7 @@ def test_nothing_is_pickled_on_a_socket():
 
 
 def test_concurrent_request_limit_gets_429(model_folder):
-    command = f"{FAKE_ENGINE} --step-delay 0.01"
-    with FrontendServer(model_folder, "--engine-command", command, "--max-concurrent-requests", "3") as server:
+    with FrontendServer(model_folder, *fake_core("--step-delay", "0.01"), "--max-concurrent-requests", "3") as server:
         async def run():
             long_ones = asyncio.ensure_future(run_streams(server.url, [
                 {"max_tokens": 150, "prompt": f"long {i}"} for i in range(3)]))

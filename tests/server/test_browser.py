@@ -16,9 +16,9 @@ import time
 import pytest
 import requests
 
-from scripts.lib.fake_engine import FAKE_ENGINE, FrontendServer
+from scripts.lib.fake_engine import FrontendServer
 from scripts.lib.headless_browser import HeadlessChromium, missing_browser_reason
-from tests.helpers.server import metric, wait_for
+from tests.helpers.server import fake_core, metric, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -164,8 +164,7 @@ def test_dashboard_counters_move_under_load_and_return_to_zero(browser, server):
 
 @pytest.fixture(scope="module")
 def keyed_server(model_folder):
-    command = f"{FAKE_ENGINE} --step-delay 0.01"
-    with FrontendServer(model_folder, "--engine-command", command, "--api-key", KEY) as s:
+    with FrontendServer(model_folder, *fake_core("--step-delay", "0.01"), "--api-key", KEY) as s:
         yield s
 
 

@@ -12,6 +12,7 @@ import zmq
 
 from frontend.client import TokenloomClient, TokenloomError
 from scripts.lib.fake_engine import FAKE_ENGINE, FrontendServer, expected_text, read_event_log
+from tests.helpers.server import fake_core
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def server(model_folder, event_log, tmp_path_factory):
     socket_path = tmp_path_factory.mktemp("sock") / "client.sock"
-    command = f"{FAKE_ENGINE} --step-delay 0.002 --event-log {event_log}"
-    with FrontendServer(model_folder, "--engine-command", command, "--client-socket", f"ipc://{socket_path}") as server:
+    core = fake_core("--step-delay", "0.002", "--event-log", str(event_log))
+    with FrontendServer(model_folder, *core, "--client-socket", f"ipc://{socket_path}") as server:
         server.client_socket = f"ipc://{socket_path}"
         yield server
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 import requests
 
-from scripts.lib.fake_engine import FAKE_ENGINE, FrontendServer, expected_text, read_event_log
-from tests.helpers.server import metric, wait_for
+from scripts.lib.fake_engine import FrontendServer, expected_text, read_event_log
+from tests.helpers.server import fake_core, metric, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = "Hello world"
@@ -24,8 +24,8 @@ PROMPT = "Hello world"
 @pytest.fixture(scope="module")
 def server(model_folder, event_log):
     # 2 ms per step: fast, yet a 1000-token request runs long enough to be aborted.
-    command = f"{FAKE_ENGINE} --step-delay 0.002 --event-log {event_log}"
-    with FrontendServer(model_folder, "--engine-command", command, "--served-model-name", "fake") as server:
+    core = fake_core("--step-delay", "0.002", "--event-log", str(event_log))
+    with FrontendServer(model_folder, *core, "--served-model-name", "fake") as server:
         yield server
 
 

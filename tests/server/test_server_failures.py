@@ -17,8 +17,9 @@ import pytest
 import requests
 
 from scripts.lib.fake_engine import (
-    FAKE_ENGINE, FrontendServer, free_port, read_event_log, start_fake_engine,
+    FrontendServer, free_port, read_event_log, start_fake_engine,
 )
+from tests.helpers.server import fake_core
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,8 +80,7 @@ def test_killed_remote_engine_fails_requests_and_health(model_folder):
 
 
 def test_killed_local_engine_fails_requests_and_health(model_folder):
-    command = f"{FAKE_ENGINE} --step-delay 0.01"
-    with FrontendServer(model_folder, "--engine-command", command) as server:
+    with FrontendServer(model_folder, *fake_core("--step-delay", "0.01")) as server:
         streamed = []
         thread = stream_in_background(server.url, streamed)
         time.sleep(0.5)

@@ -13,7 +13,8 @@ import time
 import pytest
 import requests
 
-from scripts.lib.fake_engine import FAKE_ENGINE, FrontendServer
+from scripts.lib.fake_engine import FrontendServer
+from tests.helpers.server import fake_core
 
 KEY = "sekrit-key"
 
@@ -21,8 +22,7 @@ KEY = "sekrit-key"
 @pytest.fixture(scope="module")
 def server(model_folder):
     # Slow steps, so requests are seen running; a name that needs escaping in HTML.
-    command = f"{FAKE_ENGINE} --step-delay 0.02"
-    with FrontendServer(model_folder, "--engine-command", command, "--api-key", KEY,
+    with FrontendServer(model_folder, *fake_core("--step-delay", "0.02"), "--api-key", KEY,
                         "--served-model-name", 'fake"<model>') as s:
         yield s
 
