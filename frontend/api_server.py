@@ -55,6 +55,7 @@ from frontend.protocol import ChatCompletionRequest, CompletionRequest, Generate
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion, generate
 from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from frontend.serving_utils import ClientDisconnected
 from frontend.server_args import admission_config, engine_client_config, make_parser, tool_options
 from frontend.web_pages import add_web_routes
 
@@ -131,6 +132,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
 
     add_web_routes(app, client, admission)
     app.add_exception_handler(FrontendError, _on_frontend_error)
+    app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_middleware(AdmissionMiddleware, admission=admission)
@@ -195,6 +197,10 @@ def _error_response(error: FrontendError) -> JSONResponse:
 
 async def _on_frontend_error(request: Request, exc: FrontendError) -> JSONResponse:
     return _error_response(exc)
+
+
+async def _on_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    return Response(status_code=499)
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -41,28 +41,29 @@ class ModelNotFoundError(FrontendError):
     code = "model_not_found"
 
 
-class RequestTimeoutError(FrontendError):
+class ConnectionClosingError(FrontendError):
+    """A request the server stops reading: what is left of it on the connection cannot be trusted, so it closes."""
+
+    error_type = "invalid_request_error"
+    headers = {"connection": "close"}
+
+
+class RequestTimeoutError(ConnectionClosingError):
     """The body did not arrive within --body-timeout; the connection is closed."""
 
     status_code = 408
-    error_type = "invalid_request_error"
-    headers = {"connection": "close"}
 
 
-class RequestTooLargeError(FrontendError):
+class RequestTooLargeError(ConnectionClosingError):
     """The body is over --max-request-bytes; a bounded part of it is read and dropped, then the connection closes."""
 
     status_code = 413
-    error_type = "invalid_request_error"
-    headers = {"connection": "close"}
 
 
-class HeadersTooLargeError(FrontendError):
+class HeadersTooLargeError(ConnectionClosingError):
     """The request line and headers are over their limit; answered by the HTTP protocol, before any app code."""
 
     status_code = 431
-    error_type = "invalid_request_error"
-    headers = {"connection": "close"}
 
 
 class ServerBusyError(FrontendError):

@@ -23,7 +23,7 @@ from frontend.protocol import ChatCompletionRequest
 from frontend.reasoning_parsers import ReasoningParser, ReasoningPrompt, ReasoningState
 from frontend.request_state import RequestDelta, RequestStream
 from frontend.serving_utils import (
-    ClientDisconnected, Usage, chat_logprobs, collect, now_s, random_id, run_unless_disconnected, sse_stream,
+    chat_logprobs, collect_unless_disconnected, now_s, random_id, sse_stream,
 )
 from frontend.tool_parsers import ToolParser, merge_call_deltas
 
@@ -55,11 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
         new_reasoning_parser = (lambda: reasoning.new_parser(reasoning_state)) if reasoning is not None else None
         return StreamingResponse(_stream_chat(stream, body, header, client, tool_mode, new_reasoning_parser),
                                  media_type="text/event-stream")
-    usage = Usage(body.n)
-    try:
-        results = await run_unless_disconnected(raw_request, collect(stream, usage))
-    except ClientDisconnected:
-        return Response(status_code=499)
+    results, usage = await collect_unless_disconnected(raw_request, stream, body.n)
     choices = []
     for result in results:
         reasoning_content, content = None, result.text

@@ -19,8 +19,7 @@ from frontend.errors import FrontendError, InvalidRequestError
 from frontend.protocol import CompletionRequest, GenerateBody
 from frontend.request_state import RequestDelta, RequestStream
 from frontend.serving_utils import (
-    ClientDisconnected, Usage, collect, completion_logprobs, now_s, prompt_logprobs_field, random_id,
-    run_unless_disconnected, sse_stream,
+    collect_unless_disconnected, completion_logprobs, now_s, prompt_logprobs_field, random_id, sse_stream,
 )
 
 logger = logging.getLogger(__name__)
@@ -41,11 +40,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, clien
     if body.stream:
         return StreamingResponse(_stream_completion(stream, body, header, client, echo_texts, echo_first_ids),
                                  media_type="text/event-stream")
-    usage = Usage(body.n)
-    try:
-        results = await run_unless_disconnected(raw_request, collect(stream, usage))
-    except ClientDisconnected:
-        return Response(status_code=499)
+    results, usage = await collect_unless_disconnected(raw_request, stream, body.n)
     choices = []
     for result in results:
         prefix = echo_texts[result.index // body.n] if echo_texts else ""
@@ -106,10 +101,7 @@ async def generate(body: GenerateBody, raw_request: Request, client: AsyncEngine
     stream = await client.generate(body.prompt, params, random_id("gen"), n=body.n)
     if body.stream:
         return StreamingResponse(_stream_generate(stream, body))
-    try:
-        results = await run_unless_disconnected(raw_request, collect(stream, Usage(body.n)))
-    except ClientDisconnected:
-        return Response(status_code=499)
+    results, _ = await collect_unless_disconnected(raw_request, stream, body.n)
     return JSONResponse({"text": [body.prompt + result.text for result in results]})
 
 

@@ -24,7 +24,8 @@ T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
-    """The HTTP client hung up before the response was ready."""
+    """The HTTP client hung up before the response was ready; the app answers 499 (nginx's "client closed
+    request"), which no one reads, but the access log and the metrics count it apart from an error."""
 
 
 def random_id(prefix: str) -> str:
@@ -120,6 +121,13 @@ async def collect(stream: RequestStream, usage: Usage) -> list[ChoiceResult]:
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason.openai_name
     return [choices[i] for i in sorted(choices)]
+
+
+async def collect_unless_disconnected(raw_request: Request, stream: RequestStream, n: int
+                                      ) -> tuple[list[ChoiceResult], Usage]:
+    """A non-streamed request read whole, and its usage; ClientDisconnected if the client hangs up first."""
+    usage = Usage(n)
+    return await run_unless_disconnected(raw_request, collect(stream, usage)), usage
 
 
 async def run_unless_disconnected(raw_request: Request, work: Awaitable[T]) -> T:

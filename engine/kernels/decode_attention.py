@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.store_kv import check_kv_cache
+from engine.kernels.paged_kv import check_paged_inputs, dot_precision, load_kv_block
 
 # Split only when one wave of (sequence, KV head) programs would leave SMs idle;
 # 128 is about one program per SM on current datacenter GPUs.
@@ -87,21 +87,14 @@ def paged_decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    offsets = tl.arange(0, BLOCK_SIZE)
     # Only blocks holding at least one context token are visited, so the block
     # table is never read past its valid prefix and m_i is finite after one step.
     for block_idx in range(start_block, end_block):
-        block_id = tl.load(block_tables_ptr + seq_idx * block_tables_stride + block_idx).to(tl.int64)
-        kv_positions = block_idx * BLOCK_SIZE + offsets  # [BLOCK_SIZE]
-        token_mask = (kv_positions < seq_len) & (kv_positions >= first_pos)
-        kv_offsets = (block_id * cache_stride_block + offsets[:, None] * cache_stride_token
-                      + kv_head * cache_stride_head + dims[None, :])  # [BLOCK_SIZE, HEAD_DIM_PAD]
-        # Slots past seq_len in the last block hold stale data (maybe NaN):
-        # masking the loads, not just the scores, keeps it out of p @ v.
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, HEAD_DIM_PAD]
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, HEAD_DIM_PAD]
-
+        k, v, _, token_mask = load_kv_block(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables_stride,
+            cache_stride_block, cache_stride_token, cache_stride_head,
+            seq_idx, block_idx, kv_head, first_pos, seq_len, dims, dim_mask, BLOCK_SIZE,
+        )  # [BLOCK_SIZE, HEAD_DIM_PAD] each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [GROUP_PAD, BLOCK_SIZE]
         s = tl.where(token_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -169,12 +162,6 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int
     return 1 if num_splits <= 1 else 1 << (num_splits.bit_length() - 1)
 
 
-def dot_precision(dtype: torch.dtype) -> str | None:
-    # fp32 inputs would otherwise go through TF32 on tensor cores (~1e-3 error);
-    # None keeps Triton's default, which 16-bit inputs ignore anyway.
-    return "ieee" if dtype == torch.float32 else None
-
-
 def paged_decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -186,16 +173,9 @@ def paged_decode_attention(
     num_splits: int | None = None,  # None: choose_num_splits; 1 forces the single pass
     window: int = 0,  # a sliding window's size; 0: the whole context
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    check_kv_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    assert cache_head_dim == head_dim and query.dtype == k_cache.dtype
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} KV heads"
-    assert query.stride(2) == 1, "head_dim must be contiguous"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
+    block_size, num_kv_heads = check_paged_inputs(query, k_cache, v_cache, block_tables, num_seqs)
     assert seq_lens.shape == (num_seqs,)
-    # tl.arange needs a power of two and tl.dot (p @ v) a K of at least 16.
-    assert block_size >= 16 and block_size & (block_size - 1) == 0, f"unsupported block_size {block_size}"
     queries_per_kv = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

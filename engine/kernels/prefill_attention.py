@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.decode_attention import dot_precision
-from engine.kernels.store_kv import check_kv_cache
+from engine.kernels.paged_kv import check_paged_inputs, dot_precision, load_kv_block
 
 # Tiles of 16..64 query rows: large enough to feed tensor cores, small enough
 # that a batch of short chunks (or decodes mixed in) does not waste most rows.
@@ -80,22 +79,18 @@ def paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    offsets = tl.arange(0, BLOCK_SIZE)
     # Causality bounds the walk: the tile's last valid row sees up to this position,
     # which is < seq_len, so the block table is never read past its valid prefix.
     last_position = num_cached + tl.minimum(tile_start + BLOCK_M, query_len) - 1
     # A window bounds it below: no row of the tile sees keys before its first row's window.
     first_block = tl.where(window > 0, tl.maximum(num_cached + tile_start - window + 1, 0) // BLOCK_SIZE, 0)
     for block_idx in range(first_block, last_position // BLOCK_SIZE + 1):
-        block_id = tl.load(block_tables_ptr + seq_idx * block_tables_stride + block_idx).to(tl.int64)
-        kv_positions = block_idx * BLOCK_SIZE + offsets  # [BLOCK_SIZE]
-        kv_offsets = (block_id * cache_stride_block + offsets[:, None] * cache_stride_token
-                      + kv_head * cache_stride_head + dims[None, :])  # [BLOCK_SIZE, HEAD_DIM_PAD]
-        # Slots past seq_len hold stale data (maybe NaN): mask the loads, not
-        # only the scores, so none of it reaches p @ v.
-        kv_mask = (kv_positions < seq_len)[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, HEAD_DIM_PAD]
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, HEAD_DIM_PAD]
+        # first_pos 0: each row's window is applied to its scores below.
+        k, v, kv_positions, _ = load_kv_block(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, block_tables_stride,
+            cache_stride_block, cache_stride_token, cache_stride_head,
+            seq_idx, block_idx, kv_head, 0, seq_len, dims, dim_mask, BLOCK_SIZE,
+        )  # [BLOCK_SIZE, HEAD_DIM_PAD] each
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_SIZE]
         # Valid rows have positions < seq_len, so the causal test also drops
@@ -132,17 +127,10 @@ def paged_prefill_attention(
     scale: float,
     window: int = 0,  # a sliding window's size; 0: the whole context
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    check_kv_cache(k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    assert cache_head_dim == head_dim and query.dtype == k_cache.dtype
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} KV heads"
-    assert query.stride(2) == 1, "head_dim must be contiguous"
+    block_size, num_kv_heads = check_paged_inputs(query, k_cache, v_cache, block_tables, num_seqs)
     assert query_start_loc.shape == (num_seqs + 1,)
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
-    # tl.arange needs a power of two and tl.dot (p @ v) a K of at least 16.
-    assert block_size >= 16 and block_size & (block_size - 1) == 0, f"unsupported block_size {block_size}"
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out

@@ -30,6 +30,7 @@ from pathlib import Path
 # The arithmetic and the measurements are the capacity simulator's (engine/simulator/).
 from engine.simulator.calibration import MachineBalance, measure_machine
 from engine.simulator.model_shape import ModelCost, model_cost
+from scripts.lib.bench_report import write_report
 
 
 def ideal_step_s(num_tokens: int, num_seqs: int, cost: ModelCost, machine: MachineBalance, overlap: bool = True) -> float:
@@ -89,9 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["ideal_ratio_no_overlap"] = static["ideal_no_overlap_s"] / cont["ideal_no_overlap_s"]
     result["measured_ratio"] = static["measured_s"] / cont["measured_s"]
     print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_report(args.json, result, indent=2)
     return result
 
 

@@ -20,11 +20,11 @@ import json
 import statistics
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 
 import requests
 
 from scripts.bench import serving as bench_serving
+from scripts.lib.bench_report import write_report
 from scripts.lib.local_server import start_server, stop_server
 
 
@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         "none_spread": (min(by_way["none"]) / base, max(by_way["none"]) / base) if base else None,
     }
     print(json.dumps({k: report[k] for k in ("tpot_p50_ms", "none_spread")}, indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    write_report(args.json, report)
     return report
 
 

@@ -30,15 +30,12 @@ Roofline Model Insights" (Yuan et al., 2024); H200 HBM3e peak: 4.8 TB/s.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import platform
-import random
 import statistics
-import time
-from pathlib import Path
 
 from engine.attention import BACKEND_NAMES
+from scripts.lib.bench_report import machine_info, run_and_report, require_at_least_one
+from scripts.lib.lockstep_batch import add_lockstep_args, generate_recorded, lockstep_llm, random_prompts
 
 
 logger = logging.getLogger("bench_decode")
@@ -109,47 +106,18 @@ def summarize(steps: list, context_tokens: list[int], weight_bytes: int, kv_byte
     }
 
 
-def machine_info() -> dict:
-    import torch
-
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch_version": torch.__version__,
-        "torch_num_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        try:
-            import triton
-
-            info["triton_version"] = triton.__version__
-        except ImportError:
-            pass
-    return info
-
-
 def run(args: argparse.Namespace) -> dict:
-    import torch
-
-    from engine.llm import LLM
     from ipc.sampling_params import SamplingParams
 
     batch_size, input_len, output_len = args.batch_size, args.input_len, args.output_len
-    blocks_per_seq = -(-(input_len + output_len) // args.block_size)
-    llm = LLM(
-        args.model,
-        skip_tokenizer_init=True,
+    llm = lockstep_llm(
+        args.model, batch_size, input_len, output_len, args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         load_format=args.load_format,
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
-        block_size=args.block_size,
-        max_num_seqs=batch_size,
-        # Room for the whole batch at full length: a preemption would distort the timing.
-        num_kv_blocks=args.num_kv_blocks or batch_size * blocks_per_seq,
-        max_num_batched_tokens=args.max_num_batched_tokens or max(batch_size * input_len, batch_size),
         enforce_eager=args.enforce_eager,
         compile=args.compile,
         num_threads=args.num_threads,
@@ -164,26 +132,14 @@ def run(args: argparse.Namespace) -> dict:
     print(f"model: {model_config.architecture} from {engine.model_path}, {num_params / 1e6:.1f}M parameters, "
           f"{weight_bytes / 1e9:.3f} GB of weights", flush=True)
 
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(model_config.vocab_size) for _ in range(input_len)] for _ in range(batch_size)]
+    prompts = random_prompts(args.seed, model_config.vocab_size, batch_size, input_len)
     # Warm-up on the same batch shape: Triton compiles its kernels (and CUDA settles) here.
     warmup = SamplingParams(temperature=0.0, max_tokens=min(output_len, args.warmup_output_len), ignore_eos=True)
     llm.generate(prompts, warmup, use_tqdm=False)
 
     context_tokens = record_context_tokens(engine)
-    engine.step_stats.clear()
-    engine.record_step_stats = True
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True),
-                           use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    engine.record_step_stats = False
-    lengths = sorted({len(o.token_ids) for o in outputs})
-    if lengths != [output_len]:
-        raise RuntimeError(f"expected {output_len} output tokens per request, got lengths {lengths}")
-    steps = list(engine.step_stats)
+    steps, elapsed = generate_recorded(
+        llm, prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
     assert len(steps) == len(context_tokens), (len(steps), len(context_tokens))
 
     num_output_tokens = batch_size * output_len
@@ -214,51 +170,33 @@ def run(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2", help="smollm2 or a local folder with config.json")
+    add_lockstep_args(p)
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                    help="dummy: random weights from config.json alone")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="auto: bfloat16 on CUDA and on CPUs with native bf16 matmul, else float32")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--attention-backend", default=None, choices=BACKEND_NAMES,
                    help="default: triton on CUDA, torch on the CPU")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: batch size x input length, so one step prefills the whole batch")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough for every sequence at full length")
-    p.add_argument("--warmup-output-len", type=int, default=4)
     p.add_argument("--enforce-eager", action="store_true", help="skip CUDA graphs (and, on the CPU, --compile)")
     p.add_argument("--compile", action="store_true", help="CPU: torch.compile the forward")
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on the CPU")
     p.add_argument("--peak-bandwidth-gbs", type=float, default=H200_PEAK_BANDWIDTH_GBS,
                    help="peak memory bandwidth in GB/s (default: H200's 4800)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
     args = p.parse_args(argv)
-    for name in ("batch_size", "input_len", "output_len"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    require_at_least_one(p, args, ("batch_size", "input_len", "output_len"))
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    args = parse_args(argv)
-    report = run(args)
-    text = json.dumps(report, indent=1)
-    print(text)
+    args, report = run_and_report(parse_args, run, argv, logger)
     if "decode_step_time_median_s" in report:
         print(f"decode: median step {report['decode_step_time_median_s'] * 1e3:.2f} ms at batch "
               f"{report['decode_batch_size_median']}, {report['decode_bandwidth_gbs_median']:.0f} GB/s = "
               f"{report['decode_bandwidth_share_median']:.1%} of {args.peak_bandwidth_gbs:.0f} GB/s; "
               f"{report['output_tokens_per_s']:.0f} output tok/s", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-        logger.info("wrote %s", args.json)
     return report
 
 

@@ -30,6 +30,7 @@ from frontend.engine_client import AsyncEngineClient, EngineClientConfig
 from ipc.messages import AddRequest, EngineOutputs, EngineReady, Hello, Shutdown
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import connect_dealer, new_ipc_address, recv_message, send_message
+from scripts.lib.bench_report import write_report
 from scripts.lib.fake_engine import FAKE_ENGINE_ARGV, free_port, start_fake_engine, write_fake_model
 
 
@@ -133,12 +134,10 @@ def main() -> None:
             engine.wait(10)
         client = uvloop.run(bench_client(model_folder, args.num_requests, args.concurrency))
     report = {"transport": args.transport, "raw": raw, "client": client}
-    text = json.dumps(report, indent=2)
     if args.json == "-":
-        print(text)
+        print(json.dumps(report, indent=2))
     elif args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+        write_report(args.json, report, indent=2)
     if args.json != "-":
         for layer in ("raw", "client"):
             r = report[layer]

@@ -25,14 +25,13 @@ over the pooled steps and as the median of each round's ratio (paired within a r
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import statistics
 import time
-from pathlib import Path
 
-from scripts.bench.decode import machine_info
+from scripts.lib.bench_report import machine_info, run_and_report, require_at_least_one
+from scripts.lib.lockstep_batch import add_lockstep_args, generate_recorded, lockstep_llm, random_prompts
 
 
 logger = logging.getLogger("bench_logits_processing")
@@ -96,16 +95,8 @@ class StepTimer:
 
 def run_variant(llm, timer: StepTimer, prompts: list[list[int]], params: list, num_rows: int) -> dict:
     """One generate of the variant; its full-batch decode steps' times in seconds."""
-    engine = llm.engine
-    engine.step_stats.clear()
     timer.entries.clear()
-    engine.record_step_stats = True
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    engine.record_step_stats = False
-    lengths = sorted({len(o.token_ids) for o in outputs})
-    if lengths != [params[0].max_tokens]:
-        raise RuntimeError(f"expected {params[0].max_tokens} output tokens per request, got lengths {lengths}")
-    steps = list(engine.step_stats)
+    steps, _ = generate_recorded(llm, prompts, params)
     assert len(steps) == len(timer.entries), (len(steps), len(timer.entries))
     decode = [(s.end_time - s.start_time, sample_s, prepare_s)
               for s, (sample_s, prepare_s) in zip(steps, timer.entries)
@@ -144,25 +135,16 @@ def summarize(rounds: list[dict[str, dict]]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from engine.llm import LLM
-
     num_rows, input_len, output_len = args.num_requests, args.input_len, args.output_len
-    blocks_per_seq = -(-(input_len + output_len) // args.block_size)
-    llm = LLM(
-        args.model,
-        skip_tokenizer_init=True,
+    llm = lockstep_llm(
+        args.model, num_rows, input_len, output_len, args.block_size,
         dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=num_rows,
-        num_kv_blocks=num_rows * blocks_per_seq,  # the whole batch at full length: no preemption
-        max_num_batched_tokens=num_rows * input_len,  # one step prefills every prompt
         enable_prefix_caching=False,  # every variant runs the same prompts: each prefills alike
         num_threads=args.num_threads,
     )
     engine = llm.engine
     vocab_size = engine.model_config.vocab_size
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_rows)]
+    prompts = random_prompts(args.seed, vocab_size, num_rows, input_len)
     params = {v: variant_params(v, num_rows, output_len, vocab_size, args.num_biases, args.seed) for v in VARIANTS}
     warmup = {v: variant_params(v, num_rows, min(output_len, args.warmup_output_len), vocab_size, args.num_biases,
                                 args.seed) for v in VARIANTS}
@@ -218,39 +200,22 @@ def print_table(report: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2", help="smollm2 or a local folder with config.json")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    add_lockstep_args(p)
     p.add_argument("--num-requests", type=int, default=48, help="rows decoding at once")
-    p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32, help="tokens per request per variant and round")
     p.add_argument("--rounds", type=int, default=10,
                    help="each runs every variant once, alternating: short rounds, so load drift is shared")
     p.add_argument("--num-biases", type=int, default=10, help="logit_bias entries per request")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--warmup-output-len", type=int, default=4)
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads on the CPU")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the report here")
     args = p.parse_args(argv)
-    for name in ("num_requests", "input_len", "output_len", "rounds", "num_biases"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    require_at_least_one(p, args, ("num_requests", "input_len", "output_len", "rounds", "num_biases"))
     if args.output_len < 2:
         p.error("--output-len must be at least 2: the first token comes from the prefill step")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    args = parse_args(argv)
-    report = run(args)
-    text = json.dumps(report, indent=1)
-    print(text)
+    _, report = run_and_report(parse_args, run, argv, logger)
     print_table(report)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-        logger.info("wrote %s", args.json)
     return report
 
 

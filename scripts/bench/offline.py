@@ -43,14 +43,13 @@ import argparse
 import gc
 import json
 import logging
-import os
-import platform
 import sys
 import threading
 import time
 from pathlib import Path
 
 from scripts.bench.offline_hf import run_hf
+from scripts.lib.bench_report import machine_info, write_report
 from scripts.lib.offline_result import ModeResult, print_table, step_columns, step_counts, useful_positions
 from scripts.lib.workload import (
     DISTRIBUTIONS,
@@ -173,23 +172,6 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         num_preemptions=stats.num_preemptions - stats_before.num_preemptions,
         **step_counts(step_stats),
     )
-
-
-def machine_info() -> dict:
-    import torch
-
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-        "torch_version": torch.__version__,
-        "torch_num_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-        "load_average_1m": os.getloadavg()[0],  # at the end of the run: high means a shared, noisy machine
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -332,10 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": {mode: {**summaries[mode], "ttfts_s": r.ttfts, "latencies_s": r.latencies,
                            "step_stats": step_columns(r.step_stats)} for mode, r in results.items()},
     }
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        logger.info("wrote %s", args.json)
+    write_report(args.json, report, logger=logger)
     if args.plot:
         from scripts.lib.plots import plot_latency_distributions, plot_occupancy
 

@@ -26,7 +26,9 @@ from tqdm import tqdm
 
 from scripts.bench.serving_multi_turn import cached_share_by_turn, run_conversations
 from scripts.lib.bench_metrics import RequestTrace, summarize_traces
+from scripts.lib.bench_report import write_report
 from scripts.lib.local_server import reset_prefix_cache, scrape_metrics, start_server, stop_server
+from scripts.lib.sse_client import StreamStatusError, stream_chunks
 from scripts.lib.workload import (
     DISTRIBUTIONS,
     add_prefix_workload_args,
@@ -38,7 +40,6 @@ from scripts.lib.workload import (
 
 
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600)
-SSE_PREFIX = "data: "
 PREFIX_CACHING_FLAGS = {"on": [], "off": ["--no-enable-prefix-caching"]}
 WARMUP_PROMPT_LEN = 256  # 4 of them fill one 1,024-token step: the largest prefill shape is warm
 WARMUP_SEED = 987654  # unrelated to any workload's seed, so the warm-up shares no prefix with it
@@ -60,26 +61,17 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, req
     num_chunk_tokens = 0
     usage = None
     try:
-        async with session.post(url, json=payload) as response:
-            if response.status != 200:
-                trace.is_success = False
-                trace.error = f"HTTP {response.status}: {(await response.text())[:300]}"
-                return trace
-            async for raw_line in response.content:
-                line = raw_line.decode("utf-8").strip()
-                if not line.startswith(SSE_PREFIX):
-                    continue  # blank separators and SSE comments (keep-alives)
-                data = line[len(SSE_PREFIX):]
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if chunk.get("choices"):
-                    trace.chunk_times.append(now)
-                    trace.text += chunk["choices"][0].get("text") or ""
-                    num_chunk_tokens += 1
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
+        async for now, chunk in stream_chunks(session, url, payload):
+            if chunk.get("choices"):
+                trace.chunk_times.append(now)
+                trace.text += chunk["choices"][0].get("text") or ""
+                num_chunk_tokens += 1
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    except StreamStatusError as e:
+        trace.is_success = False
+        trace.error = str(e)
+        return trace
     except Exception as e:  # noqa: BLE001 - any failure counts against this request, not the run
         trace.is_success = False
         trace.error = f"{type(e).__name__}: {e}"
@@ -324,9 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "prefix_caching_on" in runs and "prefix_caching_off" in runs:
         report["on_vs_off"] = compare(runs["prefix_caching_on"]["summary"], runs["prefix_caching_off"]["summary"])
         print("on vs off:", json.dumps(report["on_vs_off"], indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    write_report(args.json, report)
     return report
 
 

@@ -24,6 +24,7 @@ import torch
 
 from engine.huge_pages import huge_pages_on_request
 from engine.models.cpu_packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages
+from scripts.lib.bench_report import write_report
 
 
 # SmolLM2-135M's linears as [out_features, in_features]: q|k|v merged, o, gate|up merged, down.
@@ -76,11 +77,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
         for name in layouts:
             result["gflops"][name][str(num_tokens)] = round(flops / statistics.median(times[name]) / 1e9, 1)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    print(json.dumps(result, indent=2))
+    write_report(args.json, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,11 @@ static-padded's loss (scripts/bench/static_attribution.py); the JSON holds every
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-from pathlib import Path
 
 from scripts.bench import offline as bench_offline
 from scripts.bench.static_attribution import attribute, format_attribution
+from scripts.lib.bench_report import write_report
 
 logger = logging.getLogger("bench_static")
 
@@ -127,10 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     reports = run(args)
     summary = summarize(reports)
     print_tables(summary)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"summary": summary, "runs": reports}, indent=1))
-        logger.info("wrote %s", args.json)
+    write_report(args.json, {"summary": summary, "runs": reports}, logger=logger)
     return summary
 
 

@@ -26,13 +26,14 @@ import json
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
 
 import aiohttp
 
-from scripts.bench.serving import SSE_PREFIX, TIMEOUT, served_model
+from scripts.bench.serving import TIMEOUT, served_model
 from scripts.lib.bench_metrics import RequestTrace, summarize_traces
+from scripts.lib.bench_report import write_report
 from scripts.lib.local_server import start_server, stop_server
+from scripts.lib.sse_client import ERROR_BODY_CHARS, StreamStatusError, stream_chunks
 
 
 TARGET_TPOT_RATIO = 1.1  # the target: constrained TPOT within 10% of unconstrained
@@ -89,31 +90,22 @@ async def send_chat(session: aiohttp.ClientSession, url: str, model: str, prompt
     finish_reason = None
     usage = None
     try:
-        async with session.post(url, json=payload) as response:
-            if response.status != 200:
+        async for now, chunk in stream_chunks(session, url, payload):
+            if "error" in chunk:
                 trace.is_success = False
-                trace.error = f"HTTP {response.status}: {(await response.text())[:300]}"
-                return trace, None
-            async for raw_line in response.content:
-                line = raw_line.decode("utf-8").strip()
-                if not line.startswith(SSE_PREFIX):
-                    continue
-                data = line[len(SSE_PREFIX):]
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    trace.is_success = False
-                    trace.error = str(chunk["error"])[:300]
-                for choice in chunk.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content") or ""
-                    if content or choice.get("finish_reason"):  # the opening role-only chunk holds no token
-                        trace.chunk_times.append(now)
-                        trace.text += content
-                    finish_reason = choice.get("finish_reason") or finish_reason
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
+                trace.error = str(chunk["error"])[:ERROR_BODY_CHARS]
+            for choice in chunk.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content") or ""
+                if content or choice.get("finish_reason"):  # the opening role-only chunk holds no token
+                    trace.chunk_times.append(now)
+                    trace.text += content
+                finish_reason = choice.get("finish_reason") or finish_reason
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    except StreamStatusError as e:
+        trace.is_success = False
+        trace.error = str(e)
+        return trace, None
     except Exception as e:  # noqa: BLE001 - a failure counts against this request, not the run
         trace.is_success = False
         trace.error = f"{type(e).__name__}: {e}"
@@ -283,9 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {k: v for k, v in report.items() if k != "rounds"}
     print(json.dumps(summary, indent=1))
     print_table(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.json, report)
     return report
 
 

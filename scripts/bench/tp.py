@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from scripts.lib.bench_report import write_report
 from scripts.lib.make_model_config import model_config
 
 
@@ -160,10 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["all_reduce_latency_us"] = all_reduce_latency_us(512, [args.num_requests, args.num_requests * args.prompt_len])
     logger.info("all-reduce latency (us, fp32 [tokens x 512], 2 processes): %s", report["all_reduce_latency_us"])
     report["machine"]["load_average_after"] = os.getloadavg()
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        logger.info("wrote %s", args.json)
+    write_report(args.json, report, logger=logger)
     return report
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -41,10 +40,10 @@ from scripts.hostile.client import Target
 from scripts.hostile.conn import big_header, oversized_bodies, slowloris
 from scripts.hostile.fuzz import run_fuzz
 from scripts.hostile.tokenizing import tokenizing_abuse
+from scripts.lib.local_server import launch_server, server_env, stop_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-START_TIMEOUT_S = 600.0
 BETWEEN_CASES_WAIT_S = 150.0  # a core killed by a case restarts (back-off plus model load) within this
 
 
@@ -67,37 +66,6 @@ def supports_engine_timeout() -> bool:
     help_text = subprocess.run([sys.executable, "-m", "frontend.api_server", "--help"], capture_output=True,
                                text=True, cwd=REPO_ROOT, env=server_env(), timeout=120).stdout
     return "--engine-timeout" in help_text
-
-
-def server_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-
-
-def start_server(command: list[str], log_path: Path) -> subprocess.Popen:
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=server_env())
-    url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see {log_path}")
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return process
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    stop_server(process)
-    raise SystemExit(f"the server did not become healthy; see {log_path}")
-
-
-def stop_server(process: subprocess.Popen) -> int:
-    process.terminate()
-    try:
-        return process.wait(90)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        return process.wait()
 
 
 def describe(target: Target) -> None:
@@ -200,16 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.client_socket = f"ipc://{tmp}/client.sock"
         engine_timeout = args.engine_timeout if supports_engine_timeout() else None
-        command = server_command(args, free_port(), engine_timeout is not None)
-        process = start_server(command, tmp / "server.log")
-        target = Target(f"http://127.0.0.1:{command[command.index('--port') + 1]}",
-                        client_socket=args.client_socket, server_pid=process.pid)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        process = launch_server(server_command(args, port, engine_timeout is not None), url, tmp / "server.log")
+        target = Target(url, client_socket=args.client_socket, server_pid=process.pid)
     try:
         describe(target)
         report = hostile_run(args, target, engine_timeout, tmp)
     finally:
         if process is not None:
-            exit_code = stop_server(process)
+            exit_code = stop_server(process, 90)
     if process is not None:
         report.update(server_exit_code=exit_code, server_log=str(tmp / "server.log"))
     report["elapsed_s"] = round(time.monotonic() - start, 1)

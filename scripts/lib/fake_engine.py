@@ -258,21 +258,16 @@ class FrontendServer:
 
     def start(self, timeout_s: float = 60.0) -> "FrontendServer":
         import subprocess
-        import urllib.request
+
+        from scripts.lib.local_server import wait_healthy
 
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen([sys.executable, "-m", "frontend.api_server", *self.args],
                                             stdout=log, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=REPO_ROOT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"frontend exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.1)
+        if wait_healthy(self.process, self.url, timeout_s, poll_s=0.1):
+            return self
+        if self.process.poll() is not None:
+            raise RuntimeError(f"frontend exited with {self.process.returncode}:\n{self.log()}")
         self.stop()
         raise RuntimeError(f"frontend not healthy after {timeout_s} s:\n{self.log()}")
 

@@ -37,22 +37,41 @@ def start_server(model: str, server_args: list[str] = (), log_name: str = "token
     log_path = Path(tempfile.gettempdir()) / f"{log_name}-{port}.log"
     command = [sys.executable, "-m", "frontend.api_server", "--model", model, "--port", str(port),
                "--log-level", "warning", *server_args]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see {log_path}")
+    return launch_server(command, url, log_path), url, log_path
+
+
+def server_env() -> dict[str, str]:
+    """The environment a server runs in: this one, with the repository importable."""
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def launch_server(command: list[str], url: str, log_path: Path) -> subprocess.Popen:
+    """Runs `command` (a server listening at `url`) with its output in `log_path`; returns once /health is 200.
+
+    Exits the script when the server dies first or is not healthy within START_TIMEOUT_S.
+    """
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=server_env())
+    if wait_healthy(process, url, START_TIMEOUT_S):
+        return process
+    if process.poll() is not None:
+        raise SystemExit(f"the server exited with {process.returncode}; see {log_path}")
+    process.kill()
+    raise SystemExit(f"the server did not become healthy; see {log_path}")
+
+
+def wait_healthy(process: subprocess.Popen, url: str, timeout_s: float, poll_s: float = 0.5) -> bool:
+    """Polls `url`/health: True once it answers 200; False when the process exits or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as response:
                 if response.status == 200:
-                    return process, url, log_path
+                    return True
         except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise SystemExit(f"the server did not become healthy; see {log_path}")
+            time.sleep(poll_s)  # not listening yet, or still loading: 503
+    return False
 
 
 def stop_server(process: subprocess.Popen, timeout_s: float = 120) -> int:

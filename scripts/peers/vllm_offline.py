@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.lib.bench_report import write_report
 from scripts.lib.workload import DISTRIBUTIONS, make_shared_prefix_workload, make_workload
 
 WORKLOADS = ("random", "shared_prefix")
@@ -142,8 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": {"vllm": summary},
     }
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_report(args.json, report)
         print(f"wrote {args.json}")
     return report
 

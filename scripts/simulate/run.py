@@ -31,6 +31,7 @@ from engine.simulator.hardware_profile import (
     CALIBRATED, HardwareProfile, calibrated_profile_path, load_profile, profile_names)
 from engine.simulator.model_shape import ModelShape, load_model_shape
 from engine.simulator.simulator import SimulatedRequest, Simulator, SimulatorConfig
+from scripts.lib.bench_report import write_report
 from scripts.lib.workload import DISTRIBUTIONS, length_mix, make_workload
 
 
@@ -203,10 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.write_workload:
         write_workload(args.write_workload, requests)
     report = search_capacity(args, shape, profile, requests) if args.slo else simulate(args, shape, profile, requests)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        logger.info("wrote %s", args.json)
+    write_report(args.json, report, logger=logger)
     return report
 
 

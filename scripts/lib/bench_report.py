@@ -1,0 +1,70 @@
+"""What the bench scripts' JSON reports share: the machine they ran on, their size flags' checks, the --json file.
+
+    def parse_args(argv):  # ... require_at_least_one(p, args, ("num_requests", ...))
+    def run(args): return {..., "machine": machine_info()}
+    args, report = run_and_report(parse_args, run, argv, logger)  # the JSON on stdout, and in --json if given
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+
+def machine_info() -> dict:
+    """The machine a report came from, so that figures from two machines are not compared unawares."""
+    import torch
+
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "load_average_1m": os.getloadavg()[0],  # at the end of the run: high means a shared, noisy machine
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            import triton
+
+            info["triton_version"] = triton.__version__
+        except ImportError:
+            pass
+    return info
+
+
+def require_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    """Exits through parser.error when one of the named counts is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def write_report(path: str | Path | None, report: dict, indent: int = 1,
+                 logger: logging.Logger | None = None) -> None:
+    """Writes the report as JSON to `path` (no path: nothing), its folder made if missing; logs it there."""
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=indent) + "\n")
+    if logger is not None:
+        logger.info("wrote %s", path)
+
+
+def run_and_report(parse_args: Callable[[list[str] | None], argparse.Namespace],
+                   run: Callable[[argparse.Namespace], dict], argv: list[str] | None,
+                   logger: logging.Logger) -> tuple[argparse.Namespace, dict]:
+    """A bench's main: INFO logs on stderr, the flags parsed, the run, its report's JSON on stdout and in --json."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    report = run(args)
+    print(json.dumps(report, indent=1))
+    write_report(args.json, report, logger=logger)
+    return args, report
