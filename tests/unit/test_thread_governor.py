@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from engine.thread_governor import HOLD_S, WINDOW_S, ThreadGovernor, machine_busy_s, own_cpu_s
+from engine.thread_governor import HOLD_S, LOW_OTHER_CORES, WINDOW_S, ThreadGovernor, machine_busy_s, own_cpu_s
 
 
 class Readings:
@@ -127,8 +127,25 @@ def test_the_governor_sees_real_processes_take_the_cores():
             burner.kill()
             burner.wait()
     deadline = time.monotonic() + HOLD_S + 15  # a stray process resets the hold
+    readings: list[tuple[float, float]] = []  # (when, others' cores) after each update
     while governor.num_threads == 1 and time.monotonic() < deadline:
         time.sleep(WINDOW_S / 4)
         governor.update()
-    assert governor.num_threads == 2, governor.other_cores
-    assert calls == [1, 2]
+        readings.append((time.monotonic(), governor.other_cores))
+    if governor.num_threads == 1:
+        # Only a machine that never went quiet for HOLD_S excuses keeping one thread.
+        assert longest_quiet_s(readings) < HOLD_S, readings[-20:]
+    else:
+        assert calls == [1, 2]
+
+
+def longest_quiet_s(readings: list[tuple[float, float]]) -> float:
+    """The longest stretch of readings all under LOW_OTHER_CORES."""
+    longest, start = 0.0, None
+    for when, other_cores in readings:
+        if other_cores < LOW_OTHER_CORES:
+            start = when if start is None else start
+            longest = max(longest, when - start)
+        else:
+            start = None
+    return longest
