@@ -24,6 +24,7 @@ from ipc.engine_config import AUTO_DTYPE as AUTO, DTYPE_NAMES  # declared with t
 class CpuFeatures:
     has_amx_bf16: bool = False  # AMX tiles with bf16 dot products (Sapphire Rapids and later)
     has_avx512_bf16: bool = False  # AVX512_BF16's vdpbf16ps (Cooper Lake, Zen 4 and later)
+    has_avx512_vnni: bool = False  # vpdpbusd, the int8 kernel's dot product (Cascade Lake, Zen 4 and later)
 
 
 def choose_dtype(requested: str | None, device_type: str, cpu: CpuFeatures) -> tuple[str, str]:
@@ -49,7 +50,8 @@ def detect_cpu_features() -> CpuFeatures:
 
         capabilities = torch.cpu.get_capabilities()
         return CpuFeatures(
-            has_amx_bf16=bool(capabilities.get("amx_bf16")), has_avx512_bf16=bool(capabilities.get("avx512_bf16"))
+            has_amx_bf16=bool(capabilities.get("amx_bf16")), has_avx512_bf16=bool(capabilities.get("avx512_bf16")),
+            has_avx512_vnni=bool(capabilities.get("avx512_vnni")),
         )
     except (AttributeError, RuntimeError):  # an older torch without the probe
         pass
@@ -60,4 +62,5 @@ def detect_cpu_features() -> CpuFeatures:
                 flags.update(line.split(":", 1)[1].split())
     except OSError:
         return CpuFeatures()
-    return CpuFeatures(has_amx_bf16="amx_bf16" in flags, has_avx512_bf16="avx512_bf16" in flags)
+    return CpuFeatures(has_amx_bf16="amx_bf16" in flags, has_avx512_bf16="avx512_bf16" in flags,
+                       has_avx512_vnni="avx512_vnni" in flags)
