@@ -6,7 +6,7 @@ submitted together, total (prompt + output) tok/s. Offline `LLM`, no HTTP: the s
 own overhead is bench_peers.sh's to measure. Each setting runs in its own engine, one
 after the other, in one process.
 
-    python scripts/bench_quant.py --out results/quant.json
+    python -m scripts.bench.quant --out results/quant.json
 """
 
 from __future__ import annotations
