@@ -51,7 +51,7 @@ class EngineConfig:
         "else float32; see engine.dtype_policy), float32, bfloat16, float16", choices=(AUTO_DTYPE, *DTYPE_NAMES)))
     # Weight bytes bound a decode step: int8 halves them (engine.models.int8_linear).
     quantization: str | None = field(default=None, metadata=_flag(
-        "CPU: int8 (W8A8 on AVX512_VNNI: weights per output feature, activations per token); "
+        "CPU: int8 (W8A8 on AVX512_VNNI, weights and activations with a scale per group of 64 inputs); "
         "default: none, weights in --dtype", choices=QUANTIZATIONS))
     seed: int = field(default=0, metadata=_flag("sampling seed for requests that bring none of their own"))
     num_threads: int | None = field(default=None, metadata=_flag(

@@ -89,7 +89,7 @@ def quantize_model(model: nn.Module, plan: Int8Plan) -> str:
             module.weight = None
             num_quantized += 1
     head = getattr(model, "lm_head", None)
-    note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd)"
+    note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd, scales per group of {plan.group_size} inputs)"
     if isinstance(head, Int8Linear):
         head.out_fp32 = True
         if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and getattr(model.tp, "size", 1) == 1:
