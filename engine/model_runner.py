@@ -54,7 +54,7 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 def resolve_dtype(config: EngineConfig, device: torch.device, cpu: CpuFeatures) -> tuple[torch.dtype, str]:
     """(dtype, why): as asked, or by engine.dtype_policy for "auto"."""
-    name, reason = choose_dtype(config.dtype, device.type, cpu)
+    name, reason = choose_dtype(config.dtype, device.type, cpu, config.quantization)
     return DTYPES[name], reason
 
 

@@ -48,7 +48,8 @@ class EngineConfig:
     device: str | None = field(default=None, metadata=_flag("default: cuda when available, else cpu"))
     dtype: str | None = field(default=AUTO_DTYPE, metadata=_flag(
         "weights and activations: auto (bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512_BF16, "
-        "else float32; see engine.dtype_policy), float32, bfloat16, float16", choices=(AUTO_DTYPE, *DTYPE_NAMES)))
+        "else float32, and float32 under --quantization int8; see engine.dtype_policy), float32, bfloat16, float16",
+        choices=(AUTO_DTYPE, *DTYPE_NAMES)))
     # Weight bytes bound a decode step: int8 halves them (engine.models.int8_linear).
     quantization: str | None = field(default=None, metadata=_flag(
         "CPU: int8 (W8A8 on AVX512_VNNI, weights and activations with a scale per group of 64 inputs); "
