@@ -7,6 +7,7 @@ Simulated schemes fake-quantize every linear's weight and input in fp32 transfor
   channel   one weight scale per output feature, one activation scale per token
   q8_0      llama.cpp's Q8_0: blocks of 32 along K for both, fp16 scales
   g64       blocks of 64 along K for both, fp32 scales (what --quantization int8 runs)
+  g64_fp16  the same with fp16 scales
 
 `engine` is the real path: LLM(quantization="int8") on our vpdpbusd kernel.
 
@@ -40,6 +41,7 @@ SCHEMES = {  # name: (weight group, activation group, fp16 scales); None: the wh
     "channel": (None, None, False),
     "q8_0": (32, 32, True),
     "g64": (64, 64, False),
+    "g64_fp16": (64, 64, True),
 }
 
 
