@@ -4,8 +4,9 @@ Every weight is quantized once, at load time, from the checkpoint's bf16/fp32 va
 symmetric int8 with one scale per output row and group of 64 inputs (the input features
 padded with zeros to a multiple of 64). Activations are quantized inside the kernel, one
 scale per token and group of 64. One scale per whole row and token drifts far from fp32
-(an outlier sets the step for its whole row); per group, greedy answers stay as close to
-fp32 as llama.cpp's Q8_0 (scripts/bench/quant_drift.py measures both).
+(an outlier sets the step for its whole row); per group, greedy answers stay about as close
+to fp32 as with llama.cpp's Q8_0 (scripts/bench/quant_drift.py measures both). The
+activations between matmuls stay in fp32 by default (engine/dtype_policy.py says why).
 
 `Int8Linear` replaces each nn.Linear (and the matmul of each RowParallelLinear) through
 engine/models/fast_paths.py, so every family gets it: attention, MLPs, MoE experts and the
@@ -50,7 +51,7 @@ def plan_int8(device_type: str, has_avx512_vnni: bool) -> Int8Plan:
     kernels = load_int8_kernels()
     if not kernels.has_int8_linear():  # built without VNNI: the compiler's target disagrees with the probe
         raise ValueError("quantization='int8': the int8 kernel was built without AVX512_VNNI on this CPU")
-    if kernels.group_size() != GROUP:  # a stale build of another layout
+    if kernels.group_size() != GROUP:  # the packing here and the kernel must agree
         raise ValueError(f"quantization='int8': the kernel's groups are {kernels.group_size()} inputs, not {GROUP}")
     return Int8Plan(kernels)
 

@@ -11,6 +11,12 @@ Simulated schemes fake-quantize every linear's weight and input in fp32 transfor
 
 `engine` is the real path: LLM(quantization="int8") on our vpdpbusd kernel.
 
+The greedy score swings by several tokens with any rounding change (one early near-tie
+sends a whole answer elsewhere). Two smoother scores come from one teacher-forced pass
+over each prompt followed by fp32's answer: the share of those 32 positions whose top
+token is fp32's (`top1_agreement`) and the mean negative log-likelihood of fp32's tokens
+(`answer_nll`; fp32's own is the floor).
+
     python -m scripts.bench.quant_drift --schemes channel,q8_0,g64,engine --json results/quant_drift.json
 """
 
@@ -80,7 +86,7 @@ def hf_greedy(model, prompt: list[int], num_new_tokens: int) -> list[int]:
     return out_ids
 
 
-def simulated_answers(path: str, prompts: list[list[int]], scheme: str | None) -> list[list[int]]:
+def simulated_model(path: str, scheme: str | None):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -93,15 +99,45 @@ def simulated_answers(path: str, prompts: list[list[int]], scheme: str | None) -
         if model.config.tie_word_embeddings:  # the engine reads a tied embedding back from the head's int8
             embedding = model.get_input_embeddings()
             embedding.weight.data = fake_quantize(embedding.weight.data, w_group, fp16)
+    return model
+
+
+def simulated_answers(path: str, prompts: list[list[int]], scheme: str | None) -> list[list[int]]:
+    model = simulated_model(path, scheme)
     return [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
 
 
-def engine_answers(path: str, prompts: list[list[int]]) -> list[list[int]]:
+def simulated_forced(model, prompt: list[int], answer: list[int]) -> tuple[list[int], list[float]]:
+    """(top token, -log p(answer token)) at each answer position, teacher-forced."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]  # [32, vocab]
+    logprobs = logits.float().log_softmax(-1)
+    nll = -logprobs.gather(1, torch.tensor(answer)[:, None])[:, 0]  # [32]
+    return logprobs.argmax(-1).tolist(), nll.tolist()
+
+
+def engine_results(path: str, prompts: list[list[int]], answers: list[list[int]]):
+    """(greedy answers, teacher-forced top tokens and NLLs) of LLM(quantization="int8")."""
     from engine import LLM, SamplingParams
 
     llm = LLM(path, quantization="int8")
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    greedy = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    forced_params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    forced = []
+    for prompt, answer, out in zip(prompts, answers, llm.generate([p + a for p, a in zip(prompts, answers)],
+                                                                  forced_params, use_tqdm=False)):
+        rows = out.prompt_logprobs[len(prompt):]  # one per answer token
+        forced.append(([r.top_token_ids[0] for r in rows], [-r.logprob for r in rows]))
+    return greedy, forced
+
+
+def scores(answers, forced, reference) -> dict:
+    per_question = [leading_matches(a, r) for a, r in zip(answers, reference)]
+    agree = [t == r for (tops, _), ref in zip(forced, reference) for t, r in zip(tops, ref)]
+    nll = [v for _, values in forced for v in values]
+    return {"mean_leading_matches": sum(per_question) / len(per_question), "per_question": per_question,
+            "top1_agreement": sum(agree) / len(agree), "answer_nll": sum(nll) / len(nll)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,12 +152,19 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for q in QUESTIONS]
-    reference = simulated_answers(path, prompts, None)
-    results = {}
+    fp32 = simulated_model(path, None)
+    reference = [hf_greedy(fp32, p, NUM_NEW_TOKENS) for p in prompts]
+    results = {"fp32": scores(reference, [simulated_forced(fp32, p, a) for p, a in zip(prompts, reference)],
+                              reference)}
+    del fp32
     for scheme in args.schemes.split(","):
-        answers = engine_answers(path, prompts) if scheme == "engine" else simulated_answers(path, prompts, scheme)
-        per_question = [leading_matches(a, r) for a, r in zip(answers, reference)]
-        results[scheme] = {"mean_leading_matches": sum(per_question) / len(per_question), "per_question": per_question}
+        if scheme == "engine":
+            answers, forced = engine_results(path, prompts, reference)
+        else:
+            model = simulated_model(path, scheme)
+            answers = [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
+            forced = [simulated_forced(model, p, a) for p, a in zip(prompts, reference)]
+        results[scheme] = scores(answers, forced, reference)
         print(scheme, json.dumps(results[scheme]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
