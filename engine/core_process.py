@@ -163,6 +163,7 @@ class EngineCoreProcess:
                 block_size=engine.config.block_size,
                 eos_token_ids=list(engine.model_config.eos_token_ids),
                 dtype=str(engine.model_runner.dtype).removeprefix("torch."),
+                quantization=engine.config.quantization or "",
             )
         )
 

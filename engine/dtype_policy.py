@@ -5,7 +5,10 @@ multiplies bf16 natively: it halves the bytes every matmul and every KV read
 moves, and decode steps are bound by those bytes. "Natively" means AMX-BF16
 tiles or AVX512_BF16 dot products; a CPU with neither (AVX2 only, say) would
 emulate bf16 through fp32 conversions and gain nothing, so it stays in fp32.
-CUDA GPUs run bf16.
+CUDA GPUs run bf16. With `--quantization int8` the matmul weights are int8 whatever the
+dtype, and the activations stay in fp32: bf16's rounding of every activation and of the
+residual stream, on top of int8's, sends greedy answers elsewhere (SmolLM2 stops naming
+Paris), and the bytes bf16 would save are the activations' and KV's, not the weights'.
 
 The decision is a pure function of the detected capabilities, so it is tested
 on faked ones; `detect_cpu_features` is the only part that looks at the machine.
@@ -24,14 +27,19 @@ from ipc.engine_config import AUTO_DTYPE as AUTO, DTYPE_NAMES  # declared with t
 class CpuFeatures:
     has_amx_bf16: bool = False  # AMX tiles with bf16 dot products (Sapphire Rapids and later)
     has_avx512_bf16: bool = False  # AVX512_BF16's vdpbf16ps (Cooper Lake, Zen 4 and later)
+    has_avx512_vnni: bool = False  # vpdpbusd, the int8 kernel's dot product (Cascade Lake, Zen 4 and later)
 
 
-def choose_dtype(requested: str | None, device_type: str, cpu: CpuFeatures) -> tuple[str, str]:
-    """(dtype name, why): an explicit float32/bfloat16/float16 wins; None or "auto" decides by device."""
+def choose_dtype(requested: str | None, device_type: str, cpu: CpuFeatures,
+                 quantization: str | None = None) -> tuple[str, str]:
+    """(dtype name, why): an explicit float32/bfloat16/float16 wins; None or "auto" decides by
+    device and quantization."""
     if requested not in (None, AUTO):
         if requested not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {(AUTO, *DTYPE_NAMES)}, got {requested!r}")
         return requested, "requested"
+    if quantization == "int8":
+        return "float32", "auto: int8 weights, fp32 activations (bf16 on top of int8 drifts too far)"
     if device_type == "cuda":
         return "bfloat16", "auto: CUDA"
     if cpu.has_amx_bf16:
@@ -49,7 +57,8 @@ def detect_cpu_features() -> CpuFeatures:
 
         capabilities = torch.cpu.get_capabilities()
         return CpuFeatures(
-            has_amx_bf16=bool(capabilities.get("amx_bf16")), has_avx512_bf16=bool(capabilities.get("avx512_bf16"))
+            has_amx_bf16=bool(capabilities.get("amx_bf16")), has_avx512_bf16=bool(capabilities.get("avx512_bf16")),
+            has_avx512_vnni=bool(capabilities.get("avx512_vnni")),
         )
     except (AttributeError, RuntimeError):  # an older torch without the probe
         pass
@@ -60,4 +69,5 @@ def detect_cpu_features() -> CpuFeatures:
                 flags.update(line.split(":", 1)[1].split())
     except OSError:
         return CpuFeatures()
-    return CpuFeatures(has_amx_bf16="amx_bf16" in flags, has_avx512_bf16="avx512_bf16" in flags)
+    return CpuFeatures(has_amx_bf16="amx_bf16" in flags, has_avx512_bf16="avx512_bf16" in flags,
+                       has_avx512_vnni="avx512_vnni" in flags)

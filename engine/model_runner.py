@@ -35,6 +35,7 @@ from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.models.fast_paths import apply_fast_paths
 from engine.models.fused import CpuFusedOps, select_fused_ops
+from engine.models.int8_linear import Int8Plan, plan_int8
 from engine.request import Request
 from engine.logits_processing import LogitsProcessingState, bad_word_bans
 from engine.prompt_logprobs import PromptLogprobRows, PromptLogprobsCollector
@@ -53,7 +54,7 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 def resolve_dtype(config: EngineConfig, device: torch.device, cpu: CpuFeatures) -> tuple[torch.dtype, str]:
     """(dtype, why): as asked, or by engine.dtype_policy for "auto"."""
-    name, reason = choose_dtype(config.dtype, device.type, cpu)
+    name, reason = choose_dtype(config.dtype, device.type, cpu, config.quantization)
     return DTYPES[name], reason
 
 
@@ -92,10 +93,13 @@ class ModelRunner:
         self._set_num_threads()
         # Compiled, inductor prepacks the weights itself (freezing).
         self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
-        is_prepacked = config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
+        # int8 is checked before the weights load: a CPU without VNNI is refused at once.
+        int8 = plan_int8(self.device.type, cpu.has_avx512_vnni) if config.quantization else None
+        is_prepacked = (config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
+                        and int8 is None)
         self.model = self._load_model(bound_caches=is_prepacked or self.is_compiled)
         self.backend, fused_ops = self._make_backend(cpu)
-        self._prepare_model(fused_ops, cpu, is_prepacked)
+        self._prepare_model(fused_ops, cpu, is_prepacked, int8)
         self.kv_caches = self._make_kv_pool(num_kv_blocks)
         self.sampler = self._make_sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -132,11 +136,12 @@ class ModelRunner:
         kernels = fused_ops.kernels if fused_ops is not None else None
         return make_attention_backend(name, self.block_size, windows, kernels), fused_ops
 
-    def _prepare_model(self, fused_ops: CpuFusedOps | None, cpu: CpuFeatures, is_prepacked: bool) -> None:
-        """Prepacked (or slab) matmuls and the fused element-wise ops, on whatever blocks the model has."""
+    def _prepare_model(self, fused_ops: CpuFusedOps | None, cpu: CpuFeatures, is_prepacked: bool,
+                       int8: Int8Plan | None) -> None:
+        """int8, prepacked (or slab) matmuls and the fused element-wise ops, on whatever blocks the model has."""
         slabs = plan_slabs(self.dtype, self.num_weight_bytes, cpu) if is_prepacked else None
         apply_fast_paths(self.model, batch_size_hint=self.config.max_num_seqs if is_prepacked else None, slabs=slabs,
-                         fused_ops=fused_ops, backend=self.backend, is_compiled=self.is_compiled)
+                         fused_ops=fused_ops, backend=self.backend, is_compiled=self.is_compiled, int8=int8)
 
     def _make_kv_pool(self, num_kv_blocks: int) -> list[KVCache]:
         """One K and one V tensor per layer, in the backend's block layout."""

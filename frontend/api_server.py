@@ -97,7 +97,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
     async def models() -> dict:
         card = {"id": client.model_name, "object": "model", "created": created, "owned_by": "tokenloom",
                 "root": client.model_folder, "max_model_len": client.max_model_len,
-                "dtype": client.engines[0].ready.dtype}
+                "dtype": client.engines[0].ready.dtype, "quantization": client.engines[0].ready.quantization or None}
         return {"object": "list", "data": [card]}
 
     # Each route parses its body itself (read_body) so every way a body can be wrong gets

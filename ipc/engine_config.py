@@ -16,6 +16,7 @@ DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, converted by engine.model_fi
 AUTO_DTYPE = "auto"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static", "static-padded")
+QUANTIZATIONS = ("int8",)
 # Field names whose flag is spelled differently (kept from before the flags were generated).
 FLAG_NAMES = {"kv_cache_memory_bytes": "--kv-cache-memory"}
 
@@ -47,7 +48,12 @@ class EngineConfig:
     device: str | None = field(default=None, metadata=_flag("default: cuda when available, else cpu"))
     dtype: str | None = field(default=AUTO_DTYPE, metadata=_flag(
         "weights and activations: auto (bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512_BF16, "
-        "else float32; see engine.dtype_policy), float32, bfloat16, float16", choices=(AUTO_DTYPE, *DTYPE_NAMES)))
+        "else float32, and float32 under --quantization int8; see engine.dtype_policy), float32, bfloat16, float16",
+        choices=(AUTO_DTYPE, *DTYPE_NAMES)))
+    # Weight bytes bound a decode step: int8 halves them (engine.models.int8_linear).
+    quantization: str | None = field(default=None, metadata=_flag(
+        "CPU: int8 (W8A8 on AVX512_VNNI, weights and activations with a scale per group of 64 inputs); "
+        "default: none, weights in --dtype", choices=QUANTIZATIONS))
     seed: int = field(default=0, metadata=_flag("sampling seed for requests that bring none of their own"))
     num_threads: int | None = field(default=None, metadata=_flag(
         "CPU: torch intra-op threads (default: torch's own)"))
@@ -87,6 +93,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.dtype not in (None, AUTO_DTYPE, *DTYPE_NAMES):
             raise ValueError(f"dtype must be one of {(AUTO_DTYPE, *DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization is not None and self.compile:
+            raise ValueError("quantization is not supported with compile (the eager path runs the int8 kernel)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
         self._check_parallel()

@@ -111,6 +111,7 @@ class EngineReady(_Message, tag=int(MessageType.ENGINE_READY)):
     block_size: Count
     eos_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = field(default_factory=list)
     dtype: Annotated[str, Meta(max_length=MAX_DTYPE_NAME_LEN)] = ""  # what the weights and activations run in ("bfloat16"); "" from older cores
+    quantization: Annotated[str, Meta(max_length=MAX_DTYPE_NAME_LEN)] = ""  # "int8"; "": none (weights in dtype)
 
 
 class TokenLogprobs(_Record):

@@ -53,11 +53,11 @@ def _cpu_key() -> str:
     return platform.machine() + "-" + hashlib.sha256(description.encode()).hexdigest()[:12]
 
 
-def _sources_key() -> str:
+def _sources_key(paths: list[Path]) -> str:
     """torch rebuilds when a source or a flag changes, but does not read headers: the
     folder's name hashes all of them."""
     digest = hashlib.sha256()
-    for path in SOURCES + HEADERS:
+    for path in paths:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     # ninja's command lines name torch's headers: two venvs sharing the cache would rebuild over each other.
@@ -81,23 +81,25 @@ def copy_sources(paths: list[Path], folder: Path) -> list[Path]:
     return copies
 
 
+def load_extension(name: str, sources: list[Path], headers: list[Path]) -> ModuleType:
+    """Build (once per CPU, sources, flags and torch) and load the extension `name`, under
+    the folder's build lock; raises if this machine cannot build it (no compiler, say).
+    Each extension has its own folder, so editing one's sources rebuilds it alone."""
+    from torch.utils.cpp_extension import load
+
+    build_dir = cache_dir() / "torch_extensions" / f"{_cpu_key()}-{_sources_key(sources + headers)}"
+    logger.info("loading %s (built on first use) from %s", name, build_dir)
+    with exclusive_build(build_dir):
+        copies = copy_sources(sources + headers, build_dir / "src")[:len(sources)]
+        return load(name=name, sources=[str(s) for s in copies], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir))
+
+
 def load_cpu_kernels() -> ModuleType:
     """The compiled module; raises if this machine cannot build it (no compiler, say)."""
     global _module
     if _module is None:
-        from torch.utils.cpp_extension import load
-
-        build_dir = cache_dir() / "torch_extensions" / f"{_cpu_key()}-{_sources_key()}"
-        logger.info("loading CPU kernels (built on first use) from %s", build_dir)
-        with exclusive_build(build_dir):
-            sources = copy_sources(SOURCES + HEADERS, build_dir / "src")[:len(SOURCES)]
-            _module = load(
-                name="tokenloom_cpu_kernels",
-                sources=[str(s) for s in sources],
-                extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-            )
+        _module = load_extension("tokenloom_cpu_kernels", SOURCES, HEADERS)
     return _module
 
 

@@ -1,6 +1,8 @@
 """The CPU fast paths, applied by the model runner to whatever blocks a model is built
 from, so a new family gets them without code of its own:
 
+- int8 matmuls with `--quantization int8` (engine/models/int8_linear.py), in place of
+  the prepacked ones: every nn.Linear and RowParallelLinear, the LM head too;
 - prepacked matmuls (engine/models/cpu_packing.py): every nn.Linear (attention, MLPs, MoE
   experts, the LM head, tied or not) becomes a PackedLinear, on oneDNN's blocked layout or
   on bf16 slabs per the SlabPlan; a RowParallelLinear packs its matmul and keeps its
@@ -28,6 +30,7 @@ from engine.distributed.parallel_layers import RowParallelLinear
 from engine.models.attention import Attention
 from engine.models.cpu_packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
 from engine.models.fused import CpuFusedOps
+from engine.models.int8_linear import Int8Embedding, Int8Linear, Int8Plan, quantize_linears
 from engine.models.layers import OffsetRMSNorm, RMSNorm, SwiGLUMLP
 from engine.models.moe import MoEBlock
 
@@ -35,11 +38,15 @@ logger = logging.getLogger(__name__)
 
 
 def apply_fast_paths(model: nn.Module, *, batch_size_hint: int | None, slabs: SlabPlan | None,
-                     fused_ops: CpuFusedOps | None, backend: AttentionBackend, is_compiled: bool) -> list[str]:
-    """Prepack the matmuls (when `batch_size_hint` is given) and hand out the fused ops (when
-    given); returns the notes it logs, one per kind of fast path."""
+                     fused_ops: CpuFusedOps | None, backend: AttentionBackend, is_compiled: bool,
+                     int8: Int8Plan | None = None) -> list[str]:
+    """Quantize the matmuls to int8 (with `int8`), or prepack them (when `batch_size_hint` is
+    given), and hand out the fused ops (when given); returns the notes it logs, one per kind
+    of fast path."""
     notes = []
-    if is_compiled:
+    if int8 is not None:
+        notes.append(quantize_model(model, int8))
+    elif is_compiled:
         notes.append("compiled: inductor prepacks the matmuls and fuses the element-wise ops")
     elif batch_size_hint is not None:
         notes.append(f"{prepack_model(model, batch_size_hint, slabs)} matmuls on {_packing(slabs)}")
@@ -71,6 +78,24 @@ def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None
     if slabs is not None:
         gather_slabs_on_huge_pages(model)
     return num_packed
+
+
+def quantize_model(model: nn.Module, plan: Int8Plan) -> str:
+    """Every matmul, the logits' too, onto int8; a tied embedding reads the head's."""
+    num_quantized = quantize_linears(model, plan)  # the LM head among them, tied or not
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear):  # not nn.Linears: their all-reduce stays
+            module.packed = Int8Linear(module.weight, None, plan)
+            module.weight = None
+            num_quantized += 1
+    head = getattr(model, "lm_head", None)
+    note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd, scales per group of {plan.group_size} inputs)"
+    if isinstance(head, Int8Linear):
+        head.out_fp32 = True
+        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and getattr(model.tp, "size", 1) == 1:
+            model.embed_tokens = Int8Embedding(head, model.embed_tokens.weight.dtype)
+            note += ", the tied embedding read from the head's int8"
+    return note
 
 
 def use_fused_ops(model: nn.Module, ops: CpuFusedOps, can_rotate_and_store: bool) -> str:

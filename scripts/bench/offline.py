@@ -123,6 +123,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         dtype=args.dtype,
+        quantization=args.quantization,
         cpu_prepack=not args.no_cpu_prepack,
         compile=args.compile,
         enable_prefix_caching=prefix_caching,
@@ -164,6 +165,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         latencies=[o.metrics.finish_time - o.metrics.arrival_time for o in outputs],
         step_stats=step_stats,
         dtype=dtype,
+        quantization=args.quantization,
         compile_mode=compile_mode,
         startup_s=startup_s,
         prefix_caching=prefix_caching,
@@ -193,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from the engine's memory budget")
+    p.add_argument("--quantization", choices=["int8"], default=None, help="CPU: int8 W8A8 weights (default: none)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="every mode's weights and activations (auto: the engine's choice, bf16 on CPUs with "
                         "native bf16 matmul, else fp32)")

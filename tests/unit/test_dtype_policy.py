@@ -36,6 +36,13 @@ def test_auto_says_why():
     assert "no native bf16" in choose_dtype("auto", "cpu", AVX2_ONLY)[1]
 
 
+@pytest.mark.parametrize("cpu", [AMX, AVX512_BF16_ONLY])
+def test_auto_keeps_fp32_activations_under_int8_weights(cpu):
+    dtype, reason = choose_dtype("auto", "cpu", cpu, quantization="int8")
+    assert dtype == "float32" and "int8" in reason
+    assert choose_dtype("bfloat16", "cpu", cpu, quantization="int8") == ("bfloat16", "requested")
+
+
 @pytest.mark.parametrize("requested", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("device_type, cpu", [("cpu", AMX), ("cpu", AVX2_ONLY), ("cuda", AMX)])
 def test_an_explicit_dtype_overrides(requested, device_type, cpu):

@@ -1,0 +1,311 @@
+// W8A8 linear layers on AVX512_VNNI's vpdpbusd, with scales per group of 64 inputs
+// (engine/models/int8_linear.py packs the weights and decides where this runs).
+//
+//   y[t, n] = sum_g sx[t, g] * sw[n, g] * sum_{k in g} qx[t, k] * qw[n, k]  (+ bias[n])
+//
+// One scale per output row and token over a whole row lets one outlier input set the
+// step for every other: greedy decoding then drifts far from fp32. Groups of 64 along K
+// bound that to the group. Weights are int8, symmetric, one scale per (row, group),
+// quantized once at load time (K padded with zeros to a multiple of 64). Activations are
+// quantized here, one scale per (token, group): qx = round(x * 127 / max|x| over the group).
+//
+// vpdpbusd multiplies unsigned bytes by signed ones. The weights are the unsigned side,
+// stored as u = qw + 128, so each group's sum also holds 128 * sum_{k in g} qx[t, k]: a
+// correction per (token, group), computed while quantizing the activations, subtracted
+// exactly in int32. (Offsetting the weights instead would need a correction per row and
+// group held beside the weights: more bytes streamed per decode step.)
+//
+// Weights are packed into panels of 32 output rows, each panel contiguous:
+//   panels: [out_features / 32, num_quads, 32] 32-bit words; word (p, q, j) = the four
+//   bytes u of inputs 4q .. 4q + 3 of row 32 p + j; num_quads = 16 per group;
+//   w_scales: [out_features / 32, num_groups, 32] fp32, a panel's scales group by group.
+// A panel streams front to back; one vpdpbusd adds four products for 16 rows, with the
+// token's 4 bytes broadcast, so there are no horizontal sums. Each group's int32 sums are
+// exact (at most 64 * 255 * 127); its epilogue adds (sum - correction) * sw * sx into fp32
+// accumulators. Up to kMaxRows tokens share each weight load; more take further passes
+// over the panel, then in cache. The output is rounded to the activations' dtype once (or
+// left in fp32: logits).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
+#define TOKENLOOM_HAS_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output rows per panel: two zmm registers of sums
+constexpr int64_t kGroup = 64;  // inputs per scale
+constexpr int64_t kQuadsPerGroup = kGroup / 4;
+constexpr int kMaxRows = 6;  // tokens per pass: 12 int32 and 12 fp32 accumulators in registers
+constexpr int64_t kChunksPerThread = 8;  // run_panels' share-out
+constexpr int64_t kPrefetchQuads = 32;  // 4 KB ahead in the panel, into L2 (as the bf16 slabs do)
+
+#ifdef TOKENLOOM_HAS_VNNI
+
+inline __m512 load_floats_masked(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
+inline __m512 load_floats_masked(const at::BFloat16* x, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x)), 16));
+}
+
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1); }
+
+// One token: qx per group into `out` ([num_groups * 64] int8, zeros past in_features), its
+// scale max|x| / 127 (1 for an all-zero group) and its correction 128 * sum qx.
+template <typename in_t>
+void quantize_row(const in_t* x, int64_t in_features, int64_t num_groups, int8_t* out, float* scales,
+                  int32_t* corrections) {
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t k0 = g * kGroup;
+    __m512 v[4];
+    __m512 amax = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      v[c] = load_floats_masked(x + k0 + 16 * c, lanes(in_features - k0 - 16 * c));
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[c]));
+    }
+    const float max_abs = _mm512_reduce_max_ps(amax);
+    const __m512 inv = _mm512_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
+    __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      // Round to nearest even (the MXCSR default), as torch.round does in the reference.
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
+      sum = _mm512_add_epi32(sum, q);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k0 + 16 * c), _mm512_cvtsepi32_epi8(q));
+    }
+    scales[g] = max_abs > 0.f ? max_abs / 127.f : 1.f;
+    corrections[g] = 128 * _mm512_reduce_add_epi32(sum);
+  }
+}
+
+template <typename in_t>
+void quantize_rows(const in_t* x, int64_t num_tokens, int64_t in_features, int64_t num_groups, int8_t* out,
+                   float* scales, int32_t* corrections) {
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      quantize_row(x + t * in_features, in_features, num_groups, out + t * num_groups * kGroup,
+                   scales + t * num_groups, corrections + t * num_groups);
+    }
+  });
+}
+
+// The quantized activations of a pass: rows of words, and per (row, group) scale and correction.
+struct Activations {
+  const uint32_t* quads;  // [rows][num_quads]
+  const float* scales;  // [rows][num_groups]
+  const int32_t* corrections;  // [rows][num_groups]
+};
+
+// out[r][n0 .. n0 + 32) for rows [0, kRows) of `x`, over one panel.
+template <int kRows, typename out_t>
+void panel_rows(Activations x, int64_t num_groups, const uint32_t* panel, const float* w_scales, const float* bias,
+                int64_t num_valid, out_t* out, int64_t out_stride) {
+  const int64_t num_quads = num_groups * kQuadsPerGroup;
+  __m512 acc[kRows][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const uint32_t* w = panel + g * kQuadsPerGroup * kPanel;
+    const int64_t q0 = g * kQuadsPerGroup;
+    __m512i sums[kRows][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+    if constexpr (kRows == 1) {
+      // One token waits on each add's latency: four sums, over even and odd quads.
+      __m512i odd0 = _mm512_setzero_si512(), odd1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int64_t q = 0; q < kQuadsPerGroup; q += 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads) * kPanel), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads) * kPanel + 16), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads + 1) * kPanel), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads + 1) * kPanel + 16), _MM_HINT_T1);
+        const __m512i x0 = _mm512_set1_epi32(x.quads[q0 + q]), x1 = _mm512_set1_epi32(x.quads[q0 + q + 1]);
+        sums[0][0] = _mm512_dpbusd_epi32(sums[0][0], _mm512_loadu_si512(w + q * kPanel), x0);
+        sums[0][1] = _mm512_dpbusd_epi32(sums[0][1], _mm512_loadu_si512(w + q * kPanel + 16), x0);
+        odd0 = _mm512_dpbusd_epi32(odd0, _mm512_loadu_si512(w + (q + 1) * kPanel), x1);
+        odd1 = _mm512_dpbusd_epi32(odd1, _mm512_loadu_si512(w + (q + 1) * kPanel + 16), x1);
+      }
+      sums[0][0] = _mm512_add_epi32(sums[0][0], odd0);
+      sums[0][1] = _mm512_add_epi32(sums[0][1], odd1);
+    } else {
+      for (int64_t q = 0; q < kQuadsPerGroup; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads) * kPanel), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads) * kPanel + 16), _MM_HINT_T1);
+        const __m512i w0 = _mm512_loadu_si512(w + q * kPanel);
+        const __m512i w1 = _mm512_loadu_si512(w + q * kPanel + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          const __m512i xr = _mm512_set1_epi32(x.quads[r * num_quads + q0 + q]);
+          sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], w0, xr);
+          sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], w1, xr);
+        }
+      }
+    }
+    // The group's epilogue: (sum - 128 * sum qx), exact in int32, then both scales in fp32.
+    const __m512 ws0 = _mm512_loadu_ps(w_scales + g * kPanel);
+    const __m512 ws1 = _mm512_loadu_ps(w_scales + g * kPanel + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i correction = _mm512_set1_epi32(x.corrections[r * num_groups + g]);
+      const __m512 xs = _mm512_set1_ps(x.scales[r * num_groups + g]);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][0], correction)),
+                                  _mm512_mul_ps(ws0, xs), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][1], correction)),
+                                  _mm512_mul_ps(ws1, xs), acc[r][1]);
+    }
+  }
+  const __mmask16 valid[2] = {lanes(num_valid), lanes(num_valid - 16)};
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + 16 * h) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 y = _mm512_add_ps(acc[r][h], b);
+      out_t* dst = out + r * out_stride + 16 * h;
+      if constexpr (std::is_same_v<out_t, float>) {
+        _mm512_mask_storeu_ps(dst, valid[h], y);
+      } else {
+        // Round to nearest even, as torch's float -> bf16 cast does.
+        const __m512i bits = _mm512_castps_si512(y);
+        const __m512i rounding = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                  _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+        const __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16));
+        _mm256_mask_storeu_epi16(dst, valid[h], hi);
+      }
+    }
+  }
+}
+
+template <typename out_t>
+using PanelRowsFn = void (*)(Activations, int64_t, const uint32_t*, const float*, const float*, int64_t, out_t*,
+                             int64_t);
+template <typename out_t>
+constexpr PanelRowsFn<out_t> kPanelRows[kMaxRows] = {panel_rows<1, out_t>, panel_rows<2, out_t>,
+                                                     panel_rows<3, out_t>, panel_rows<4, out_t>,
+                                                     panel_rows<5, out_t>, panel_rows<6, out_t>};
+
+// Panels are handed out in chunks from a shared counter (as the bf16 slabs are): a thread
+// that loses its core for a while leaves its remaining chunks to the other.
+template <typename out_t>
+void run_panels(Activations x, int64_t num_tokens, int64_t num_groups, const uint32_t* panels, const float* w_scales,
+                const float* bias, int64_t num_panels, int64_t out_features, out_t* out) {
+  const int64_t num_quads = num_groups * kQuadsPerGroup;
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_panels);
+  const int64_t chunk = std::max<int64_t>(1, num_panels / (num_threads * kChunksPerThread));
+  std::atomic<int64_t> next_panel{0};
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    for (int64_t first = next_panel.fetch_add(chunk); first < num_panels; first = next_panel.fetch_add(chunk)) {
+      for (int64_t p = first; p < std::min(first + chunk, num_panels); ++p) {
+        const int64_t n0 = p * kPanel;
+        for (int64_t r0 = 0; r0 < num_tokens; r0 += kMaxRows) {
+          const int64_t rows = std::min<int64_t>(kMaxRows, num_tokens - r0);
+          const Activations block{x.quads + r0 * num_quads, x.scales + r0 * num_groups, x.corrections + r0 * num_groups};
+          kPanelRows<out_t>[rows - 1](block, num_groups, panels + p * num_quads * kPanel,
+                                      w_scales + p * num_groups * kPanel, bias == nullptr ? nullptr : bias + n0,
+                                      out_features - n0, out + r0 * out_features + n0, out_features);
+        }
+      }
+    }
+  });
+}
+
+#endif  // TOKENLOOM_HAS_VNNI
+
+void check_input(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x: 2-D bf16 or fp32 on the CPU");
+}
+
+}  // namespace
+
+bool has_int8_linear() {
+#ifdef TOKENLOOM_HAS_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+int64_t group_size() { return kGroup; }
+
+// x: [num_tokens, in_features] bf16 or fp32 -> (qx [num_tokens, num_groups * 64] int8, zeros
+// past in_features; scales [num_tokens, num_groups] fp32; corrections [num_tokens, num_groups]
+// int32, 128 * each group's sum of qx). The kernel's own activation quantization, exposed for tests.
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t num_groups) {
+  TORCH_CHECK(has_int8_linear(), "int8 linears need a CPU with AVX512_VNNI");
+  check_input(x);
+  TORCH_CHECK(num_groups * kGroup >= x.size(1) && (num_groups - 1) * kGroup < x.size(1),
+              "num_groups must be in_features / 64, rounded up");
+  x = x.contiguous();
+  auto bytes = torch::empty({x.size(0), num_groups * kGroup}, x.options().dtype(at::kChar));
+  auto scales = torch::empty({x.size(0), num_groups}, x.options().dtype(at::kFloat));
+  auto corrections = torch::empty({x.size(0), num_groups}, x.options().dtype(at::kInt));
+#ifdef TOKENLOOM_HAS_VNNI
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
+                  scales.data_ptr<float>(), corrections.data_ptr<int32_t>());
+  } else {
+    quantize_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
+                  scales.data_ptr<float>(), corrections.data_ptr<int32_t>());
+  }
+#endif
+  return {bytes, scales, corrections};
+}
+
+// x: [num_tokens, in_features] bf16 or fp32; panels: [padded_out / 32, num_groups * 16, 32]
+// int32 and w_scales: [padded_out / 32, num_groups, 32] fp32 (engine.models.int8_linear's
+// layout); bias: [padded_out] fp32 or empty. Returns [num_tokens, out_features] in x's
+// dtype, or with out_fp32 in fp32 (logits).
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor w_scales, torch::Tensor bias,
+                          int64_t out_features, bool out_fp32) {
+  TORCH_CHECK(has_int8_linear(), "int8 linears need a CPU with AVX512_VNNI");
+  check_input(x);
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kInt32 && panels.size(2) == kPanel &&
+                  panels.size(1) % kQuadsPerGroup == 0 && panels.is_contiguous(),
+              "panels: [padded_out / 32, num_groups * 16, 32] int32, contiguous");
+  const int64_t num_tokens = x.size(0), in_features = x.size(1);
+  const int64_t num_panels = panels.size(0), num_groups = panels.size(1) / kQuadsPerGroup;
+  const int64_t padded_out = num_panels * kPanel;
+  TORCH_CHECK(num_groups * kGroup >= in_features && (num_groups - 1) * kGroup < in_features,
+              "x's features disagree with the weight's");
+  TORCH_CHECK(out_features <= padded_out && out_features > padded_out - kPanel, "out_features disagrees with the panels");
+  TORCH_CHECK(w_scales.scalar_type() == torch::kFloat && w_scales.dim() == 3 && w_scales.size(0) == num_panels &&
+                  w_scales.size(1) == num_groups && w_scales.size(2) == kPanel && w_scales.is_contiguous(),
+              "w_scales: [padded_out / 32, num_groups, 32] fp32, contiguous");
+  const bool has_bias = bias.numel() > 0;
+  if (has_bias) {
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.numel() == padded_out && bias.is_contiguous(),
+                "bias: [padded_out] fp32");
+  }
+  auto out = torch::empty({num_tokens, out_features}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
+  if (num_tokens == 0 || num_panels == 0) return out;
+#ifdef TOKENLOOM_HAS_VNNI
+  // [num_tokens, num_groups * 64] int8, [num_tokens, num_groups] fp32, [num_tokens, num_groups] int32
+  const auto quantized = quantize_activations(x, num_groups);
+  const Activations xq{reinterpret_cast<const uint32_t*>(quantized[0].data_ptr<int8_t>()),
+                       quantized[1].data_ptr<float>(), quantized[2].data_ptr<int32_t>()};
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
+  const float* ws = w_scales.data_ptr<float>();
+  const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
+  if (out.scalar_type() == at::kFloat) {
+    run_panels(xq, num_tokens, num_groups, w, ws, b, num_panels, out_features, out.data_ptr<float>());
+  } else {
+    run_panels(xq, num_tokens, num_groups, w, ws, b, num_panels, out_features, out.data_ptr<at::BFloat16>());
+  }
+#endif
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_int8_linear", &has_int8_linear, "whether this build has the int8 kernels (AVX512_VNNI)");
+  m.def("group_size", &group_size, "inputs per scale, weights' and activations' alike");
+  m.def("quantize_activations", &quantize_activations, "symmetric int8 per (token, group of 64), with corrections (CPU)");
+  m.def("int8_linear", &int8_linear, "W8A8 linear on vpdpbusd, scales per group of 64 inputs (CPU)");
+}

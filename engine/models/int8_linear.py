@@ -1,0 +1,165 @@
+"""`--quantization int8`: W8A8 linears on our vpdpbusd kernel (engine/kernels/cpu_int8/int8_linear.cpp).
+
+Every weight is quantized once, at load time, from the checkpoint's bf16/fp32 values:
+symmetric int8 with one scale per output row and group of 64 inputs (the input features
+padded with zeros to a multiple of 64). Activations are quantized inside the kernel, one
+scale per token and group of 64. One scale per whole row and token drifts far from fp32
+(an outlier sets the step for its whole row); per group, greedy answers stay about as close
+to fp32 as with llama.cpp's Q8_0 (scripts/bench/quant_drift.py measures both). The
+activations between matmuls stay in fp32 by default (engine/dtype_policy.py says why).
+
+`Int8Linear` replaces each nn.Linear (and the matmul of each RowParallelLinear) through
+engine/models/fast_paths.py, so every family gets it: attention, MLPs, MoE experts and the
+LM head. A tied embedding shares the head's int8 panels (`Int8Embedding` reads its rows
+back out of them), so the vocabulary is held once, in int8.
+
+The plan is a pure function of the CPU's features (tested on faked ones): the kernel needs
+AVX512_VNNI; without it, int8 is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+PANEL = 32  # output rows per panel (the kernel's kPanel)
+GROUP = 64  # inputs per scale (the kernel's kGroup)
+
+
+@dataclass(frozen=True)
+class Int8Plan:
+    kernels: ModuleType
+    group_size: int = GROUP
+
+
+def check_int8_supported(device_type: str, has_avx512_vnni: bool) -> None:
+    """Raise, saying why, where int8 cannot run."""
+    if device_type != "cpu":
+        raise ValueError("quantization='int8' runs on the CPU only (our vpdpbusd kernel)")
+    if not has_avx512_vnni:
+        raise ValueError("quantization='int8' needs a CPU with AVX512_VNNI (vpdpbusd); this CPU has none: "
+                         "run without --quantization (bf16 or fp32)")
+
+
+def plan_int8(device_type: str, has_avx512_vnni: bool) -> Int8Plan:
+    check_int8_supported(device_type, has_avx512_vnni)
+    from engine.kernels.int8_extension import load_int8_kernels
+
+    kernels = load_int8_kernels()
+    if not kernels.has_int8_linear():  # built without VNNI: the compiler's target disagrees with the probe
+        raise ValueError("quantization='int8': the int8 kernel was built without AVX512_VNNI on this CPU")
+    if kernels.group_size() != GROUP:  # the packing here and the kernel must agree
+        raise ValueError(f"quantization='int8': the kernel's groups are {kernels.group_size()} inputs, not {GROUP}")
+    return Int8Plan(kernels)
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight in the kernel's layout, with what it needs to undo the quantization."""
+
+    panels: torch.Tensor  # [padded_out / 32, num_groups * 16, 32] int32: four bytes q + 128 of one row per word
+    scales: torch.Tensor  # [padded_out / 32, num_groups, 32] fp32: a panel's scales, group by group
+    out_features: int
+    in_features: int
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (q [out, num_groups * 64] int8, zeros past `in`; scales [out, num_groups]
+    fp32): symmetric, per row and group of 64 inputs."""
+    out_features, in_features = weight.shape
+    num_groups = -(-in_features // GROUP)
+    w = torch.zeros(out_features, num_groups * GROUP)
+    w[:, :in_features] = weight.detach().float()
+    groups = w.view(out_features, num_groups, GROUP)  # [out, num_groups, 64]
+    max_abs = groups.abs().amax(dim=2)  # [out, num_groups]
+    scales = torch.where(max_abs > 0, max_abs / 127, torch.ones_like(max_abs))
+    q = torch.round(groups / scales[:, :, None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(out_features, num_groups * GROUP), scales
+
+
+def pack_panels(q: torch.Tensor, scales: torch.Tensor, in_features: int) -> QuantizedWeight:
+    """(q [out, num_groups * 64] int8, scales [out, num_groups]) -> the kernel's panels: word
+    (p, i, j) holds the bytes q + 128 of inputs 4i .. 4i+3 of row 32p + j; rows padded with
+    zeros (scale 1)."""
+    out_features, padded_in = q.shape
+    num_groups = padded_in // GROUP
+    padded_out = -(-out_features // PANEL) * PANEL
+    num_panels = padded_out // PANEL
+    unsigned = torch.full((padded_out, padded_in), 128, dtype=torch.uint8)
+    unsigned[:out_features] = (q.to(torch.int16) + 128).to(torch.uint8)
+    panels = unsigned.view(num_panels, PANEL, padded_in // 4, 4).permute(0, 2, 1, 3).contiguous()
+    padded_scales = torch.ones(padded_out, num_groups)
+    padded_scales[:out_features] = scales
+    panel_scales = padded_scales.view(num_panels, PANEL, num_groups).transpose(1, 2).contiguous()
+    return QuantizedWeight(panels.view(torch.int32).view(num_panels, padded_in // 4, PANEL), panel_scales,
+                           out_features, in_features)
+
+
+def unpack_rows(weight: QuantizedWeight, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantized rows `rows` ([n] int64), read from the panels: (q [n, in_features] int8,
+    scales [n, num_groups] fp32)."""
+    words = weight.panels[rows // PANEL, :, rows % PANEL]  # [n, num_groups * 16] int32
+    q = (words.contiguous().view(torch.uint8).to(torch.int16) - 128).to(torch.int8)  # [n, num_groups * 64]
+    scales = weight.scales[rows // PANEL, :, rows % PANEL]  # [n, num_groups]
+    return q[:, : weight.in_features], scales
+
+
+def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """[n] int64 -> [n, in_features] fp32: q * its group's scale."""
+    q, scales = unpack_rows(weight, rows)
+    per_input = scales.repeat_interleave(GROUP, dim=1)[:, : weight.in_features]  # [n, in_features]
+    return q.float() * per_input
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W^T (+ bias), W and x int8 with a scale per group of 64 inputs; y in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan) -> None:
+        super().__init__()
+        self.kernels = plan.kernels
+        self.out_features, self.in_features = weight.shape
+        q, scales = quantize_weight(weight)
+        self.quantized = pack_panels(q, scales, self.in_features)
+        # Buffers, so the model's memory is counted from its buffers like any other tensor.
+        self.register_buffer("panels", self.quantized.panels, persistent=False)
+        self.register_buffer("scales", self.quantized.scales, persistent=False)
+        padded_bias = torch.empty(0)
+        if bias is not None:
+            padded_bias = torch.zeros(self.panels.shape[0] * PANEL)
+            padded_bias[: self.out_features] = bias.detach().float()
+        self.register_buffer("bias", padded_bias, persistent=False)
+        self.out_fp32 = False  # logits: the fp32 result, unrounded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]
+        rows = x.reshape(-1, self.in_features)  # [num_tokens, in_features]
+        out = self.kernels.int8_linear(rows, self.panels, self.scales, self.bias, self.out_features,
+                                       self.out_fp32)  # [num_tokens, out_features]
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Embedding(nn.Module):
+    """A tied embedding read from the LM head's int8 panels: row t = q[t] * its groups' scales."""
+
+    def __init__(self, head: Int8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = [head]  # a list: the head is the model's module, not this one's child
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize_rows(self.head[0].quantized, input_ids.reshape(-1))  # [num_tokens, hidden]
+        return rows.to(self.dtype).view(*input_ids.shape, -1)
+
+
+def quantize_linears(model: nn.Module, plan: Int8Plan) -> int:
+    """Swap every nn.Linear in `model` for an Int8Linear; returns how many."""
+    num_quantized = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Int8Linear(child.weight, child.bias, plan))
+                num_quantized += 1
+    return num_quantized

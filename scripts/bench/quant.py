@@ -1,0 +1,86 @@
+"""bf16 against --quantization int8 in one run, JSON out (issue #28's single-user and batched rows).
+
+Both in `--dtype auto`: bf16 where the CPU multiplies it natively, and fp32 activations
+beside the int8 weights (engine/dtype_policy.py); `--int8-dtype bfloat16` runs int8 with
+bf16 activations instead.
+
+Single user: one request, a 128-token prompt, 256 greedy tokens (EOS ignored): TTFT and
+decode tok/s after the first token. Batched: `--num-requests` requests of the same shape
+submitted together, total (prompt + output) tok/s. Offline `LLM`, no HTTP: the server's
+own overhead is bench_peers.sh's to measure. Each setting runs in its own engine, one
+after the other, in one process.
+
+    python -m scripts.bench.quant --out results/quant.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from engine import LLM, SamplingParams
+
+
+def prompts(num: int, num_tokens: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(num_tokens)] for _ in range(num)]
+
+
+def measure(quantization: str | None, args) -> dict:
+    dtype = args.int8_dtype if quantization else "auto"
+    llm = LLM(args.model, quantization=quantization, dtype=dtype, enable_prefix_caching=False)
+    vocab = llm.engine.model_config.vocab_size
+    single = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts(1, args.prompt_len, vocab, 99), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    runs = []
+    for i in range(args.repeats):
+        out = llm.generate(prompts(1, args.prompt_len, vocab, i), single, use_tqdm=False)[0]
+        m = out.metrics
+        runs.append({"ttft_s": m.first_token_time - m.arrival_time,
+                     "decode_tok_s": (len(out.token_ids) - 1) / (m.finish_time - m.first_token_time)})
+    batch = prompts(args.num_requests, args.prompt_len, vocab, 1000)
+    start = time.perf_counter()
+    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=args.batch_output_len, ignore_eos=True),
+                        use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(p) for p in batch) + sum(len(o.token_ids) for o in outs)
+    runner = llm.engine.model_runner
+    model = runner.model
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return {
+        "quantization": quantization,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "single_user": {"median_ttft_s": sorted(r["ttft_s"] for r in runs)[len(runs) // 2],
+                        "median_decode_tok_s": sorted(r["decode_tok_s"] for r in runs)[len(runs) // 2], "runs": runs},
+        "batched": {"num_requests": len(batch), "elapsed_s": elapsed, "total_tokens_per_s": num_tokens / elapsed},
+        # Prepacked oneDNN weights are opaque, so bf16's resident count misses most of them:
+        # loaded_weight_bytes is the parameters' size in the run's dtype before prepacking or int8.
+        "resident_weight_bytes": resident,
+        "loaded_weight_bytes": runner.num_weight_bytes,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--batch-output-len", type=int, default=128)
+    p.add_argument("--int8-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    results = {"settings": vars(args), "runs": [measure(q, args) for q in (None, "int8")]}
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""int8 W8A8 linears (engine/kernels/cpu_int8/int8_linear.cpp, engine/models/int8_linear.py):
+the activations' quantization against torch's, the kernel against an fp32 matmul of the
+dequantized weights and activations at every step size and odd shapes, the panels read
+back, the plan on faked CPU features and the config's checks."""
+
+import pytest
+import torch
+
+from engine.dtype_policy import CpuFeatures
+from engine.models.int8_linear import (GROUP, Int8Linear, check_int8_supported, dequantize_rows, pack_panels,
+                                       quantize_weight, unpack_rows)
+from ipc.engine_config import EngineConfig
+
+try:
+    from engine.models.int8_linear import plan_int8
+
+    PLAN = plan_int8("cpu", CpuFeatures(has_avx512_vnni=True).has_avx512_vnni)
+except Exception:  # no VNNI or no compiler: the refusal and packing tests below still run
+    PLAN = None
+needs_kernel = pytest.mark.skipif(PLAN is None, reason="no int8 kernel on this CPU")
+
+
+def dequantized_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp64 matmul of the kernel's own quantized activations and the dequantized weights."""
+    q, scales = quantize_weight(weight)  # [out, num_groups * 64] int8, [out, num_groups]
+    num_groups = scales.shape[1]
+    x_bytes, x_scales, _ = PLAN.kernels.quantize_activations(x, num_groups)
+    xq = x_bytes.double().view(len(x), num_groups, GROUP) * x_scales.double()[:, :, None]
+    wq = q.double().view(len(q), num_groups, GROUP) * scales.double()[:, :, None]
+    return (xq.flatten(1) @ wq.flatten(1).t()).float()  # [num_tokens, out_features]
+
+
+def test_refused_without_vnni():
+    with pytest.raises(ValueError, match="AVX512_VNNI"):
+        check_int8_supported("cpu", CpuFeatures(has_avx512_bf16=True).has_avx512_vnni)
+    with pytest.raises(ValueError, match="CPU only"):
+        check_int8_supported("cuda", True)
+
+
+def test_config_checks_the_quantization():
+    assert EngineConfig().quantization is None  # bf16 (the dtype policy's choice) stays the default
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="compile"):
+        EngineConfig(quantization="int8", compile=True)
+
+
+def test_weights_quantize_per_group_and_read_back_from_the_panels():
+    weight = torch.randn(40, 70)
+    weight[3, 5] = 50.0  # an outlier coarsens its own group only
+    q, scales = quantize_weight(weight)
+    assert q.shape == (40, 128) and scales.shape == (40, 2)
+    assert not q[:, 70:].any()  # K padded with zeros to the group
+    assert scales[3, 0] == 50.0 / 127 and scales[3, 1] < 1.0
+    packed = pack_panels(q, scales, 70)
+    assert packed.panels.shape == (2, 32, 32) and packed.scales.shape == (2, 2, 32)  # 40 rows -> 64
+    rows = torch.arange(40)
+    q_back, scales_back = unpack_rows(packed, rows)
+    assert torch.equal(q_back, q[:, :70]) and torch.equal(scales_back, scales)
+    error = (dequantize_rows(packed, rows) - weight).abs()  # [40, 70]
+    assert (error <= scales.repeat_interleave(GROUP, dim=1)[:, :70] / 2 + 1e-6).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_features", [1, 63, 64, 65, 577])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activations_quantize_per_group_as_torch_does(in_features, dtype):
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(in_features)).to(dtype)
+    x[2, 0] = 40.0
+    x[4] = 0.0  # an all-zero token: scale 1, no division by zero
+    num_groups = -(-in_features // GROUP)
+    q, scales, corrections = PLAN.kernels.quantize_activations(x, num_groups)
+    padded = torch.zeros(5, num_groups * GROUP)
+    padded[:, :in_features] = x.float()
+    groups = padded.view(5, num_groups, GROUP)
+    max_abs = groups.abs().amax(2)  # [5, num_groups]
+    inverse = torch.where(max_abs > 0, 127 / max_abs, torch.zeros_like(max_abs))
+    expected = torch.round(groups * inverse[:, :, None]).to(torch.int8).flatten(1)
+    # -ffast-math divides by 127 as a product with 1 / 127: within an ulp.
+    torch.testing.assert_close(scales, torch.where(max_abs > 0, max_abs / 127, torch.ones_like(max_abs)),
+                               rtol=2**-23, atol=0)
+    assert (q.int() - expected.int()).abs().max() <= 1  # a product rounded at .5 may land either way
+    assert torch.equal(corrections, 128 * q.view(5, num_groups, GROUP).sum(2, dtype=torch.int32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 17, 31, 64, 127, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_the_dequantized_matmul(num_tokens, dtype):
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight = torch.randn(96, 192, generator=gen)
+    x = torch.randn(num_tokens, 192, generator=gen).to(dtype)
+    out = Int8Linear(weight, None, PLAN)(x)
+    assert out.shape == (num_tokens, 96) and out.dtype == dtype
+    expected = dequantized_reference(x, weight)
+    # Integer sums are exact: only the epilogues' fp32 scaling and the output's rounding differ.
+    rtol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), expected, atol=1e-3, rtol=rtol)
+
+
+@needs_kernel
+def test_every_step_size_up_to_1024_gives_each_token_the_same_row():
+    """A token's row is its own: the same bits whichever pass (1 to 6 tokens) computes it."""
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(40, 70, generator=gen), torch.randn(40, generator=gen)
+    linear = Int8Linear(weight, bias, PLAN)
+    x = torch.randn(1024, 70, generator=gen).bfloat16()
+    full = linear(x)  # [1024, 40]
+    torch.testing.assert_close(full.float(), dequantized_reference(x, weight) + bias, atol=1e-2, rtol=2**-8)
+    for num_tokens in range(1, 1024):
+        assert torch.equal(linear(x[:num_tokens]), full[:num_tokens]), num_tokens
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 17, 5), (7, 33, 70), (5, 65, 130), (3, 31, 1), (9, 1, 8), (2, 100, 577),
+                                   (6, 32, 64), (13, 96, 65)])
+def test_odd_shapes_with_bias_and_fp32_logits(shape):
+    num_tokens, out_features, in_features = shape
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    x = torch.randn(num_tokens, in_features, generator=gen).bfloat16()
+    linear = Int8Linear(weight, bias, PLAN)
+    linear.out_fp32 = True
+    out = linear(x)
+    assert out.dtype == torch.float32 and out.shape == (num_tokens, out_features)
+    torch.testing.assert_close(out, dequantized_reference(x, weight) + bias, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+def test_an_outlier_coarsens_its_own_group_only():
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(64, 256, generator=gen), torch.randn(4, 256, generator=gen)
+    x[:, 3] = 30.0  # one large input: one scale per token would coarsen all 256
+    out = Int8Linear(weight, None, PLAN)(x)
+    exact = x @ weight.t()  # [4, 64]
+    token_scales = x.abs().amax(1, keepdim=True) / 127  # [4, 1]
+    per_token = (torch.round(x / token_scales) * token_scales) @ linear_weight(weight).t()
+    assert (out - exact).abs().mean() < 0.7 * (per_token - exact).abs().mean()
+    assert (out - exact).abs().max() < 0.03 * exact.abs().max()
+
+
+def linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as the kernel holds it: rounded to its groups' int8 steps."""
+    q, scales = quantize_weight(weight)
+    return (q.float().view(len(q), -1, GROUP) * scales[:, :, None]).flatten(1)[:, : weight.shape[1]]
