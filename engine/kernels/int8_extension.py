@@ -22,3 +22,24 @@ def load_int8_kernels() -> ModuleType:
     if _module is None:
         _module = load_extension("tokenloom_int8_kernels", SOURCES, [])
     return _module
+
+
+def main() -> None:
+    """Build ahead of time (`make kernels` runs this) where the CPU can run it, so neither an
+    int8 engine's start nor a test pays the compile."""
+    import logging
+
+    from engine.dtype_policy import detect_cpu_features
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not detect_cpu_features().has_avx512_vnni:
+        print("int8 kernel: not built (this CPU has no AVX512_VNNI)")
+        return
+    try:
+        print(load_int8_kernels().__file__)
+    except Exception as exc:  # set-up goes on: only --quantization int8 needs it, and it says why
+        logging.getLogger(__name__).warning("int8 kernel could not be built (%s)", exc)
+
+
+if __name__ == "__main__":
+    main()
