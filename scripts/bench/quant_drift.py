@@ -29,20 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.model_files import DEFAULT_MODEL, resolve_model
+from scripts.lib.greedy_drift import NUM_NEW_TOKENS, QUESTIONS, hf_greedy, leading_matches
 
-NUM_NEW_TOKENS = 32
-QUESTIONS = [  # tests/models/test_bf16_fidelity.py's
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "How many legs does a spider have?",
-    "What is 12 times 12?",
-    "Who wrote Romeo and Juliet?",
-    "Give me a synonym for happy.",
-    "What is the boiling point of water in Celsius?",
-    "Write a haiku about the sea.",
-    "Why is the sky blue?",
-    "Translate 'good morning' into Spanish.",
-]
 SCHEMES = {  # name: (weight group, activation group, fp16 scales); None: the whole row
     "channel": (None, None, False),
     "q8_0": (32, 32, True),
@@ -63,27 +51,6 @@ def fake_quantize(x: torch.Tensor, group: int | None, fp16_scales: bool) -> torc
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
     q = (g / scales).round().clamp(-127, 127) * scales
     return q.reshape(*x.shape[:-1], -1)[..., :k]
-
-
-def leading_matches(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def hf_greedy(model, prompt: list[int], num_new_tokens: int) -> list[int]:
-    """Token-by-token greedy decoding on transformers' own forward and KV cache."""
-    input_ids, past, out_ids = torch.tensor([prompt]), None, []
-    with torch.inference_mode():
-        for _ in range(num_new_tokens):
-            out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            out_ids.append(int(out.logits[0, -1].argmax()))
-            input_ids = torch.tensor([[out_ids[-1]]])
-    return out_ids
 
 
 def simulated_model(path: str, scheme: str | None):

@@ -1,5 +1,5 @@
-"""Models for tests: tiny random ones of any supported family, the default model's folder, and
-transformers' greedy tokens as the reference."""
+"""Models for tests: tiny random ones of any supported family and the default model's folder
+(transformers' greedy reference is scripts/lib/greedy_drift.py's hf_greedy)."""
 
 from __future__ import annotations
 
@@ -66,20 +66,3 @@ def cached_default_model():
             pytest.fail(message)
         pytest.skip(message)
     return folder
-
-
-def hf_greedy(model, prompt_token_ids: list[int], num_new_tokens: int) -> list[int]:
-    """Token-by-token greedy decoding with transformers' own forward and KV cache (EOS ignored)."""
-    import torch
-
-    input_ids = torch.tensor([prompt_token_ids])
-    output_ids = []
-    past = None
-    with torch.inference_mode():
-        for _ in range(num_new_tokens):
-            out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            next_id = int(out.logits[0, -1].argmax())
-            output_ids.append(next_id)
-            input_ids = torch.tensor([[next_id]])
-    return output_ids

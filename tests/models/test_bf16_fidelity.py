@@ -14,36 +14,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.helpers.models import hf_greedy
+from scripts.lib.greedy_drift import NUM_NEW_TOKENS, QUESTIONS, hf_greedy, leading_matches, mean_leading_matches
 
 pytestmark = pytest.mark.slow
 
-NUM_NEW_TOKENS = 32
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "How many legs does a spider have?",
-    "What is 12 times 12?",
-    "Who wrote Romeo and Juliet?",
-    "Give me a synonym for happy.",
-    "What is the boiling point of water in Celsius?",
-    "Write a haiku about the sea.",
-    "Why is the sky blue?",
-    "Translate 'good morning' into Spanish.",
-]  # x 32 tokens, token by token in both transformers dtypes: ~40 s on 2 idle cores
-
-
-def leading_matches(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def mean_leading_matches(answers: list[list[int]], references: list[list[int]]) -> float:
-    return sum(leading_matches(a, r) for a, r in zip(answers, references)) / len(references)
 
 
 def test_leading_matches_counts_the_common_prefix():

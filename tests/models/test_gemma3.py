@@ -16,7 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
-from tests.helpers.models import hf_greedy
+from scripts.lib.greedy_drift import hf_greedy
 from tests.helpers.models import make_tiny_model
 from tests.models.test_bf16_fidelity import mean_leading_matches
 from tests.models.test_model_families import ENGINE_KWARGS, GREEDY, NUM_NEW_TOKENS, tp2_greedy_token_ids

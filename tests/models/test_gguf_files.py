@@ -24,7 +24,8 @@ from engine import LLM, SamplingParams
 from engine.model_files import DEFAULT_MODEL, download_known_gguf, find_known_model, gguf_folder, resolve_model
 from tests.helpers import REPO_ROOT
 from tests.helpers.gguf_writer import permute_for_llama_cpp, write_llama_gguf
-from tests.helpers.models import hf_greedy, make_tiny_model
+from scripts.lib.greedy_drift import hf_greedy
+from tests.helpers.models import make_tiny_model
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.helpers.models import hf_greedy, make_tiny_model
+from scripts.lib.greedy_drift import hf_greedy
+from tests.helpers.models import make_tiny_model
 
 NUM_NEW_TOKENS = 64
 

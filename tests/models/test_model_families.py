@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
 from engine.models.cpu_packing import PackedLinear
 from engine.models.moe import MoEBlock
-from tests.helpers.models import hf_greedy
+from scripts.lib.greedy_drift import hf_greedy
 from tests.helpers.models import make_tiny_model
 
 # Small enough that each case runs in seconds; head_dim 16 unless a case says otherwise.

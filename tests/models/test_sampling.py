@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SamplingBatch
-from tests.helpers.models import hf_greedy
+from scripts.lib.greedy_drift import hf_greedy
 from tests.helpers.models import make_tiny_model
 
 # ---- Sampler on hand-made logits, through the torch ops and through the CPU kernel ----

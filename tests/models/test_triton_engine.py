@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton backend cannot run")
 
-from tests.helpers.models import hf_greedy  # noqa: E402
+from scripts.lib.greedy_drift import hf_greedy  # noqa: E402
 import engine.attention.triton_backend as triton_backend  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.kernels.store_kv import store_kv_kernel  # noqa: E402
