@@ -38,7 +38,8 @@ SOURCES = [
                  "fused_ops.cpp", "small_batch_linear.cpp", "sample_rows.cpp", "apply_penalties.cpp", "apply_token_bitmask.cpp",
                  "bindings.cpp")
 ]
-HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h")]
+HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h",
+                                                     "share_out.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _module: ModuleType | None = None

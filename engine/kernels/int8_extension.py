@@ -12,6 +12,7 @@ from types import ModuleType
 from engine.kernels.cpu_extension import load_extension
 
 SOURCES = [Path(__file__).parent / "cpu_int8" / "int8_linear.cpp"]
+HEADERS = [Path(__file__).parent / "cpu" / "share_out.h"]  # shared with the bf16 slabs
 
 _module: ModuleType | None = None
 
@@ -20,7 +21,7 @@ def load_int8_kernels() -> ModuleType:
     """The compiled module; raises if this machine cannot build it (no compiler, say)."""
     global _module
     if _module is None:
-        _module = load_extension("tokenloom_int8_kernels", SOURCES, [])
+        _module = load_extension("tokenloom_int8_kernels", SOURCES, HEADERS)
     return _module
 
 

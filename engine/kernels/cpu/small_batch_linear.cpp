@@ -15,11 +15,12 @@
 // tokens up they run near the vdpbf16ps peak (figures: docs/performance.md, "CPU
 // matmuls"). Sums are fp32; the output is rounded to bf16 once, or
 // left in fp32 (logits).
+#include "share_out.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -87,28 +88,17 @@ constexpr SlabRowsFn<out_t> kSlabRows[kMaxRows] = {
     slab_rows<1, out_t>, slab_rows<2, out_t>, slab_rows<3, out_t>, slab_rows<4, out_t>,
     slab_rows<5, out_t>, slab_rows<6, out_t>, slab_rows<7, out_t>, slab_rows<8, out_t>};
 
-// Slabs are handed out in chunks from a shared counter rather than split in equal halves
-// up front: when a thread loses its core for a while (a server's frontend or client runs
-// on the same cores), the other takes over its remaining chunks instead of waiting for
-// it at the end of the region.
+// Each slab's outputs for every token, the slabs shared out (share_out.h).
 template <typename out_t>
 void run_slabs(const uint32_t* x_pairs, int64_t num_tokens, int64_t num_pairs, const uint32_t* w,
                const at::BFloat16* b, int64_t num_slabs, out_t* o) {
-  if (num_slabs == 0) return;
   const int64_t out_features = num_slabs * 16;
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_slabs);
-  const int64_t chunk = std::max<int64_t>(1, num_slabs / (num_threads * kChunksPerThread));
-  std::atomic<int64_t> next_slab{0};
-  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-    for (int64_t first = next_slab.fetch_add(chunk); first < num_slabs; first = next_slab.fetch_add(chunk)) {
-      for (int64_t s = first; s < std::min(first + chunk, num_slabs); ++s) {
-        for (int64_t r0 = 0; r0 < num_tokens; r0 += kMaxRows) {
-          const int64_t rows = std::min<int64_t>(kMaxRows, num_tokens - r0);
-          kSlabRows<out_t>[rows - 1](x_pairs + r0 * num_pairs, num_pairs, w + s * num_pairs * 16,
-                                     b == nullptr ? nullptr : b + s * 16, o + r0 * out_features + s * 16,
-                                     out_features);
-        }
-      }
+  tokenloom_cpu::share_out<kChunksPerThread>(num_slabs, [&](int64_t s) {
+    for (int64_t r0 = 0; r0 < num_tokens; r0 += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, num_tokens - r0);
+      kSlabRows<out_t>[rows - 1](x_pairs + r0 * num_pairs, num_pairs, w + s * num_pairs * 16,
+                                 b == nullptr ? nullptr : b + s * 16, o + r0 * out_features + s * 16,
+                                 out_features);
     }
   });
 }

@@ -25,11 +25,12 @@
 // accumulators. Up to kMaxRows tokens share each weight load; more take further passes
 // over the panel, then in cache. The output is rounded to the activations' dtype once (or
 // left in fp32: logits).
+#include "share_out.h"  // from engine/kernels/cpu/, copied beside this file for the build
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -191,27 +192,19 @@ constexpr PanelRowsFn<out_t> kPanelRows[kMaxRows] = {panel_rows<1, out_t>, panel
                                                      panel_rows<3, out_t>, panel_rows<4, out_t>,
                                                      panel_rows<5, out_t>, panel_rows<6, out_t>};
 
-// Panels are handed out in chunks from a shared counter (as the bf16 slabs are): a thread
-// that loses its core for a while leaves its remaining chunks to the other.
+// Each panel's outputs for every token, the panels shared out as the bf16 slabs are (share_out.h).
 template <typename out_t>
 void run_panels(Activations x, int64_t num_tokens, int64_t num_groups, const uint32_t* panels, const float* w_scales,
                 const float* bias, int64_t num_panels, int64_t out_features, out_t* out) {
   const int64_t num_quads = num_groups * kQuadsPerGroup;
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_panels);
-  const int64_t chunk = std::max<int64_t>(1, num_panels / (num_threads * kChunksPerThread));
-  std::atomic<int64_t> next_panel{0};
-  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-    for (int64_t first = next_panel.fetch_add(chunk); first < num_panels; first = next_panel.fetch_add(chunk)) {
-      for (int64_t p = first; p < std::min(first + chunk, num_panels); ++p) {
-        const int64_t n0 = p * kPanel;
-        for (int64_t r0 = 0; r0 < num_tokens; r0 += kMaxRows) {
-          const int64_t rows = std::min<int64_t>(kMaxRows, num_tokens - r0);
-          const Activations block{x.quads + r0 * num_quads, x.scales + r0 * num_groups, x.corrections + r0 * num_groups};
-          kPanelRows<out_t>[rows - 1](block, num_groups, panels + p * num_quads * kPanel,
-                                      w_scales + p * num_groups * kPanel, bias == nullptr ? nullptr : bias + n0,
-                                      out_features - n0, out + r0 * out_features + n0, out_features);
-        }
-      }
+  tokenloom_cpu::share_out<kChunksPerThread>(num_panels, [&](int64_t p) {
+    const int64_t n0 = p * kPanel;
+    for (int64_t r0 = 0; r0 < num_tokens; r0 += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, num_tokens - r0);
+      const Activations block{x.quads + r0 * num_quads, x.scales + r0 * num_groups, x.corrections + r0 * num_groups};
+      kPanelRows<out_t>[rows - 1](block, num_groups, panels + p * num_quads * kPanel,
+                                  w_scales + p * num_groups * kPanel, bias == nullptr ? nullptr : bias + n0,
+                                  out_features - n0, out + r0 * out_features + n0, out_features);
     }
   });
 }
