@@ -10,7 +10,7 @@ submitted together, total (prompt + output) tok/s. Offline `LLM`, no HTTP: the s
 own overhead is bench_peers.sh's to measure. Each setting runs in its own engine, one
 after the other, in one process.
 
-    python -m scripts.bench.quant --out results/quant.json
+    python -m scripts.bench.quant --json results/quant.json
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import random
 import time
 
 from engine import LLM, SamplingParams
+from scripts.lib.bench_report import write_report
 
 
 def prompts(num: int, num_tokens: int, vocab: int, seed: int) -> list[list[int]]:
@@ -72,14 +73,11 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--batch-output-len", type=int, default=128)
     p.add_argument("--int8-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--out", default=None)
+    p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args()
     results = {"settings": vars(args), "runs": [measure(q, args) for q in (None, "int8")]}
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print(json.dumps(results, indent=2))
+    write_report(args.json, results, indent=2)
 
 
 if __name__ == "__main__":

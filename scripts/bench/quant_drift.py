@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model_files import DEFAULT_MODEL, resolve_model
+from scripts.lib.bench_report import write_report
 from scripts.lib.greedy_drift import NUM_NEW_TOKENS, QUESTIONS, hf_greedy, leading_matches
 
 SCHEMES = {  # name: (weight group, activation group, fp16 scales); None: the whole row
@@ -133,9 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             forced = [simulated_forced(model, p, a) for p, a in zip(prompts, reference)]
         results[scheme] = scores(answers, forced, reference)
         print(scheme, json.dumps(results[scheme]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "num_new_tokens": NUM_NEW_TOKENS, "schemes": results}, f, indent=2)
+    write_report(args.json, {"model": args.model, "num_new_tokens": NUM_NEW_TOKENS, "schemes": results}, indent=2)
 
 
 if __name__ == "__main__":
