@@ -33,6 +33,7 @@ from engine.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.models.cpu_packing import bound_primitive_caches, can_prepack, plan_slabs
+from engine.models.decode_stack import DecodeStack, build_decode_stack
 from engine.models.fast_paths import apply_fast_paths
 from engine.models.fused import CpuFusedOps, select_fused_ops
 from engine.models.int8_linear import Int8Plan, plan_int8
@@ -101,6 +102,7 @@ class ModelRunner:
         self.backend, fused_ops = self._make_backend(cpu)
         self._prepare_model(fused_ops, cpu, is_prepacked, int8)
         self.kv_caches = self._make_kv_pool(num_kv_blocks)
+        self.decode_stack = self._make_decode_stack(fused_ops)
         self.sampler = self._make_sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
@@ -142,6 +144,15 @@ class ModelRunner:
         slabs = plan_slabs(self.dtype, self.num_weight_bytes, cpu) if is_prepacked else None
         apply_fast_paths(self.model, batch_size_hint=self.config.max_num_seqs if is_prepacked else None, slabs=slabs,
                          fused_ops=fused_ops, backend=self.backend, is_compiled=self.is_compiled, int8=int8)
+
+    def _make_decode_stack(self, fused_ops: CpuFusedOps | None) -> DecodeStack | None:
+        """Decode-only steps' layers in one C++ call, where every layer can (engine.models.decode_stack)."""
+        if not self.config.cpu_decode_stack or self.device.type != "cpu" or self.is_compiled:
+            return None
+        stack, note = build_decode_stack(self.model, self.kv_caches, self.backend, fused_ops,
+                                         fused_ops.kernels if fused_ops is not None else None)
+        logger.info("decode steps: %s", f"one C++ call for {note}" if stack is not None else f"eager ({note})")
+        return stack
 
     def _make_kv_pool(self, num_kv_blocks: int) -> list[KVCache]:
         """One K and one V tensor per layer, in the backend's block layout."""
@@ -209,6 +220,10 @@ class ModelRunner:
         elif self.compiled_forward is not None:
             with attention_step(self.backend, self.kv_caches):
                 hidden = self.compiled_forward(input_ids, positions)[sample_rows]  # [num_sampled, hidden_size]
+        elif (self.decode_stack is not None and len(inputs.sample_rows) == len(inputs.input_ids)
+              and self.decode_stack.can_run(metadata, self.backend)):
+            # A decode-only step: every row is sampled, in order.
+            hidden = self.decode_stack.forward(input_ids, positions, metadata, self.backend)  # [num_seqs, hidden_size]
         else:
             # Only the sampled rows leave the last layer. A decode step samples every row, in
             # order; a step that samples none (a prompt's middle chunk) runs it whole, so no

@@ -68,6 +68,9 @@ class EngineConfig:
     # ~2x faster steps here; the primitive caches that would grow with the variety of step
     # sizes are capped (engine.models.cpu_packing).
     cpu_prepack: bool = field(default=True, metadata=_flag("CPU: oneDNN-prepacked matmul weights"))
+    # Decode steps' layers in one C++ loop, not ~15 Python calls a layer (engine.models.decode_stack).
+    cpu_decode_stack: bool = field(default=True, metadata=_flag(
+        "CPU: run decode-only steps' decoder layers in one C++ call"))
     # Off recomputes every prompt, for comparison.
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "reuse the KV of full blocks whose whole prefix matches an earlier request's"))

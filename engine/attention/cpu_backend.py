@@ -97,6 +97,14 @@ class CpuAttentionBackend:
         if self._has_windows and decode_seqs:
             self._windowed_decode = self._plan_decodes(decode_seqs, starts, metadata)
 
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block_tables, seq_lens) of a prepared decode-only step whose decodes all take the plain
+        decode kernel (row i: sequence i), else None. engine/models/decode_stack.py runs such steps."""
+        decode = self._decode
+        if self._prefill_seq_indices is not None or self._shared is not None or decode is None or decode.rows is not None:
+            return None
+        return decode.block_tables, decode.seq_lens
+
     def store_kv(self, key, value, kv_cache: KVCache) -> None:
         head_major.store_kv(key, value, kv_cache, self._slots)
 

@@ -36,7 +36,7 @@ SOURCES = [
     Path(__file__).parent / "cpu" / name
     for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "paged_shared_decode_attention.cpp",
                  "fused_ops.cpp", "small_batch_linear.cpp", "sample_rows.cpp", "apply_penalties.cpp", "apply_token_bitmask.cpp",
-                 "bindings.cpp")
+                 "decode_stack.cpp", "bindings.cpp")
 ]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h",
                                                      "share_out.h")]

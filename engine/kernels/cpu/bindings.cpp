@@ -42,6 +42,9 @@ torch::Tensor rotary_store_kv(
     torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
     torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads, int64_t num_kv_heads);
 
+// decode_stack.cpp: a class, bound there
+void bind_decode_stack(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention for query chunks, into out (CPU)");
@@ -56,4 +59,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "rmsnorm(x) * weight (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from [T, 2I] gate|up (CPU)");
   m.def("rotary_store_kv", &rotary_store_kv, "rotary on q and k, k and v into the paged cache; returns q (CPU)");
+  bind_decode_stack(m);
 }

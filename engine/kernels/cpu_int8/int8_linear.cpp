@@ -296,6 +296,21 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor w
   return out;
 }
 
+// The same kernel as a torch op, `tokenloom_int8::linear`, for C++ callers in another
+// shared library (engine/kernels/cpu/decode_stack.cpp) to reach through the dispatcher.
+namespace {
+torch::Tensor int8_linear_op(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& w_scales,
+                             const torch::Tensor& bias, int64_t out_features, bool out_fp32) {
+  return int8_linear(x, panels, w_scales, bias, out_features, out_fp32);
+}
+}  // namespace
+
+TORCH_LIBRARY(tokenloom_int8, m) {
+  m.def("linear(Tensor x, Tensor panels, Tensor w_scales, Tensor bias, int out_features, bool out_fp32) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_int8, CPU, m) { m.impl("linear", &int8_linear_op); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8_linear", &has_int8_linear, "whether this build has the int8 kernels (AVX512_VNNI)");
   m.def("group_size", &group_size, "inputs per scale, weights' and activations' alike");

@@ -1,0 +1,173 @@
+// A decode step's decoder layers in one call from Python (engine/models/decode_stack.py).
+//
+// On the eager path a one-token step runs ~15 torch or kernel calls per layer from Python:
+// for SmolLM2's 30 layers that is ~450 calls, ~4 ms of interpreter and module dispatch per
+// token, against ~5 ms (int8) to ~9 ms (bf16) of weight read. Here the same kernels run in
+// the same order, with the same arguments, from a C++ loop: the bits are the eager path's.
+//
+// Only what every layer of the plain decoder has: RMSNorm with the residual add, GQA
+// attention with rotary fused into the KV store (and an optional per-head q/k RMSNorm),
+// the paged decode kernel, and a SiLU-gated MLP. The matmuls are whatever the model runner
+// put in place: bf16 slabs (small_batch_linear.cpp), int8 panels (the int8 module's op,
+// reached through torch's dispatcher since it is another shared library), oneDNN-prepacked
+// weights (mkldnn::_linear_pointwise, as PackedLinear calls it) or plain weights.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+// fused_ops.cpp, paged_decode_attention.cpp, small_batch_linear.cpp
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, int64_t lanes);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, int64_t lanes);
+torch::Tensor silu_and_mul(torch::Tensor gate_up, int64_t lanes);
+torch::Tensor rotary_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+                              torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads, int64_t num_kv_heads);
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
+torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor slabs, torch::Tensor bias, bool out_fp32);
+
+namespace {
+
+// The kinds of matmul a layer's linears may be (engine/models/decode_stack.py's LINEAR_KINDS).
+enum class LinearKind : int64_t { kSlabs = 0, kInt8 = 1, kOneDnn = 2, kPlain = 3 };
+
+
+struct Linear {
+  LinearKind kind;
+  torch::Tensor weight;  // slabs, int8 panels, oneDNN's opaque weight, or the plain [out, in] weight
+  torch::Tensor scales;  // int8: the panels' scales; else undefined
+  torch::Tensor bias;  // empty: none (each kind's own convention, as its Python module holds it)
+  int64_t out_features;
+  std::optional<c10::OperatorHandle> op;  // int8 and oneDNN: the dispatcher's handle, found once
+
+  // x: [num_tokens, in_features] -> [num_tokens, out_features], as the Python module computes it.
+  torch::Tensor forward(const torch::Tensor& x) const {
+    switch (kind) {
+      case LinearKind::kSlabs:
+        return small_batch_linear(x, weight, bias, false);
+      case LinearKind::kInt8: {
+        torch::jit::Stack stack{x, weight, scales, bias, out_features, false};
+        op->callBoxed(&stack);
+        return stack[0].toTensor();
+      }
+      case LinearKind::kOneDnn: {
+        std::optional<torch::Tensor> b;
+        if (bias.numel() > 0) b = bias;
+        torch::jit::Stack stack{x.contiguous(), weight, b, std::string("none"),
+                                c10::List<std::optional<at::Scalar>>(), std::optional<std::string>(std::string())};
+        op->callBoxed(&stack);
+        return stack[0].toTensor();
+      }
+      case LinearKind::kPlain:
+        return bias.numel() > 0 ? at::linear(x, weight, bias) : at::linear(x, weight);
+    }
+    TORCH_CHECK(false, "unknown linear kind");
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;  // [hidden_size]
+  torch::Tensor q_norm, k_norm;  // [head_dim], or empty: no per-head q/k norm
+  Linear qkv, o_proj, gate_up, down;
+  torch::Tensor k_cache, v_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
+  double scale;
+  int64_t window;  // 0: the whole context
+};
+
+using LinearSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;
+
+}  // namespace
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, int64_t sum_lanes,
+              int64_t silu_lanes, bool is_silu_exact)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), sum_lanes_(sum_lanes),
+        silu_lanes_(silu_lanes), is_silu_exact_(is_silu_exact) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm,
+                 LinearSpec qkv, LinearSpec o_proj, LinearSpec gate_up, LinearSpec down, torch::Tensor k_cache,
+                 torch::Tensor v_cache, double scale, int64_t window) {
+    layers_.push_back(Layer{input_norm, post_norm, q_norm, k_norm, make_linear(qkv), make_linear(o_proj),
+                            make_linear(gate_up), make_linear(down), k_cache, v_cache, scale, window});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden: [num_seqs, hidden_size], the embeddings of a decode-only step (row i: sequence i);
+  // cos, sin: [num_seqs, head_dim]; slot_mapping: [num_seqs] int64; block_tables:
+  // [num_seqs, max_num_blocks] int32; seq_lens: [num_seqs] int32. Returns (the last MLP's
+  // output, the residual stream before it is added), as DecoderForCausalLM's layer loop does;
+  // `hidden` becomes the residual stream.
+  std::vector<torch::Tensor> forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
+                                     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens) {
+    TORCH_CHECK(!layers_.empty(), "no layers");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == seq_lens.size(0), "one token per sequence");
+    const int64_t num_tokens = hidden.size(0);
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    torch::Tensor residual = hidden;
+    torch::Tensor x = rms_norm(hidden, layers_[0].input_norm, eps_, sum_lanes_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      if (i > 0) add_rms_norm(x, residual, layer.input_norm, eps_, sum_lanes_);  // x, residual in place
+      torch::Tensor qkv = layer.qkv.forward(x);  // [num_tokens, q_size + 2 * kv_size]
+      if (layer.q_norm.numel() > 0) norm_qk_in_place(qkv, layer, num_tokens, q_size, kv_size);
+      // [num_tokens, num_heads, head_dim]; k rotated in place, k and v in the cache
+      torch::Tensor q = rotary_store_kv(qkv, cos, sin, slot_mapping, layer.k_cache, layer.v_cache, num_heads_,
+                                        num_kv_heads_);
+      torch::Tensor out = paged_decode_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, layer.scale,
+                                                 layer.window);  // [num_tokens, num_heads, head_dim]
+      torch::Tensor attn = layer.o_proj.forward(out.reshape({num_tokens, q_size}));  // [num_tokens, hidden_size]
+      add_rms_norm(attn, residual, layer.post_norm, eps_, sum_lanes_);
+      torch::Tensor gate_up = layer.gate_up.forward(attn);  // [num_tokens, 2 * intermediate_size]
+      x = layer.down.forward(silu_mul(gate_up));  // [num_tokens, hidden_size]
+    }
+    return {x, residual};
+  }
+
+ private:
+  Linear make_linear(const LinearSpec& spec) const {
+    const auto& [kind, weight, scales, bias, out_features] = spec;
+    TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0..3");
+    Linear linear{static_cast<LinearKind>(kind), weight, scales, bias, out_features};
+    auto& dispatcher = c10::Dispatcher::singleton();
+    if (linear.kind == LinearKind::kInt8) linear.op = dispatcher.findSchemaOrThrow("tokenloom_int8::linear", "");
+    if (linear.kind == LinearKind::kOneDnn) linear.op = dispatcher.findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    return linear;
+  }
+
+  // Attention's _norm_qk_in_place: each head's q and k normed over head_dim, written back into qkv.
+  void norm_qk_in_place(torch::Tensor& qkv, const Layer& layer, int64_t num_tokens, int64_t q_size,
+                        int64_t kv_size) const {
+    auto q = qkv.slice(1, 0, q_size).view({num_tokens, num_heads_, head_dim_});
+    auto k = qkv.slice(1, q_size, q_size + kv_size).view({num_tokens, num_kv_heads_, head_dim_});
+    q.copy_(rms_norm(q.reshape({-1, head_dim_}), layer.q_norm, eps_, sum_lanes_).view(q.sizes()));
+    k.copy_(rms_norm(k.reshape({-1, head_dim_}), layer.k_norm, eps_, sum_lanes_).view(k.sizes()));
+  }
+
+  // engine.models.fused.CpuFusedOps.silu_and_mul: torch's own op where the kernel cannot give its fp32 bits.
+  torch::Tensor silu_mul(const torch::Tensor& gate_up) const {
+    if (gate_up.scalar_type() == at::kFloat && !is_silu_exact_) {
+      auto halves = gate_up.chunk(2, -1);
+      return at::silu(halves[0]) * halves[1];
+    }
+    return silu_and_mul(gate_up, silu_lanes_);
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_;
+  int64_t sum_lanes_, silu_lanes_;
+  bool is_silu_exact_;
+  std::vector<Layer> layers_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers in one call (CPU)")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, bool>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

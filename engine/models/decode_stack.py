@@ -1,0 +1,133 @@
+"""Decode steps' decoder layers in one C++ call (engine/kernels/cpu/decode_stack.cpp).
+
+A one-token step of a small model spends as much time in Python as in its weight read:
+SmolLM2-135M runs ~450 module and kernel calls per token, ~4 ms of dispatch beside ~5 ms
+(int8) to ~9 ms (bf16) of matmuls. `DecodeStack` hands the kernels the eager path already
+uses to a C++ loop over the layers, built once from the model after the runner applied
+its fast paths (engine/models/fast_paths.py), so the result has the eager path's bits.
+
+It takes decode-only steps (every row one sequence's next token) on the CPU attention
+backend, with no shared-prefix decode groups (those take the shared kernel, from Python),
+and models whose every layer is the plain decoder layer with the fused kernels: RMSNorm,
+fused rotary + KV store (q/k RMSNorm allowed), SiLU-gated dense MLP, and matmuls on bf16
+slabs, int8, oneDNN's prepacked weights or plain weights. Anything else (MoE, Gemma's
+norms, partial rotary, tensor parallelism, torch.compile) keeps the eager path, and the
+start-up log says why. The embedding, rotary tables, final norm and LM head stay in Python:
+one call each per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+from engine.models.attention import Attention
+from engine.models.cpu_packing import PackedLinear
+from engine.models.decoder import DecoderLayer
+from engine.models.fused import CpuFusedOps
+from engine.models.int8_linear import Int8Linear
+from engine.models.layers import RMSNorm, SwiGLUMLP
+
+logger = logging.getLogger(__name__)
+
+# decode_stack.cpp's LinearKind
+SLABS, INT8, ONEDNN, PLAIN = 0, 1, 2, 3
+NONE = torch.empty(0)  # an absent tensor (bias, q/k norm), as the kernels take it
+
+
+class DecodeStack:
+    def __init__(self, stack, max_tokens: int | None, model: nn.Module) -> None:
+        self._stack = stack  # the C++ DecodeStack
+        self._max_tokens = max_tokens  # bf16 slabs beside oneDNN (AMX): steps of up to this many tokens
+        self._model = model
+
+    def can_run(self, metadata: AttentionMetadata, backend) -> bool:
+        """A decode-only step that the CPU backend runs on its plain decode kernel, within the slabs' size."""
+        num_seqs = metadata.num_seqs
+        return (metadata.max_query_len == 1 and metadata.slot_mapping.shape[0] == num_seqs
+                and (self._max_tokens is None or num_seqs <= self._max_tokens)
+                and backend.decode_tables() is not None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                backend) -> torch.Tensor:
+        """[num_seqs] ids -> [num_seqs, hidden_size] final hidden states, as the model's forward gives."""
+        model = self._model
+        hidden = model.embed(input_ids)  # [num_seqs, hidden_size]
+        cos, sin = model.rotary.cos_sin(positions, hidden.dtype)  # [num_seqs, 1, head_dim] each
+        block_tables, seq_lens = backend.decode_tables()
+        hidden, residual = self._stack.forward(hidden, cos.squeeze(1), sin.squeeze(1), metadata.slot_mapping,
+                                               block_tables, seq_lens)
+        hidden, _ = model.norm(hidden, residual)
+        return hidden
+
+
+def build_decode_stack(model: nn.Module, kv_caches, backend, fused_ops: CpuFusedOps | None,
+                       kernels: ModuleType | None) -> tuple[DecodeStack | None, str]:
+    """The stack for `model` (its fast paths applied) and the KV pool, or None and why not."""
+    reason = _why_not(model, backend, fused_ops, kernels)
+    if reason is not None:
+        return None, reason
+    config = model.config
+    first = model.layers[0].self_attn
+    stack = kernels.DecodeStack(first.num_heads, first.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                fused_ops.sum_lanes, fused_ops.silu_lanes, fused_ops.is_silu_exact)
+    max_tokens: list[int] = []
+    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [_linear_spec(m, max_tokens) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        q_norm = attn.q_norm.weight if attn.q_norm is not None else NONE
+        k_norm = attn.k_norm.weight if attn.k_norm is not None else NONE
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
+                        *linears, k_cache, v_cache, attn.scale, attn.sliding_window)
+    return DecodeStack(stack, min(max_tokens) if max_tokens else None, model), f"{stack.num_layers()} layers"
+
+
+def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: ModuleType | None) -> str | None:
+    if kernels is None or fused_ops is None or not hasattr(kernels, "DecodeStack"):
+        return "no fused CPU kernels"
+    if getattr(backend, "name", None) != "cpu":
+        return "not the CPU attention backend"
+    if getattr(model.tp, "size", 1) != 1:
+        return "tensor parallelism"
+    if model.local_rotary is not None:
+        return "a second rotary for local layers"
+    if type(model.norm) is not RMSNorm:
+        return f"final norm {type(model.norm).__name__}"
+    eps = model.config.rms_norm_eps
+    for layer in model.layers:
+        if type(layer) is not DecoderLayer:
+            return f"layer {type(layer).__name__}"
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if attn.q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]
+        if any(type(n) is not RMSNorm or n.fused is None or n.eps != eps for n in norms):
+            return "a norm without the fused RMSNorm kernel"
+        if type(attn) is not Attention or not attn.is_rotary_fused:
+            return "attention without the fused rotary + KV store"
+        if type(mlp) is not SwiGLUMLP or mlp.fused is None:
+            return f"MLP {type(mlp).__name__} without the fused SiLU×up"
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if type(linear) not in (PackedLinear, Int8Linear, nn.Linear):
+                return f"matmul {type(linear).__name__}"
+    return None
+
+
+def _linear_spec(module: nn.Module, max_tokens: list[int]) -> tuple:
+    """(kind, weight, scales, bias, out_features) as decode_stack.cpp takes it; the slabs'
+    token limit, if any, appended to `max_tokens`."""
+    if isinstance(module, Int8Linear):
+        return INT8, module.panels, module.scales, module.bias, module.out_features
+    if isinstance(module, PackedLinear):
+        if module.slabs is not None:
+            if module.slab_plan.max_tokens is not None:
+                max_tokens.append(module.slab_plan.max_tokens)
+            return SLABS, module.slabs, NONE, module._slab_bias, module.out_features
+        bias = module.bias if module.bias is not None else NONE
+        return ONEDNN, module.packed_weight, NONE, bias, module.out_features
+    bias = module.bias.detach() if module.bias is not None else NONE
+    return PLAIN, module.weight.detach(), NONE, bias, module.out_features

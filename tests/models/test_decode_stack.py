@@ -1,0 +1,106 @@
+"""Decode-only steps in one C++ call (engine/models/decode_stack.py): the same tokens and the
+same log-probabilities, bit for bit, as the eager layer loop, for every kind of matmul it
+takes (bf16 slabs, int8 panels, oneDNN-prepacked fp32, plain weights), with q/k biases
+(Qwen2) and a per-head q/k norm (Qwen3); models it cannot run say why and stay eager."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.dtype_policy import detect_cpu_features
+from tests.helpers.models import make_tiny_model
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             initializer_range=0.2)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", {}),
+    "qwen2_bias": ("Qwen2ForCausalLM", {}),
+    "qwen3_qk_norm": ("Qwen3ForCausalLM", dict(head_dim=32)),
+}
+CPU = detect_cpu_features()
+# Each matmul kind the stack calls, by the settings that give it.
+SETTINGS = {
+    "fp32_onednn": dict(dtype="float32"),
+    "fp32_plain": dict(dtype="float32", cpu_prepack=False),
+    "bf16": dict(dtype="bfloat16"),  # slabs with AVX512_BF16; oneDNN's or plain weights elsewhere
+    "int8": dict(quantization="int8"),
+}
+NEEDS = {
+    "int8": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
+}
+ENGINE_KWARGS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, enable_prefix_caching=False)
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (2, 9, 31)]
+
+
+def params() -> list[SamplingParams]:
+    # Different lengths: rows leave the batch one by one, so decode steps of 3, 2 and 1 rows.
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (20, 12, 6)]
+
+
+def run(path: str, stack: bool, **settings):
+    llm = LLM(path, cpu_decode_stack=stack, **ENGINE_KWARGS, **settings)
+    runner = llm.engine.model_runner
+    calls = []
+    if stack:
+        assert runner.decode_stack is not None, "the stack should take this model"
+        forward = runner.decode_stack.forward
+        runner.decode_stack.forward = lambda *args: calls.append(1) or forward(*args)
+    else:
+        assert runner.decode_stack is None
+    outputs = llm.generate(prompts(), params(), use_tqdm=False)
+    return [(o.token_ids, o.logprobs) for o in outputs], len(calls)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_stack_equals_eager_bit_for_bit(arch, setting, tmp_path):
+    possible, why = NEEDS.get(setting, (True, ""))
+    if not possible:
+        pytest.skip(f"{why}; this CPU has none")
+    architecture, overrides = ARCHITECTURES[arch]
+    path, _ = make_tiny_model(tmp_path, architecture, **SMALL | overrides)
+    eager, _ = run(path, stack=False, **SETTINGS[setting])
+    stacked, num_calls = run(path, stack=True, **SETTINGS[setting])
+    assert num_calls >= 19  # every decode step after the prompts' went through the stack
+    assert all(len(set(tokens)) >= 3 for tokens, _ in eager)  # answers that vary: a real check
+    assert stacked == eager
+
+
+def test_shared_prefix_decodes_stay_eager_and_agree(tmp_path):
+    """Decodes whose block tables share cached blocks take the shared-prefix kernel from Python:
+    the stack declines those steps, and answers are the same as without it."""
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL)
+    common = list(range(100, 164))  # 64 tokens: the shared kernel's minimum
+    batch = [common + [7, 8], common + [9]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    answers = []
+    for stack in (False, True):
+        llm = LLM(path, cpu_decode_stack=stack, dtype="float32", skip_tokenizer_init=True, block_size=16,
+                  num_kv_blocks=64)
+        llm.generate([common], SamplingParams(max_tokens=1), use_tqdm=False)  # caches the common blocks
+        outputs = llm.generate(batch, greedy, use_tqdm=False)
+        answers.append([(o.token_ids, o.logprobs) for o in outputs])
+        assert outputs[0].num_cached_tokens == 64
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("architecture, overrides, reason", [
+    ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "MLP MoEBlock"),
+    ("Gemma3ForCausalLM", dict(head_dim=16), "a second rotary for local layers"),
+])
+def test_other_layers_stay_eager_and_say_why(architecture, overrides, reason, tmp_path, caplog):
+    path, _ = make_tiny_model(tmp_path, architecture, **SMALL | overrides)
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        llm = LLM(path, dtype="float32", **ENGINE_KWARGS)
+    assert llm.engine.model_runner.decode_stack is None
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode steps:")]
+    assert "eager" in line and reason in line
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)[0].token_ids) == 4
