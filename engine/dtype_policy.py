@@ -38,8 +38,8 @@ def choose_dtype(requested: str | None, device_type: str, cpu: CpuFeatures,
         if requested not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {(AUTO, *DTYPE_NAMES)}, got {requested!r}")
         return requested, "requested"
-    if quantization == "int8":
-        return "float32", "auto: int8 weights, fp32 activations (bf16 on top of int8 drifts too far)"
+    if quantization in ("int8", "int4"):
+        return "float32", f"auto: {quantization} weights, fp32 activations (bf16 on top of int8 drifts too far)"
     if device_type == "cuda":
         return "bfloat16", "auto: CUDA"
     if cpu.has_amx_bf16:

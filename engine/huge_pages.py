@@ -1,4 +1,5 @@
-"""KV-cache tensors (and the CPU's bf16 weight slabs, engine.models.cpu_packing) on
+"""KV-cache tensors (and the CPU's weight slabs and int8 panels, engine.models.cpu_packing
+and engine.models.int8_linear) on
 transparent huge pages, where Linux offers them on request.
 
 Decode attention reads each sequence's blocks wherever they lie in the pool: a few
@@ -59,3 +60,17 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         if aligned_end > aligned_start and _libc_madvise()(aligned_start, aligned_end - aligned_start, MADV_HUGEPAGE):
             logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
     return tensor.zero_()
+
+
+def gather_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Copies of `tensors` (all of one dtype) as views of one tensor on huge pages, in order;
+    None where Linux gives none on request. A step streams every weight once, a page after
+    another: on 4 KB pages each one missed the TLB and the prefetcher stopped at its end."""
+    if not tensors or not huge_pages_on_request():
+        return None
+    pool = zeros_on_huge_pages((sum(t.numel() for t in tensors),), tensors[0].dtype)
+    copies, offset = [], 0
+    for tensor in tensors:
+        copies.append(pool[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor))
+        offset += tensor.numel()
+    return copies

@@ -95,7 +95,7 @@ class ModelRunner:
         # Compiled, inductor prepacks the weights itself (freezing).
         self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
         # int8 is checked before the weights load: a CPU without VNNI is refused at once.
-        int8 = plan_int8(self.device.type, cpu.has_avx512_vnni) if config.quantization else None
+        int8 = plan_int8(self.device.type, cpu.has_avx512_vnni, config.quantization) if config.quantization else None
         is_prepacked = (config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
                         and int8 is None)
         self.model = self._load_model(bound_caches=is_prepacked or self.is_compiled)

@@ -16,7 +16,7 @@ DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, converted by engine.model_fi
 AUTO_DTYPE = "auto"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static", "static-padded")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 # Field names whose flag is spelled differently (kept from before the flags were generated).
 FLAG_NAMES = {"kv_cache_memory_bytes": "--kv-cache-memory"}
 
@@ -48,12 +48,12 @@ class EngineConfig:
     device: str | None = field(default=None, metadata=_flag("default: cuda when available, else cpu"))
     dtype: str | None = field(default=AUTO_DTYPE, metadata=_flag(
         "weights and activations: auto (bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512_BF16, "
-        "else float32, and float32 under --quantization int8; see engine.dtype_policy), float32, bfloat16, float16",
+        "else float32, and float32 under --quantization; see engine.dtype_policy), float32, bfloat16, float16",
         choices=(AUTO_DTYPE, *DTYPE_NAMES)))
     # Weight bytes bound a decode step: int8 halves them (engine.models.int8_linear).
     quantization: str | None = field(default=None, metadata=_flag(
-        "CPU: int8 (W8A8 on AVX512_VNNI, weights and activations with a scale per group of 64 inputs); "
-        "default: none, weights in --dtype", choices=QUANTIZATIONS))
+        "CPU: int8 (W8A8 on AVX512_VNNI, weights and activations with a scale per group of 64 inputs), "
+        "int4 (W4A8, llama.cpp's Q4_1 blocks of 32); default: none, weights in --dtype", choices=QUANTIZATIONS))
     seed: int = field(default=0, metadata=_flag("sampling seed for requests that bring none of their own"))
     num_threads: int | None = field(default=None, metadata=_flag(
         "CPU: torch intra-op threads (default: torch's own)"))

@@ -1,7 +1,8 @@
-"""Builds and loads the int8 matmul kernel (engine/kernels/cpu_int8/int8_linear.cpp).
+"""Builds and loads the quantized matmul kernels (engine/kernels/cpu_int8/: int8_linear.cpp, W8A8,
+and int4_linear.cpp, W4A8 in Q4_1's format).
 
 A module of its own, beside engine/kernels/cpu_extension.py's (same compiler flags, same
-per-CPU cache folders): it is only needed with `--quantization int8`, and editing it
+per-CPU cache folders): it is only needed with `--quantization int8` or `int4`, and editing it
 rebuilds it alone (seconds) rather than every kernel (minutes)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from types import ModuleType
 
 from engine.kernels.cpu_extension import load_extension
 
-SOURCES = [Path(__file__).parent / "cpu_int8" / "int8_linear.cpp"]
+SOURCES = [Path(__file__).parent / "cpu_int8" / name for name in ("int8_linear.cpp", "int4_linear.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "share_out.h"]  # shared with the bf16 slabs
 
 _module: ModuleType | None = None

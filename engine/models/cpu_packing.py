@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from engine.dtype_policy import CpuFeatures
-from engine.huge_pages import huge_pages_on_request, zeros_on_huge_pages
+from engine.huge_pages import gather_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -148,16 +148,14 @@ def gather_slabs_on_huge_pages(model: nn.Module) -> int:
     """Copy every PackedLinear's slabs in `model` into one tensor on transparent huge pages,
     where Linux gives them on request. Returns the bytes moved (0: nothing moved)."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.slabs is not None]
-    if not linears or not huge_pages_on_request():
+    copies = gather_on_huge_pages([m.slabs for m in linears])
+    if copies is None:
         return 0
-    pool = zeros_on_huge_pages((sum(m.slabs.numel() for m in linears),), torch.int32)
-    offset = 0
-    for module in linears:  # each old copy is freed as soon as it is moved
-        num_words = module.slabs.numel()
-        module.slabs = pool[offset : offset + num_words].view(module.slabs.shape).copy_(module.slabs)
-        offset += num_words
-    logger.info("bf16 slabs on huge pages: %.1f MB", pool.numel() * pool.element_size() / 1e6)
-    return pool.numel() * pool.element_size()
+    for module, copy in zip(linears, copies):
+        module.slabs = copy
+    num_bytes = sum(c.numel() * c.element_size() for c in copies)
+    logger.info("bf16 slabs on huge pages: %.1f MB", num_bytes / 1e6)
+    return num_bytes
 
 
 def prepack_linears(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None = None) -> int:

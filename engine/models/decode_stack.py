@@ -10,7 +10,7 @@ It takes decode-only steps (every row one sequence's next token) on the CPU atte
 backend, with no shared-prefix decode groups (those take the shared kernel, from Python),
 and models whose every layer is the plain decoder layer with the fused kernels: RMSNorm,
 fused rotary + KV store (q/k RMSNorm allowed), SiLU-gated dense MLP, and matmuls on bf16
-slabs, int8, oneDNN's prepacked weights or plain weights. Anything else (MoE, Gemma's
+slabs, int8 or int4 panels, oneDNN's prepacked weights or plain weights. Anything else (MoE, Gemma's
 norms, partial rotary, tensor parallelism, torch.compile) keeps the eager path, and the
 start-up log says why. The embedding, rotary tables, final norm and LM head stay in Python:
 one call each per step.
@@ -29,13 +29,14 @@ from engine.models.attention import Attention
 from engine.models.cpu_packing import PackedLinear
 from engine.models.decoder import DecoderLayer
 from engine.models.fused import CpuFusedOps
+from engine.models.int4_linear import Int4Linear
 from engine.models.int8_linear import Int8Linear
 from engine.models.layers import RMSNorm, SwiGLUMLP
 
 logger = logging.getLogger(__name__)
 
 # decode_stack.cpp's LinearKind
-SLABS, INT8, ONEDNN, PLAIN = 0, 1, 2, 3
+SLABS, QUANTIZED, ONEDNN, PLAIN = 0, 1, 2, 3
 NONE = torch.empty(0)  # an absent tensor (bias, q/k norm), as the kernels take it
 
 
@@ -112,22 +113,22 @@ def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: 
         if type(mlp) is not SwiGLUMLP or mlp.fused is None:
             return f"MLP {type(mlp).__name__} without the fused SiLU×up"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(linear) not in (PackedLinear, Int8Linear, nn.Linear):
+            if type(linear) not in (PackedLinear, Int8Linear, Int4Linear, nn.Linear):
                 return f"matmul {type(linear).__name__}"
     return None
 
 
 def _linear_spec(module: nn.Module, max_tokens: list[int]) -> tuple:
-    """(kind, weight, scales, bias, out_features) as decode_stack.cpp takes it; the slabs'
-    token limit, if any, appended to `max_tokens`."""
-    if isinstance(module, Int8Linear):
-        return INT8, module.panels, module.scales, module.bias, module.out_features
+    """(kind, weight, scales, bias, out_features, op name) as decode_stack.cpp takes it; the
+    slabs' token limit, if any, appended to `max_tokens`."""
+    if isinstance(module, (Int8Linear, Int4Linear)):
+        return QUANTIZED, module.panels, module.scales, module.bias, module.out_features, module.OP_NAME
     if isinstance(module, PackedLinear):
         if module.slabs is not None:
             if module.slab_plan.max_tokens is not None:
                 max_tokens.append(module.slab_plan.max_tokens)
-            return SLABS, module.slabs, NONE, module._slab_bias, module.out_features
+            return SLABS, module.slabs, NONE, module._slab_bias, module.out_features, ""
         bias = module.bias if module.bias is not None else NONE
-        return ONEDNN, module.packed_weight, NONE, bias, module.out_features
+        return ONEDNN, module.packed_weight, NONE, bias, module.out_features, ""
     bias = module.bias.detach() if module.bias is not None else NONE
-    return PLAIN, module.weight.detach(), NONE, bias, module.out_features
+    return PLAIN, module.weight.detach(), NONE, bias, module.out_features, ""

@@ -1,8 +1,9 @@
 """The CPU fast paths, applied by the model runner to whatever blocks a model is built
 from, so a new family gets them without code of its own:
 
-- int8 matmuls with `--quantization int8` (engine/models/int8_linear.py), in place of
-  the prepacked ones: every nn.Linear and RowParallelLinear, the LM head too;
+- int8 or int4 matmuls with `--quantization int8|int4` (engine/models/int8_linear.py,
+  int4_linear.py), in place of the prepacked ones: every nn.Linear and RowParallelLinear,
+  the LM head too;
 - prepacked matmuls (engine/models/cpu_packing.py): every nn.Linear (attention, MLPs, MoE
   experts, the LM head, tied or not) becomes a PackedLinear, on oneDNN's blocked layout or
   on bf16 slabs per the SlabPlan; a RowParallelLinear packs its matmul and keeps its
@@ -30,7 +31,9 @@ from engine.distributed.parallel_layers import RowParallelLinear
 from engine.models.attention import Attention
 from engine.models.cpu_packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
 from engine.models.fused import CpuFusedOps
-from engine.models.int8_linear import Int8Embedding, Int8Linear, Int8Plan, quantize_linears
+from engine.models.int4_linear import BLOCK, Int4Embedding, Int4Linear
+from engine.models.int8_linear import (Int8Embedding, Int8Linear, Int8Plan, gather_panels_on_huge_pages, quantize_linears,
+                                       quantized_linear)
 from engine.models.layers import OffsetRMSNorm, RMSNorm, SwiGLUMLP
 from engine.models.moe import MoEBlock
 
@@ -81,20 +84,27 @@ def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None
 
 
 def quantize_model(model: nn.Module, plan: Int8Plan) -> str:
-    """Every matmul, the logits' too, onto int8; a tied embedding reads the head's."""
+    """Every matmul, the logits' too, onto int8 (or int4); a tied embedding reads the head's."""
     num_quantized = quantize_linears(model, plan)  # the LM head among them, tied or not
     for module in model.modules():
         if isinstance(module, RowParallelLinear):  # not nn.Linears: their all-reduce stays
-            module.packed = Int8Linear(module.weight, None, plan)
+            module.packed = quantized_linear(module.weight, None, plan)
             module.weight = None
             num_quantized += 1
     head = getattr(model, "lm_head", None)
-    note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd, scales per group of {plan.group_size} inputs)"
-    if isinstance(head, Int8Linear):
+    if plan.scheme == "int4":
+        note = f"{num_quantized} matmuls int4 (W4A8 on vpdpbusd, Q4_1's blocks of {BLOCK} inputs)"
+    else:
+        note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd, scales per group of {plan.group_size} inputs)"
+    moved = gather_panels_on_huge_pages(model)
+    if moved:
+        note += f", {moved / 1e6:.1f} MB of panels on huge pages"
+    if isinstance(head, (Int8Linear, Int4Linear)):
         head.out_fp32 = True
         if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and getattr(model.tp, "size", 1) == 1:
-            model.embed_tokens = Int8Embedding(head, model.embed_tokens.weight.dtype)
-            note += ", the tied embedding read from the head's int8"
+            embedding = Int4Embedding if isinstance(head, Int4Linear) else Int8Embedding
+            model.embed_tokens = embedding(head, model.embed_tokens.weight.dtype)
+            note += f", the tied embedding read from the head's {plan.scheme}"
     return note
 
 

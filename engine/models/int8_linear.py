@@ -25,35 +25,45 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from engine.huge_pages import gather_on_huge_pages
+
 PANEL = 32  # output rows per panel (the kernel's kPanel)
 GROUP = 64  # inputs per scale (the kernel's kGroup)
 
 
 @dataclass(frozen=True)
 class Int8Plan:
+    """The quantized kernels' module and the scheme: "int8" (this file) or "int4" (int4_linear.py,
+    the same module's Q4_1 kernel)."""
+
     kernels: ModuleType
     group_size: int = GROUP
+    scheme: str = "int8"
 
 
-def check_int8_supported(device_type: str, has_avx512_vnni: bool) -> None:
-    """Raise, saying why, where int8 cannot run."""
+def check_int8_supported(device_type: str, has_avx512_vnni: bool, scheme: str = "int8") -> None:
+    """Raise, saying why, where int8 (or int4, on the same instructions) cannot run."""
     if device_type != "cpu":
-        raise ValueError("quantization='int8' runs on the CPU only (our vpdpbusd kernel)")
+        raise ValueError(f"quantization={scheme!r} runs on the CPU only (our vpdpbusd kernel)")
     if not has_avx512_vnni:
-        raise ValueError("quantization='int8' needs a CPU with AVX512_VNNI (vpdpbusd); this CPU has none: "
+        raise ValueError(f"quantization={scheme!r} needs a CPU with AVX512_VNNI (vpdpbusd); this CPU has none: "
                          "run without --quantization (bf16 or fp32)")
 
 
-def plan_int8(device_type: str, has_avx512_vnni: bool) -> Int8Plan:
-    check_int8_supported(device_type, has_avx512_vnni)
+def plan_int8(device_type: str, has_avx512_vnni: bool, scheme: str = "int8") -> Int8Plan:
+    check_int8_supported(device_type, has_avx512_vnni, scheme)
     from engine.kernels.int8_extension import load_int8_kernels
 
     kernels = load_int8_kernels()
     if not kernels.has_int8_linear():  # built without VNNI: the compiler's target disagrees with the probe
-        raise ValueError("quantization='int8': the int8 kernel was built without AVX512_VNNI on this CPU")
+        raise ValueError(f"quantization={scheme!r}: the kernel was built without AVX512_VNNI on this CPU")
     if kernels.group_size() != GROUP:  # the packing here and the kernel must agree
-        raise ValueError(f"quantization='int8': the kernel's groups are {kernels.group_size()} inputs, not {GROUP}")
-    return Int8Plan(kernels)
+        raise ValueError(f"quantization={scheme!r}: the kernel's groups are {kernels.group_size()} inputs, not {GROUP}")
+    from engine.models.int4_linear import BLOCK
+
+    if kernels.q4_block_size() != BLOCK:
+        raise ValueError(f"quantization={scheme!r}: the int4 kernel's blocks are {kernels.q4_block_size()} inputs, not {BLOCK}")
+    return Int8Plan(kernels, scheme=scheme)
 
 
 @dataclass
@@ -117,6 +127,8 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
 class Int8Linear(nn.Module):
     """y = x @ W^T (+ bias), W and x int8 with a scale per group of 64 inputs; y in x's dtype."""
 
+    OP_NAME = "tokenloom_int8::linear"  # the kernel as a torch op (engine/models/decode_stack.py calls it)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan) -> None:
         super().__init__()
         self.kernels = plan.kernels
@@ -154,12 +166,36 @@ class Int8Embedding(nn.Module):
         return rows.to(self.dtype).view(*input_ids.shape, -1)
 
 
+def gather_panels_on_huge_pages(model: nn.Module) -> int:
+    """Every quantized linear's panels in `model` (Int8Linear's, Int4Linear's) copied into one
+    tensor on huge pages, where Linux gives them (engine.huge_pages); returns the bytes moved
+    (0: nothing moved)."""
+    from engine.models.int4_linear import Q4Weight
+
+    linears = [m for m in model.modules() if isinstance(getattr(m, "quantized", None), (QuantizedWeight, Q4Weight))]
+    copies = gather_on_huge_pages([m.panels for m in linears])
+    if copies is None:
+        return 0
+    for module, copy in zip(linears, copies):  # each old copy is freed as soon as it is replaced
+        module.panels = module.quantized.panels = copy
+    return sum(c.numel() * c.element_size() for c in copies)
+
+
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan) -> nn.Module:
+    """An Int8Linear, or with plan.scheme "int4" an Int4Linear, of `weight`."""
+    if plan.scheme == "int4":
+        from engine.models.int4_linear import Int4Linear
+
+        return Int4Linear(weight, bias, plan)
+    return Int8Linear(weight, bias, plan)
+
+
 def quantize_linears(model: nn.Module, plan: Int8Plan) -> int:
-    """Swap every nn.Linear in `model` for an Int8Linear; returns how many."""
+    """Swap every nn.Linear in `model` for the plan's quantized linear; returns how many."""
     num_quantized = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child.weight, child.bias, plan))
+                setattr(module, name, quantized_linear(child.weight, child.bias, plan))
                 num_quantized += 1
     return num_quantized

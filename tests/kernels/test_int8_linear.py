@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.dtype_policy import CpuFeatures
-from engine.models.int8_linear import (GROUP, Int8Linear, check_int8_supported, dequantize_rows, pack_panels,
-                                       quantize_weight, unpack_rows)
+from engine.models.int8_linear import (GROUP, Int8Linear, check_int8_supported, dequantize_rows,
+                                       gather_panels_on_huge_pages, pack_panels, quantize_weight, unpack_rows)
 from ipc.engine_config import EngineConfig
 
 from engine.dtype_policy import detect_cpu_features
@@ -144,3 +144,24 @@ def linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` as the kernel holds it: rounded to its groups' int8 steps."""
     q, scales = quantize_weight(weight)
     return (q.float().view(len(q), -1, GROUP) * scales[:, :, None]).flatten(1)[:, : weight.shape[1]]
+
+
+@needs_kernel
+def test_panels_gathered_on_huge_pages_give_the_same_outputs(monkeypatch):
+    """fast_paths moves every layer's panels into one tensor on huge pages (as the bf16 slabs):
+    one storage, the same words, the same outputs; the tied embedding reads the moved ones."""
+    generator = torch.Generator().manual_seed(0)
+    model = torch.nn.ModuleList(Int8Linear(torch.randn(n, k, generator=generator), None, PLAN)
+                                for n, k in [(32, 64), (48, 577), (4096, 64)])
+    inputs = [torch.randn(3, linear.in_features, generator=generator) for linear in model]
+    before = [linear(x) for linear, x in zip(model, inputs)]
+    old_panels = [linear.panels.clone() for linear in model]
+    monkeypatch.setattr("engine.huge_pages.huge_pages_on_request", lambda: True)
+    assert gather_panels_on_huge_pages(model) == sum(p.numel() * 4 for p in old_panels)
+    storage = model[0].panels.untyped_storage().data_ptr()
+    for linear, old, x, out in zip(model, old_panels, inputs, before):
+        assert linear.panels.untyped_storage().data_ptr() == storage
+        assert linear.quantized.panels is linear.panels
+        assert torch.equal(linear.panels, old) and torch.equal(linear(x), out)
+    monkeypatch.setattr("engine.huge_pages.huge_pages_on_request", lambda: False)
+    assert gather_panels_on_huge_pages(model) == 0

@@ -1,6 +1,6 @@
 """Decode-only steps in one C++ call (engine/models/decode_stack.py): the same tokens and the
 same log-probabilities, bit for bit, as the eager layer loop, for every kind of matmul it
-takes (bf16 slabs, int8 panels, oneDNN-prepacked fp32, plain weights), with q/k biases
+takes (bf16 slabs, int8 and int4 panels, oneDNN-prepacked fp32, plain weights), with q/k biases
 (Qwen2) and a per-head q/k norm (Qwen3); models it cannot run say why and stay eager."""
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ SETTINGS = {
     "fp32_plain": dict(dtype="float32", cpu_prepack=False),
     "bf16": dict(dtype="bfloat16"),  # slabs with AVX512_BF16; oneDNN's or plain weights elsewhere
     "int8": dict(quantization="int8"),
+    "int4": dict(quantization="int4"),
 }
 NEEDS = {
     "int8": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
+    "int4": (CPU.has_avx512_vnni, "int4 needs AVX512_VNNI"),
 }
 ENGINE_KWARGS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, enable_prefix_caching=False)
 

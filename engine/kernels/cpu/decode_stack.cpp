@@ -8,8 +8,8 @@
 // Only what every layer of the plain decoder has: RMSNorm with the residual add, GQA
 // attention with rotary fused into the KV store (and an optional per-head q/k RMSNorm),
 // the paged decode kernel, and a SiLU-gated MLP. The matmuls are whatever the model runner
-// put in place: bf16 slabs (small_batch_linear.cpp), int8 panels (the int8 module's op,
-// reached through torch's dispatcher since it is another shared library), oneDNN-prepacked
+// put in place: bf16 slabs (small_batch_linear.cpp), int8 panels (an op of the quantized
+// kernels' module, reached through torch's dispatcher since it is another shared library), oneDNN-prepacked
 // weights (mkldnn::_linear_pointwise, as PackedLinear calls it) or plain weights.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -31,24 +31,26 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor slabs, torch::Te
 
 namespace {
 
-// The kinds of matmul a layer's linears may be (engine/models/decode_stack.py's LINEAR_KINDS).
-enum class LinearKind : int64_t { kSlabs = 0, kInt8 = 1, kOneDnn = 2, kPlain = 3 };
+// The kinds of matmul a layer's linears may be (engine/models/decode_stack.py's constants).
+// kQuantized: an op of the quantized-kernels library, named by the layer, with the schema
+// (Tensor x, Tensor weight, Tensor scales, Tensor bias, int out_features, bool out_fp32) -> Tensor.
+enum class LinearKind : int64_t { kSlabs = 0, kQuantized = 1, kOneDnn = 2, kPlain = 3 };
 
 
 struct Linear {
   LinearKind kind;
   torch::Tensor weight;  // slabs, int8 panels, oneDNN's opaque weight, or the plain [out, in] weight
-  torch::Tensor scales;  // int8: the panels' scales; else undefined
+  torch::Tensor scales;  // quantized: the panels' scales; else empty
   torch::Tensor bias;  // empty: none (each kind's own convention, as its Python module holds it)
   int64_t out_features;
-  std::optional<c10::OperatorHandle> op;  // int8 and oneDNN: the dispatcher's handle, found once
+  std::optional<c10::OperatorHandle> op;  // quantized and oneDNN: the dispatcher's handle, found once
 
   // x: [num_tokens, in_features] -> [num_tokens, out_features], as the Python module computes it.
   torch::Tensor forward(const torch::Tensor& x) const {
     switch (kind) {
       case LinearKind::kSlabs:
         return small_batch_linear(x, weight, bias, false);
-      case LinearKind::kInt8: {
+      case LinearKind::kQuantized: {
         torch::jit::Stack stack{x, weight, scales, bias, out_features, false};
         op->callBoxed(&stack);
         return stack[0].toTensor();
@@ -77,7 +79,8 @@ struct Layer {
   int64_t window;  // 0: the whole context
 };
 
-using LinearSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t>;
+// (kind, weight, scales, bias, out_features, the quantized op's name or "")
+using LinearSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, std::string>;
 
 }  // namespace
 
@@ -130,11 +133,11 @@ class DecodeStack {
 
  private:
   Linear make_linear(const LinearSpec& spec) const {
-    const auto& [kind, weight, scales, bias, out_features] = spec;
+    const auto& [kind, weight, scales, bias, out_features, op_name] = spec;
     TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0..3");
     Linear linear{static_cast<LinearKind>(kind), weight, scales, bias, out_features};
     auto& dispatcher = c10::Dispatcher::singleton();
-    if (linear.kind == LinearKind::kInt8) linear.op = dispatcher.findSchemaOrThrow("tokenloom_int8::linear", "");
+    if (linear.kind == LinearKind::kQuantized) linear.op = dispatcher.findSchemaOrThrow(op_name.c_str(), "");
     if (linear.kind == LinearKind::kOneDnn) linear.op = dispatcher.findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     return linear;
   }

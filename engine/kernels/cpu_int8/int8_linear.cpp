@@ -296,8 +296,14 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor w
   return out;
 }
 
-// The same kernel as a torch op, `tokenloom_int8::linear`, for C++ callers in another
-// shared library (engine/kernels/cpu/decode_stack.cpp) to reach through the dispatcher.
+// int4_linear.cpp (this module's other kernel: Q4_1-style W4A8)
+int64_t q4_block_size();
+std::vector<torch::Tensor> quantize_activations_q4(torch::Tensor x, int64_t num_blocks);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& dm,
+                          const torch::Tensor& bias, int64_t out_features, bool out_fp32);
+
+// Both kernels as torch ops, `tokenloom_int8::linear` and `::linear_q4`, for C++ callers in
+// another shared library (engine/kernels/cpu/decode_stack.cpp) to reach through the dispatcher.
 namespace {
 torch::Tensor int8_linear_op(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& w_scales,
                              const torch::Tensor& bias, int64_t out_features, bool out_fp32) {
@@ -307,13 +313,20 @@ torch::Tensor int8_linear_op(const torch::Tensor& x, const torch::Tensor& panels
 
 TORCH_LIBRARY(tokenloom_int8, m) {
   m.def("linear(Tensor x, Tensor panels, Tensor w_scales, Tensor bias, int out_features, bool out_fp32) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor panels, Tensor dm, Tensor bias, int out_features, bool out_fp32) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_int8, CPU, m) { m.impl("linear", &int8_linear_op); }
+TORCH_LIBRARY_IMPL(tokenloom_int8, CPU, m) {
+  m.impl("linear", &int8_linear_op);
+  m.impl("linear_q4", &int4_linear);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8_linear", &has_int8_linear, "whether this build has the int8 kernels (AVX512_VNNI)");
   m.def("group_size", &group_size, "inputs per scale, weights' and activations' alike");
   m.def("quantize_activations", &quantize_activations, "symmetric int8 per (token, group of 64), with corrections (CPU)");
   m.def("int8_linear", &int8_linear, "W8A8 linear on vpdpbusd, scales per group of 64 inputs (CPU)");
+  m.def("q4_block_size", &q4_block_size, "inputs per int4 block: the weights' (d, m) and the activations' scale");
+  m.def("quantize_activations_q4", &quantize_activations_q4, "symmetric int8 per (token, block of 32), with scale * sum (CPU)");
+  m.def("int4_linear", &int4_linear, "W4A8 linear on vpdpbusd in Q4_1's format: d and m per block of 32 inputs (CPU)");
 }

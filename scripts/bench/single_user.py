@@ -1,0 +1,270 @@
+"""Single-user speed against llama.cpp's `llama-server` (issue #28): TTFT and decode tok/s, one request at a time.
+
+    scripts/peers_llamacpp.sh            # once: builds .peers/llama.cpp/bin, writes .peers/gguf/*.gguf
+    .venv/bin/python -m scripts.bench.single_user --repeats 3 --json results/single_user.json
+    .venv/bin/python -m scripts.bench.single_user --servers llama-q8_0,ours-int8 --ours-extra "--no-compile"
+
+Every server in --servers is started once (each on a free loopback port) and all stay up
+while measuring; an idle one takes little CPU. Each gets one warm-up request, then
+--repeats rounds: in each round every server gets the same request, one at a time, the
+servers' order rotated from round to round so that none always goes first and all see the
+same host speed. A request is a streamed `/v1/completions` of --prompt-len random token ids
+(the same ids for every server; fresh ids each round, so no prompt cache helps), greedy,
+--output-len tokens with EOS ignored. Per request:
+
+    TTFT            request sent -> first chunk with text
+    decode tok/s    (completion tokens - 1) / (last chunk with text - first chunk with text)
+
+and per server the median over the rounds. llama-server runs with `-t THREADS -np 1` and its
+defaults otherwise, on the bf16, Q8_0 and Q4_1 GGUFs of scripts/peers_llamacpp.sh (all three
+hold the same weights: the bf16 file is the Q4_1 one dequantized, as our converted folder is);
+its prompt cache is turned off per request (`cache_prompt: false`). Ours runs
+`frontend.cli serve --model smollm2` at its defaults (bf16), with `--quantization int8`, and,
+given --ours-extra, with those extra flags as `ours-extra`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from scripts.lib.bench_report import machine_info, require_at_least_one, write_report
+from scripts.lib.local_server import REPO_ROOT, launch_server, stop_server
+from scripts.lib.sse_client import StreamStatusError, stream_chunks
+from scripts.lib.workload import make_workload
+
+logger = logging.getLogger("bench_single_user")
+
+LLAMA_BIN = REPO_ROOT / ".peers" / "llama.cpp" / "bin" / "llama-server"
+GGUF_DIR = REPO_ROOT / ".peers" / "gguf"
+LLAMA_GGUFS = {"llama-bf16": "smollm2-bf16.gguf", "llama-q8_0": "smollm2-q8_0.gguf", "llama-q4_1": "smollm2-q4_1.gguf"}
+OURS_FLAGS = {"ours-bf16": [], "ours-int8": ["--quantization", "int8"]}
+DEFAULT_SERVERS = "llama-bf16,llama-q8_0,llama-q4_1,ours-bf16,ours-int8"
+VOCAB_SIZE = 49152  # SmolLM2's
+TIMEOUT = aiohttp.ClientTimeout(total=3600)
+WARMUP_OUTPUT_LEN = 16
+PROMPT_SEED = 128
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    payload_extra: dict  # fields only this server's API takes
+    url: str = ""
+    log_path: Path | None = None
+    process: subprocess.Popen | None = None
+    model: str = ""  # as /v1/models lists it
+    runs: list[dict] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def make_server(name: str, args: argparse.Namespace, port: int) -> Server:
+    """The command line of server `name` on `port`."""
+    if name in LLAMA_GGUFS:
+        gguf = Path(args.gguf_dir) / LLAMA_GGUFS[name]
+        if not gguf.is_file():
+            raise SystemExit(f"{gguf} is missing; run scripts/peers_llamacpp.sh")
+        command = [str(args.llama_server), "-m", str(gguf), "-t", str(args.threads), "-np", "1",
+                   "--host", "127.0.0.1", "--port", str(port)]
+        return Server(name, command, {"cache_prompt": False}, f"http://127.0.0.1:{port}")
+    flags = OURS_FLAGS.get(name)
+    if name == "ours-extra":
+        flags = shlex.split(args.ours_extra)
+    command = [sys.executable, "-m", "frontend.cli", "serve", "--model", args.model, "--port", str(port), *flags]
+    return Server(name, command, {}, f"http://127.0.0.1:{port}")
+
+
+async def served_model(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/v1/models") as response:
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]
+
+
+async def timed_request(session: aiohttp.ClientSession, server: Server, prompt_token_ids: list[int],
+                        max_tokens: int) -> dict:
+    """One streamed completion; its TTFT, decode speed and the server's own counts."""
+    payload = {"model": server.model, "prompt": prompt_token_ids, "max_tokens": max_tokens, "temperature": 0.0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+               **server.payload_extra}
+    text_times: list[float] = []
+    num_text_chunks, usage, timings = 0, None, None
+    send_time = time.perf_counter()
+    try:
+        async for now, chunk in stream_chunks(session, server.url + "/v1/completions", payload):
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                text_times.append(now)
+                num_text_chunks += 1
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings  # llama-server's own figures
+    except StreamStatusError as error:
+        raise SystemExit(f"{server.name}: {error}") from None
+    if len(text_times) < 2:
+        raise SystemExit(f"{server.name}: the stream carried {len(text_times)} chunks with text")
+    num_tokens = (usage or {}).get("completion_tokens", num_text_chunks)
+    run = {
+        "ttft_s": text_times[0] - send_time,
+        "decode_tok_s": (num_tokens - 1) / (text_times[-1] - text_times[0]),
+        "latency_s": text_times[-1] - send_time,
+        "num_completion_tokens": num_tokens,
+        "num_prompt_tokens": (usage or {}).get("prompt_tokens"),
+        "num_text_chunks": num_text_chunks,
+    }
+    if timings:
+        run["server_timings"] = timings
+    return run
+
+
+async def measure(servers: list[Server], args: argparse.Namespace) -> None:
+    """Warm each server up, then the rounds: one request per server per round, order rotated."""
+    requests = make_workload(args.repeats + 1, (args.prompt_len, args.prompt_len), (args.output_len, args.output_len),
+                             seed=args.seed, vocab_size=VOCAB_SIZE)
+    warmup, rounds = requests[0], requests[1:]
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for server in servers:
+            server.model = await served_model(session, server.url)
+            run = await timed_request(session, server, warmup.prompt_token_ids, WARMUP_OUTPUT_LEN)
+            logger.info("%s warmed up (TTFT %.0f ms)", server.name, run["ttft_s"] * 1000)
+        for index, request in enumerate(rounds):
+            shift = index % len(servers)
+            for server in servers[shift:] + servers[:shift]:
+                run = await timed_request(session, server, request.prompt_token_ids, args.output_len)
+                if run["num_completion_tokens"] != args.output_len:
+                    raise SystemExit(f"{server.name}: {run['num_completion_tokens']} tokens, not {args.output_len}")
+                server.runs.append({"round": index, **run})
+                logger.info("round %d %-12s TTFT %7.1f ms  decode %6.1f tok/s", index, server.name,
+                            run["ttft_s"] * 1000, run["decode_tok_s"])
+
+
+def summarize(server: Server) -> dict:
+    ttfts = [r["ttft_s"] for r in server.runs]
+    speeds = [r["decode_tok_s"] for r in server.runs]
+    return {
+        "command": shlex.join(server.command),
+        "log": str(server.log_path),
+        "median_ttft_ms": statistics.median(ttfts) * 1000,
+        "median_decode_tok_s": statistics.median(speeds),
+        "ttft_ms_runs": [t * 1000 for t in ttfts],
+        "decode_tok_s_runs": speeds,
+        "num_prompt_tokens": sorted({r["num_prompt_tokens"] for r in server.runs}, key=str),
+        "runs": server.runs,
+    }
+
+
+def markdown_table(results: dict[str, dict], reference: str | None) -> str:
+    lines = ["| server | TTFT median (ms) | decode median (tok/s) | decode runs (tok/s) |"
+             + (f" decode vs {reference} |" if reference else ""),
+             "|---|---:|---:|---|" + ("---:|" if reference else "")]
+    for name, result in results.items():
+        runs = ", ".join(f"{v:.1f}" for v in result["decode_tok_s_runs"])
+        row = f"| {name} | {result['median_ttft_ms']:.1f} | {result['median_decode_tok_s']:.1f} | {runs} |"
+        if reference:
+            row += f" {result['median_decode_tok_s'] / results[reference]['median_decode_tok_s']:.2f} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def llama_version(binary: Path) -> str:
+    try:
+        done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    except OSError as error:
+        return f"unavailable: {error}"
+    return " ".join(line.strip() for line in (done.stdout + done.stderr).splitlines() if "version" in line
+                    or "built with" in line)
+
+
+def git_revision() -> str:
+    done = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=REPO_ROOT)
+    return done.stdout.strip()
+
+
+def run(args: argparse.Namespace) -> dict:
+    load_before = os.getloadavg()[0]
+    servers = [make_server(name, args, free_port()) for name in args.servers]
+    try:
+        for server in servers:
+            server.log_path = Path(args.log_dir) / f"single-user-{server.name}.log"
+            start = time.monotonic()
+            logger.info("starting %s: %s", server.name, shlex.join(server.command))
+            server.process = launch_server(server.command, server.url, server.log_path)
+            logger.info("%s up after %.1f s", server.name, time.monotonic() - start)
+        asyncio.run(measure(servers, args))
+    finally:
+        for server in servers:
+            if server.process is not None:
+                stop_server(server.process, timeout_s=60)
+    results = {server.name: summarize(server) for server in servers}
+    reference = "ours-bf16" if "ours-bf16" in results else None
+    return {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"},
+        "results": results,
+        "table": markdown_table(results, reference),
+        "llama_server_version": llama_version(args.llama_server),
+        "tokenloom_revision": git_revision(),
+        "load_average_1m_before": load_before,
+        "machine": machine_info(),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--servers", default=DEFAULT_SERVERS,
+                   help=f"comma-separated, from {', '.join([*LLAMA_GGUFS, *OURS_FLAGS, 'ours-extra'])} "
+                        "(ours-extra is added when --ours-extra is given)")
+    p.add_argument("--ours-extra", default=None, metavar="ARGS", help="flags for a further `ours-extra` server")
+    p.add_argument("--repeats", type=int, default=5, help="rounds; each server gets one request per round")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t")
+    p.add_argument("--model", default="smollm2", help="what our servers load")
+    p.add_argument("--llama-server", type=Path, default=LLAMA_BIN)
+    p.add_argument("--gguf-dir", type=Path, default=GGUF_DIR)
+    p.add_argument("--seed", type=int, default=PROMPT_SEED, help="for the prompts' token ids")
+    p.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
+    p.add_argument("--json", default="results/single_user.json", metavar="PATH")
+    args = p.parse_args(argv)
+    require_at_least_one(p, args, ("repeats", "prompt_len", "threads"))
+    if args.output_len < 2:
+        p.error("--output-len must be at least 2 (decode speed needs two tokens)")
+    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if args.ours_extra is not None and "ours-extra" not in args.servers:
+        args.servers.append("ours-extra")
+    unknown = set(args.servers) - {*LLAMA_GGUFS, *OURS_FLAGS, "ours-extra"}
+    if unknown:
+        p.error(f"unknown servers: {', '.join(sorted(unknown))}")
+    if "ours-extra" in args.servers and args.ours_extra is None:
+        p.error("ours-extra needs --ours-extra")
+    if len(set(args.servers)) != len(args.servers) or not args.servers:
+        p.error("--servers: at least one, each once")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    report = run(args)
+    write_report(args.json, report, logger=logger)
+    print(report["table"])
+    return report
+
+
+if __name__ == "__main__":
+    main()
