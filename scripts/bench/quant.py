@@ -1,8 +1,8 @@
-"""bf16 against --quantization int8 in one run, JSON out (issue #28's single-user and batched rows).
+"""bf16 against --quantization int8 and int4 in one run, JSON out (issue #28's single-user and batched rows).
 
-Both in `--dtype auto`: bf16 where the CPU multiplies it natively, and fp32 activations
-beside the int8 weights (engine/dtype_policy.py); `--int8-dtype bfloat16` runs int8 with
-bf16 activations instead.
+All in `--dtype auto`: bf16 where the CPU multiplies it natively, and fp32 activations
+beside the int8 or int4 weights (engine/dtype_policy.py); `--int8-dtype bfloat16` runs them
+with bf16 activations instead.
 
 Single user: one request, a 128-token prompt, 256 greedy tokens (EOS ignored): TTFT and
 decode tok/s after the first token. Batched: `--num-requests` requests of the same shape
@@ -32,7 +32,7 @@ def prompts(num: int, num_tokens: int, vocab: int, seed: int) -> list[list[int]]
 
 # Each setting: (quantization, run decode steps' layers in one C++ call).
 SETTINGS = {"bf16": (None, True), "bf16-eager-loop": (None, False), "int8": ("int8", True),
-            "int8-eager-loop": ("int8", False)}
+            "int8-eager-loop": ("int8", False), "int4": ("int4", True), "int4-eager-loop": ("int4", False)}
 
 
 def make_engine(name: str, args) -> LLM:
@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--batch-output-len", type=int, default=128)
     p.add_argument("--int8-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--settings", default="bf16,int8",
+    p.add_argument("--settings", default="bf16,int8,int4",
                    help=f"comma-separated, of {', '.join(SETTINGS)} (-eager-loop: --no-cpu-decode-stack)")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args()

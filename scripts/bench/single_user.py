@@ -15,7 +15,11 @@ same host speed. A request is a streamed `/v1/completions` of --prompt-len rando
     TTFT            request sent -> first chunk with text
     decode tok/s    (completion tokens - 1) / (last chunk with text - first chunk with text)
 
-and per server the median over the rounds. llama-server runs with `-t THREADS -np 1` and its
+and per server the median over the rounds. Each request also records `other_cpu_share`: the
+host's busy CPU time during the request less that of the server's processes and this one,
+over wall time x cores. A run where it is high (another job on the machine, or an idle server
+that is not idle) is suspect: llama.cpp's threads spin at barriers, so a rival process on one
+of two cores can slow it several-fold. llama-server runs with `-t THREADS -np 1` and its
 defaults otherwise, on the bf16, Q8_0 and Q4_1 GGUFs of scripts/peers_llamacpp.sh (all three
 hold the same weights: the bf16 file is the Q4_1 one dequantized, as our converted folder is);
 its prompt cache is turned off per request (`cache_prompt: false`). Ours runs
@@ -56,6 +60,7 @@ VOCAB_SIZE = 49152  # SmolLM2's
 TIMEOUT = aiohttp.ClientTimeout(total=3600)
 WARMUP_OUTPUT_LEN = 16
 PROMPT_SEED = 128
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of CPU time
 
 
 @dataclass
@@ -98,6 +103,44 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
         return (await response.json())["data"][0]["id"]
 
 
+def host_busy_ticks() -> int:
+    """All cores' non-idle time since boot, in clock ticks (the first line of /proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]  # less idle and iowait
+
+
+def process_tree_ticks(root_pid: int) -> int:
+    """User + system ticks of `root_pid` and its descendants (our server's engine cores)."""
+    parents, ticks = {}, {}
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat_path.read_text()
+        except OSError:
+            continue  # exited meanwhile
+        fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        pid = int(stat_path.parent.name)
+        parents[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+    tree, total = {root_pid}, 0
+    for pid in sorted(parents):  # children have larger pids, except after pid wrap-around
+        if pid in tree or parents[pid] in tree:
+            tree.add(pid)
+            total += ticks[pid]
+    return total
+
+
+def cpu_snapshot(server_pid: int) -> tuple[float, float, float]:
+    """CPU seconds so far: the host's, the server's process tree's and this process's own
+    (not its children: the other servers are, and their CPU is what we look for)."""
+    own = os.times()
+    return (host_busy_ticks() / CLOCK_TICKS, process_tree_ticks(server_pid) / CLOCK_TICKS, own.user + own.system)
+
+
+def other_cpu_share(before: tuple[float, float, float], after: tuple[float, float, float], wall_s: float) -> float:
+    """Busy CPU not spent by the server or this client, as a share of all cores over `wall_s`."""
+    host, server, client = (b - a for a, b in zip(before, after))
+    return max(0.0, host - server - client) / (wall_s * (os.cpu_count() or 1))
+
+
 async def timed_request(session: aiohttp.ClientSession, server: Server, prompt_token_ids: list[int],
                         max_tokens: int) -> dict:
     """One streamed completion; its TTFT, decode speed and the server's own counts."""
@@ -106,6 +149,7 @@ async def timed_request(session: aiohttp.ClientSession, server: Server, prompt_t
                **server.payload_extra}
     text_times: list[float] = []
     num_text_chunks, usage, timings = 0, None, None
+    cpu_before = cpu_snapshot(server.process.pid)
     send_time = time.perf_counter()
     try:
         async for now, chunk in stream_chunks(session, server.url + "/v1/completions", payload):
@@ -119,6 +163,8 @@ async def timed_request(session: aiohttp.ClientSession, server: Server, prompt_t
         raise SystemExit(f"{server.name}: {error}") from None
     if len(text_times) < 2:
         raise SystemExit(f"{server.name}: the stream carried {len(text_times)} chunks with text")
+    end_time = time.perf_counter()
+    cpu_after = cpu_snapshot(server.process.pid)
     num_tokens = (usage or {}).get("completion_tokens", num_text_chunks)
     run = {
         "ttft_s": text_times[0] - send_time,
@@ -127,6 +173,7 @@ async def timed_request(session: aiohttp.ClientSession, server: Server, prompt_t
         "num_completion_tokens": num_tokens,
         "num_prompt_tokens": (usage or {}).get("prompt_tokens"),
         "num_text_chunks": num_text_chunks,
+        "other_cpu_share": other_cpu_share(cpu_before, cpu_after, end_time - send_time),
     }
     if timings:
         run["server_timings"] = timings
@@ -150,8 +197,8 @@ async def measure(servers: list[Server], args: argparse.Namespace) -> None:
                 if run["num_completion_tokens"] != args.output_len:
                     raise SystemExit(f"{server.name}: {run['num_completion_tokens']} tokens, not {args.output_len}")
                 server.runs.append({"round": index, **run})
-                logger.info("round %d %-12s TTFT %7.1f ms  decode %6.1f tok/s", index, server.name,
-                            run["ttft_s"] * 1000, run["decode_tok_s"])
+                logger.info("round %d %-12s TTFT %7.1f ms  decode %6.1f tok/s  other CPU %3.0f%%", index,
+                            server.name, run["ttft_s"] * 1000, run["decode_tok_s"], run["other_cpu_share"] * 100)
 
 
 def summarize(server: Server) -> dict:
@@ -165,17 +212,19 @@ def summarize(server: Server) -> dict:
         "ttft_ms_runs": [t * 1000 for t in ttfts],
         "decode_tok_s_runs": speeds,
         "num_prompt_tokens": sorted({r["num_prompt_tokens"] for r in server.runs}, key=str),
+        "max_other_cpu_share": max(r["other_cpu_share"] for r in server.runs),
         "runs": server.runs,
     }
 
 
 def markdown_table(results: dict[str, dict], reference: str | None) -> str:
-    lines = ["| server | TTFT median (ms) | decode median (tok/s) | decode runs (tok/s) |"
+    lines = ["| server | TTFT median (ms) | decode median (tok/s) | decode runs (tok/s) | max other CPU |"
              + (f" decode vs {reference} |" if reference else ""),
-             "|---|---:|---:|---|" + ("---:|" if reference else "")]
+             "|---|---:|---:|---|---:|" + ("---:|" if reference else "")]
     for name, result in results.items():
         runs = ", ".join(f"{v:.1f}" for v in result["decode_tok_s_runs"])
-        row = f"| {name} | {result['median_ttft_ms']:.1f} | {result['median_decode_tok_s']:.1f} | {runs} |"
+        row = (f"| {name} | {result['median_ttft_ms']:.1f} | {result['median_decode_tok_s']:.1f} | {runs} "
+               f"| {result['max_other_cpu_share']:.0%} |")
         if reference:
             row += f" {result['median_decode_tok_s'] / results[reference]['median_decode_tok_s']:.2f} |"
         lines.append(row)
