@@ -23,7 +23,7 @@ of two cores can slow it several-fold. llama-server runs with `-t THREADS -np 1`
 defaults otherwise, on the bf16, Q8_0 and Q4_1 GGUFs of scripts/peers_llamacpp.sh (all three
 hold the same weights: the bf16 file is the Q4_1 one dequantized, as our converted folder is);
 its prompt cache is turned off per request (`cache_prompt: false`). Ours runs
-`frontend.cli serve --model smollm2` at its defaults (bf16), with `--quantization int8`, and,
+`frontend.cli serve --model smollm2` at its defaults (bf16), with `--quantization int8` and `int4`, and,
 given --ours-extra, with those extra flags as `ours-extra`.
 """
 
@@ -54,8 +54,8 @@ logger = logging.getLogger("bench_single_user")
 LLAMA_BIN = REPO_ROOT / ".peers" / "llama.cpp" / "bin" / "llama-server"
 GGUF_DIR = REPO_ROOT / ".peers" / "gguf"
 LLAMA_GGUFS = {"llama-bf16": "smollm2-bf16.gguf", "llama-q8_0": "smollm2-q8_0.gguf", "llama-q4_1": "smollm2-q4_1.gguf"}
-OURS_FLAGS = {"ours-bf16": [], "ours-int8": ["--quantization", "int8"]}
-DEFAULT_SERVERS = "llama-bf16,llama-q8_0,llama-q4_1,ours-bf16,ours-int8"
+OURS_FLAGS = {"ours-bf16": [], "ours-int8": ["--quantization", "int8"], "ours-int4": ["--quantization", "int4"]}
+DEFAULT_SERVERS = "llama-bf16,llama-q8_0,llama-q4_1,ours-bf16,ours-int8,ours-int4"
 VOCAB_SIZE = 49152  # SmolLM2's
 TIMEOUT = aiohttp.ClientTimeout(total=3600)
 WARMUP_OUTPUT_LEN = 16
