@@ -214,8 +214,9 @@ class EngineCoreProcess:
         self._send(EngineError(message, is_fatal=True, engine_id=self.engine_id))
 
     def inject_fault(self, at_step: int, is_persistent: bool = False) -> None:
-        """Test hook: the model's forward raises on its `at_step`-th call (and on every later
-        one if `is_persistent`), as a real model bug would."""
+        """Test hook: the model raises on its `at_step`-th step (and on every later one if
+        `is_persistent`), as a real model bug would. The hook sits on the embedding, which every
+        step runs from Python, the decode stack's (engine/models/decode_stack.py) too."""
         num_calls = 0
 
         def raise_at_step(module, args):
@@ -224,7 +225,7 @@ class EngineCoreProcess:
             if num_calls == at_step or (is_persistent and num_calls > at_step):
                 raise RuntimeError(f"injected fault in model forward call {num_calls}")
 
-        self.engine.model_runner.model.register_forward_pre_hook(raise_at_step)
+        self.engine.model_runner.model.embed_tokens.register_forward_pre_hook(raise_at_step)
 
     def _check_parent(self) -> None:
         self.engine.check_health()  # raises WorkerDeadError when a tensor-parallel worker is gone

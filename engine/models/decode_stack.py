@@ -1,8 +1,8 @@
 """Decode steps' decoder layers in one C++ call (engine/kernels/cpu/decode_stack.cpp).
 
-A one-token step of a small model spends as much time in Python as in its weight read:
-SmolLM2-135M runs ~450 module and kernel calls per token, ~4 ms of dispatch beside ~5 ms
-(int8) to ~9 ms (bf16) of matmuls. `DecodeStack` hands the kernels the eager path already
+A one-token step of a small model spent about as long in Python as in its weight read:
+SmolLM2-135M ran ~450 module and kernel calls per token (figures: docs/performance.md,
+"One user against llama.cpp"). `DecodeStack` hands the kernels the eager path already
 uses to a C++ loop over the layers, built once from the model after the runner applied
 its fast paths (engine/models/fast_paths.py), so the result has the eager path's bits.
 
@@ -30,7 +30,7 @@ from engine.models.cpu_packing import PackedLinear
 from engine.models.decoder import DecoderLayer
 from engine.models.fused import CpuFusedOps
 from engine.models.int4_linear import Int4Linear
-from engine.models.int8_linear import Int8Linear
+from engine.models.int8_linear import Int8Linear, QuantizedLinear
 from engine.models.layers import RMSNorm, SwiGLUMLP
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: 
         if type(mlp) is not SwiGLUMLP or mlp.fused is None:
             return f"MLP {type(mlp).__name__} without the fused SiLU×up"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(linear) not in (PackedLinear, Int8Linear, Int4Linear, nn.Linear):
+            if type(linear) not in (PackedLinear, Int8Linear, Int4Linear, nn.Linear):  # QuantizedLinear's kinds
                 return f"matmul {type(linear).__name__}"
     return None
 
@@ -121,7 +121,7 @@ def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: 
 def _linear_spec(module: nn.Module, max_tokens: list[int]) -> tuple:
     """(kind, weight, scales, bias, out_features, op name) as decode_stack.cpp takes it; the
     slabs' token limit, if any, appended to `max_tokens`."""
-    if isinstance(module, (Int8Linear, Int4Linear)):
+    if isinstance(module, QuantizedLinear):
         return QUANTIZED, module.panels, module.scales, module.bias, module.out_features, module.OP_NAME
     if isinstance(module, PackedLinear):
         if module.slabs is not None:

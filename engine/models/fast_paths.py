@@ -31,9 +31,9 @@ from engine.distributed.parallel_layers import RowParallelLinear
 from engine.models.attention import Attention
 from engine.models.cpu_packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
 from engine.models.fused import CpuFusedOps
-from engine.models.int4_linear import BLOCK, Int4Embedding, Int4Linear
-from engine.models.int8_linear import (Int8Embedding, Int8Linear, Int8Plan, gather_panels_on_huge_pages, quantize_linears,
-                                       quantized_linear)
+from engine.models.int4_linear import BLOCK
+from engine.models.int8_linear import (Int8Plan, QuantizedEmbedding, QuantizedLinear, gather_panels_on_huge_pages,
+                                       quantize_linears, quantized_linear)
 from engine.models.layers import OffsetRMSNorm, RMSNorm, SwiGLUMLP
 from engine.models.moe import MoEBlock
 
@@ -99,11 +99,10 @@ def quantize_model(model: nn.Module, plan: Int8Plan) -> str:
     moved = gather_panels_on_huge_pages(model)
     if moved:
         note += f", {moved / 1e6:.1f} MB of panels on huge pages"
-    if isinstance(head, (Int8Linear, Int4Linear)):
+    if isinstance(head, QuantizedLinear):
         head.out_fp32 = True
         if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and getattr(model.tp, "size", 1) == 1:
-            embedding = Int4Embedding if isinstance(head, Int4Linear) else Int8Embedding
-            model.embed_tokens = embedding(head, model.embed_tokens.weight.dtype)
+            model.embed_tokens = QuantizedEmbedding(head, model.embed_tokens.weight.dtype)
             note += f", the tied embedding read from the head's {plan.scheme}"
     return note
 

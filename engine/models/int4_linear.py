@@ -11,7 +11,7 @@ llama.cpp's Q8_1, and stay in fp32 between matmuls (engine/dtype_policy.py).
 
 `Int4Linear` replaces each nn.Linear (the LM head's too) through engine/models/fast_paths.py,
 as Int8Linear does; a tied embedding reads its rows back out of the head's blocks
-(`Int4Embedding`), so the vocabulary is held once. Like int8 it needs AVX512_VNNI
+(int8_linear.QuantizedEmbedding), so the vocabulary is held once. Like int8 it needs AVX512_VNNI
 (engine/models/int8_linear.py's plan, shared).
 """
 
@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from engine.models.int8_linear import PANEL, Int8Plan
+from engine.models.int8_linear import PANEL, Int8Plan, QuantizedLinear
 
 BLOCK = 32  # inputs per (d, m), and per activation scale: the kernel's kBlock
 WORDS_PER_BLOCK = BLOCK // 8  # a row's 32 codes in 4 words of 8 nibbles
@@ -83,48 +82,20 @@ def dequantize_rows(weight: Q4Weight, rows: torch.Tensor) -> torch.Tensor:
     return values.reshape(len(rows), -1)[:, : weight.in_features]
 
 
-class Int4Linear(nn.Module):
-    """y = x @ W^T (+ bias), W in Q4_1 blocks of 32 inputs, x int8 per block; y in x's dtype."""
+class Int4Linear(QuantizedLinear):
+    """y = x @ W^T (+ bias), W in Q4_1 blocks of 32 inputs, x int8 per block; y in x's dtype.
+    Its `scales` are the blocks' d and m."""
 
-    OP_NAME = "tokenloom_int8::linear_q4"  # the kernel as a torch op (engine/models/decode_stack.py calls it)
+    OP_NAME = "tokenloom_int8::linear_q4"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan,
                  blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """`blocks`: (codes, d, m) already in Q4_1 (a GGUF's), packed as they are; else `weight` is quantized."""
-        super().__init__()
-        self.kernels = plan.kernels
-        self.out_features, self.in_features = weight.shape
         codes, d, m = blocks if blocks is not None else quantize_weight(weight)
-        self.quantized = pack_panels(codes, d, m, self.in_features)
-        self.register_buffer("panels", self.quantized.panels, persistent=False)
-        self.register_buffer("dm", self.quantized.dm, persistent=False)
-        padded_bias = torch.empty(0)
-        if bias is not None:
-            padded_bias = torch.zeros(self.panels.shape[0] * PANEL)
-            padded_bias[: self.out_features] = bias.detach().float()
-        self.register_buffer("bias", padded_bias, persistent=False)
-        self.out_fp32 = False  # logits: the fp32 result, unrounded
+        quantized = pack_panels(codes, d, m, weight.shape[1])
+        super().__init__(plan.kernels.int4_linear, quantized.panels, quantized.dm, *weight.shape, bias)
+        self.quantized = quantized
 
-    @property
-    def scales(self) -> torch.Tensor:  # what engine/models/decode_stack.py hands the op beside the panels
-        return self.dm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features] -> [..., out_features]
-        rows = x.reshape(-1, self.in_features)  # [num_tokens, in_features]
-        out = self.kernels.int4_linear(rows, self.panels, self.dm, self.bias, self.out_features,
-                                       self.out_fp32)  # [num_tokens, out_features]
-        return out.view(*x.shape[:-1], self.out_features)
-
-
-class Int4Embedding(nn.Module):
-    """A tied embedding read from the LM head's Q4_1 blocks: row t = d * q[t] + m."""
-
-    def __init__(self, head: Int4Linear, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.head = [head]  # a list: the head is the model's module, not this one's child
-        self.dtype = dtype
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize_rows(self.head[0].quantized, input_ids.reshape(-1))  # [num_tokens, hidden]
-        return rows.to(self.dtype).view(*input_ids.shape, -1)
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n] int64 -> [n, in_features] fp32: d * q + m (a tied embedding's rows)."""
+        return dequantize_rows(self.quantized, rows)

@@ -10,7 +10,7 @@ activations between matmuls stay in fp32 by default (engine/dtype_policy.py says
 
 `Int8Linear` replaces each nn.Linear (and the matmul of each RowParallelLinear) through
 engine/models/fast_paths.py, so every family gets it: attention, MLPs, MoE experts and the
-LM head. A tied embedding shares the head's int8 panels (`Int8Embedding` reads its rows
+LM head. A tied embedding shares the head's int8 panels (`QuantizedEmbedding` reads its rows
 back out of them), so the vocabulary is held once, in int8.
 
 The plan is a pure function of the CPU's features (tested on faked ones): the kernel needs
@@ -124,45 +124,63 @@ def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor
     return q.float() * per_input
 
 
-class Int8Linear(nn.Module):
-    """y = x @ W^T (+ bias), W and x int8 with a scale per group of 64 inputs; y in x's dtype."""
+class QuantizedLinear(nn.Module):
+    """What Int8Linear and Int4Linear (int4_linear.py) share: the weight's panels and scales as
+    buffers (so the model's memory is counted from its buffers like any other tensor), the bias
+    padded to the panels' rows in fp32, and the forward through the scheme's kernel, which is
+    also the torch op OP_NAME (engine/models/decode_stack.py calls that)."""
 
-    OP_NAME = "tokenloom_int8::linear"  # the kernel as a torch op (engine/models/decode_stack.py calls it)
+    OP_NAME = ""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan) -> None:
+    def __init__(self, matmul, panels: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int,
+                 bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.kernels = plan.kernels
-        self.out_features, self.in_features = weight.shape
-        q, scales = quantize_weight(weight)
-        self.quantized = pack_panels(q, scales, self.in_features)
-        # Buffers, so the model's memory is counted from its buffers like any other tensor.
-        self.register_buffer("panels", self.quantized.panels, persistent=False)
-        self.register_buffer("scales", self.quantized.scales, persistent=False)
+        self.matmul = matmul  # (x, panels, scales, bias, out_features, out_fp32) -> [num_tokens, out_features]
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("panels", panels, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
         padded_bias = torch.empty(0)
         if bias is not None:
-            padded_bias = torch.zeros(self.panels.shape[0] * PANEL)
-            padded_bias[: self.out_features] = bias.detach().float()
+            padded_bias = torch.zeros(panels.shape[0] * PANEL)
+            padded_bias[:out_features] = bias.detach().float()
         self.register_buffer("bias", padded_bias, persistent=False)
         self.out_fp32 = False  # logits: the fp32 result, unrounded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         rows = x.reshape(-1, self.in_features)  # [num_tokens, in_features]
-        out = self.kernels.int8_linear(rows, self.panels, self.scales, self.bias, self.out_features,
-                                       self.out_fp32)  # [num_tokens, out_features]
+        out = self.matmul(rows, self.panels, self.scales, self.bias, self.out_features,
+                          self.out_fp32)  # [num_tokens, out_features]
         return out.view(*x.shape[:-1], self.out_features)
 
 
-class Int8Embedding(nn.Module):
-    """A tied embedding read from the LM head's int8 panels: row t = q[t] * its groups' scales."""
+class Int8Linear(QuantizedLinear):
+    """y = x @ W^T (+ bias), W and x int8 with a scale per group of 64 inputs; y in x's dtype."""
 
-    def __init__(self, head: Int8Linear, dtype: torch.dtype) -> None:
+    OP_NAME = "tokenloom_int8::linear"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan) -> None:
+        q, scales = quantize_weight(weight)
+        quantized = pack_panels(q, scales, weight.shape[1])
+        super().__init__(plan.kernels.int8_linear, quantized.panels, quantized.scales, *weight.shape, bias)
+        self.quantized = quantized
+
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n] int64 -> [n, in_features] fp32: row i = q[i] * its groups' scales."""
+        return dequantize_rows(self.quantized, rows)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A tied embedding read from the LM head's quantized panels (Int8Linear's or Int4Linear's),
+    so the vocabulary is held once."""
+
+    def __init__(self, head: QuantizedLinear, dtype: torch.dtype) -> None:
         super().__init__()
         self.head = [head]  # a list: the head is the model's module, not this one's child
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize_rows(self.head[0].quantized, input_ids.reshape(-1))  # [num_tokens, hidden]
+        rows = self.head[0].dequantize_rows(input_ids.reshape(-1))  # [num_tokens, hidden]
         return rows.to(self.dtype).view(*input_ids.shape, -1)
 
 
@@ -170,9 +188,7 @@ def gather_panels_on_huge_pages(model: nn.Module) -> int:
     """Every quantized linear's panels in `model` (Int8Linear's, Int4Linear's) copied into one
     tensor on huge pages, where Linux gives them (engine.huge_pages); returns the bytes moved
     (0: nothing moved)."""
-    from engine.models.int4_linear import Q4Weight
-
-    linears = [m for m in model.modules() if isinstance(getattr(m, "quantized", None), (QuantizedWeight, Q4Weight))]
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     copies = gather_on_huge_pages([m.panels for m in linears])
     if copies is None:
         return 0

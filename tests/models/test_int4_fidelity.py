@@ -9,19 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.models.int4_linear import Int4Linear, dequantize_rows
+from tests.helpers.models import quantized_llm
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def int4_llm(default_model_path):
-    from engine.dtype_policy import detect_cpu_features
-
-    if not detect_cpu_features().has_avx512_vnni:
-        pytest.skip("int4 needs AVX512_VNNI")
-    return LLM(default_model_path, quantization="int4")
+    return quantized_llm(default_model_path, "int4")
 
 
 def test_int4_weights_take_about_a_third_of_bf16s_bytes(int4_llm):

@@ -14,19 +14,16 @@ more schemes beside the engine's.
 from __future__ import annotations
 
 import pytest
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from tests.models.test_bf16_fidelity import NUM_NEW_TOKENS, QUESTIONS, mean_leading_matches
+from tests.helpers.models import quantized_llm
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def int8_llm(default_model_path):
-    from engine.dtype_policy import detect_cpu_features
-
-    if not detect_cpu_features().has_avx512_vnni:
-        pytest.skip("int8 needs AVX512_VNNI")
-    return LLM(default_model_path, quantization="int8")
+    return quantized_llm(default_model_path, "int8")
 
 
 def test_int8_weights_take_about_half_of_bf16s_bytes(int8_llm):

@@ -116,9 +116,10 @@ def test_tiny_models_match_transformers(case, tmp_path):
 
 def test_the_last_layer_runs_on_the_sampled_rows_only(tmp_path):
     """Only a prompt's last row is sampled, so the last layer's MLP (and attention output)
-    sees only the sampled rows, while every row's K and V still reach the cache."""
+    sees only the sampled rows, while every row's K and V still reach the cache. (The eager
+    layer loop's rows: the decode stack, which runs decode-only steps, samples every row.)"""
     path, hf_model = make_tiny_model(tmp_path, "LlamaForCausalLM")
-    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=4)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="float32", block_size=4, cpu_decode_stack=False)
     model = llm.engine.model_runner.model
     rows_seen = {"first": [], "last": []}
     model.layers[0].mlp.register_forward_pre_hook(lambda module, args: rows_seen["first"].append(args[0].shape[0]))

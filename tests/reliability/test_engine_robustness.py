@@ -106,7 +106,8 @@ def inject_fault(engine: EngineCore, at_call: int) -> None:
         if num_calls == at_call:
             raise RuntimeError("injected")
 
-    engine.model_runner.model.register_forward_pre_hook(raise_once)
+    # The embedding runs once a step on every path, the decode stack's too.
+    engine.model_runner.model.embed_tokens.register_forward_pre_hook(raise_once)
 
 
 def test_a_failed_step_fails_only_its_requests_and_the_engine_serves_on(tiny_path):

@@ -1,9 +1,9 @@
 // A decode step's decoder layers in one call from Python (engine/models/decode_stack.py).
 //
 // On the eager path a one-token step runs ~15 torch or kernel calls per layer from Python:
-// for SmolLM2's 30 layers that is ~450 calls, ~4 ms of interpreter and module dispatch per
-// token, against ~5 ms (int8) to ~9 ms (bf16) of weight read. Here the same kernels run in
-// the same order, with the same arguments, from a C++ loop: the bits are the eager path's.
+// for SmolLM2's 30 layers ~450 calls, whose interpreter and module dispatch cost about as much
+// as the step's weight read (docs/cpu-kernels.md). Here the same kernels run in the same
+// order, with the same arguments, from a C++ loop: the bits are the eager path's.
 //
 // Only what every layer of the plain decoder has: RMSNorm with the residual add, GQA
 // attention with rotary fused into the KV store (and an optional per-head q/k RMSNorm),

@@ -21,6 +21,7 @@
 // sums are exact (at most 32 * 15 * 127); its epilogue adds sx * (d * sum + m * sum qx) into
 // fp32 accumulators. Up to kMaxRows tokens share each weight load; more take further passes.
 #include "share_out.h"  // from engine/kernels/cpu/, copied beside this file for the build
+#include "vnni_io.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,11 +29,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
-#define TOKENLOOM_HAS_VNNI 1
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -46,12 +42,9 @@ constexpr int64_t kPrefetchBlocks = 8;  // 4 KB ahead in the panel, into L2 (as 
 
 #ifdef TOKENLOOM_HAS_VNNI
 
-inline __m512 load_floats_masked(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
-inline __m512 load_floats_masked(const at::BFloat16* x, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x)), 16));
-}
-
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1); }
+using tokenloom_vnni::lanes;
+using tokenloom_vnni::load_floats_masked;
+using tokenloom_vnni::store_outputs;
 
 // One token: qx per block into `out` ([num_blocks * 32] int8, zeros past in_features), its
 // scale max|x| / 127 (1 for an all-zero block) and scale * sum qx (the minimum's factor).
@@ -154,17 +147,7 @@ void panel_rows(Activations x, int64_t num_blocks, const uint32_t* panel, const 
     const __m512 bias_h = bias != nullptr ? _mm512_loadu_ps(bias + 16 * h) : _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
-      const __m512 y = _mm512_add_ps(acc[r][h], bias_h);
-      out_t* dst = out + r * out_stride + 16 * h;
-      if constexpr (std::is_same_v<out_t, float>) {
-        _mm512_mask_storeu_ps(dst, valid[h], y);
-      } else {
-        // Round to nearest even, as torch's float -> bf16 cast does.
-        const __m512i bits = _mm512_castps_si512(y);
-        const __m512i rounding = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                  _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
-        _mm256_mask_storeu_epi16(dst, valid[h], _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16)));
-      }
+      store_outputs(out + r * out_stride + 16 * h, valid[h], _mm512_add_ps(acc[r][h], bias_h));
     }
   }
 }
@@ -194,19 +177,6 @@ void run_panels(Activations x, int64_t num_tokens, int64_t num_blocks, const uin
 
 #endif  // TOKENLOOM_HAS_VNNI
 
-bool has_vnni() {
-#ifdef TOKENLOOM_HAS_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
-
-void check_x(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "x: 2-D bf16 or fp32 on the CPU");
-}
-
 }  // namespace
 
 int64_t q4_block_size() { return kBlock; }
@@ -215,8 +185,8 @@ int64_t q4_block_size() { return kBlock; }
 // past in_features; scales [num_tokens, num_blocks] fp32; scale * sum qx [num_tokens, num_blocks]
 // fp32). The kernel's own activation quantization, exposed for tests.
 std::vector<torch::Tensor> quantize_activations_q4(torch::Tensor x, int64_t num_blocks) {
-  TORCH_CHECK(has_vnni(), "int4 linears need a CPU with AVX512_VNNI");
-  check_x(x);
+  TORCH_CHECK(tokenloom_vnni::has_vnni(), "int4 linears need a CPU with AVX512_VNNI");
+  tokenloom_vnni::check_activations(x);
   TORCH_CHECK(num_blocks * kBlock >= x.size(1) && (num_blocks - 1) * kBlock < x.size(1),
               "num_blocks must be in_features / 32, rounded up");
   x = x.contiguous();
@@ -241,8 +211,8 @@ std::vector<torch::Tensor> quantize_activations_q4(torch::Tensor x, int64_t num_
 // in fp32 (logits).
 torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& panels, const torch::Tensor& dm,
                           const torch::Tensor& bias, int64_t out_features, bool out_fp32) {
-  TORCH_CHECK(has_vnni(), "int4 linears need a CPU with AVX512_VNNI");
-  check_x(x_in);
+  TORCH_CHECK(tokenloom_vnni::has_vnni(), "int4 linears need a CPU with AVX512_VNNI");
+  tokenloom_vnni::check_activations(x_in);
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kInt32 && panels.size(2) == kPanel &&
                   panels.size(1) % kWordsPerBlock == 0 && panels.is_contiguous(),
               "panels: [padded_out / 32, num_blocks * 4, 32] int32, contiguous");

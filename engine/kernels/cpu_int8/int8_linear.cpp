@@ -26,6 +26,7 @@
 // over the panel, then in cache. The output is rounded to the activations' dtype once (or
 // left in fp32: logits).
 #include "share_out.h"  // from engine/kernels/cpu/, copied beside this file for the build
+#include "vnni_io.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,11 +34,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
-#define TOKENLOOM_HAS_VNNI 1
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -50,12 +46,9 @@ constexpr int64_t kPrefetchQuads = 32;  // 4 KB ahead in the panel, into L2 (as 
 
 #ifdef TOKENLOOM_HAS_VNNI
 
-inline __m512 load_floats_masked(const float* x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
-inline __m512 load_floats_masked(const at::BFloat16* x, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x)), 16));
-}
-
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1); }
+using tokenloom_vnni::lanes;
+using tokenloom_vnni::load_floats_masked;
+using tokenloom_vnni::store_outputs;
 
 // One token: qx per group into `out` ([num_groups * 64] int8, zeros past in_features), its
 // scale max|x| / 127 (1 for an all-zero group) and its correction 128 * sum qx.
@@ -168,18 +161,7 @@ void panel_rows(Activations x, int64_t num_groups, const uint32_t* panel, const 
     const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + 16 * h) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
-      const __m512 y = _mm512_add_ps(acc[r][h], b);
-      out_t* dst = out + r * out_stride + 16 * h;
-      if constexpr (std::is_same_v<out_t, float>) {
-        _mm512_mask_storeu_ps(dst, valid[h], y);
-      } else {
-        // Round to nearest even, as torch's float -> bf16 cast does.
-        const __m512i bits = _mm512_castps_si512(y);
-        const __m512i rounding = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                  _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
-        const __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16));
-        _mm256_mask_storeu_epi16(dst, valid[h], hi);
-      }
+      store_outputs(out + r * out_stride + 16 * h, valid[h], _mm512_add_ps(acc[r][h], b));
     }
   }
 }
@@ -211,20 +193,9 @@ void run_panels(Activations x, int64_t num_tokens, int64_t num_groups, const uin
 
 #endif  // TOKENLOOM_HAS_VNNI
 
-void check_input(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "x: 2-D bf16 or fp32 on the CPU");
-}
-
 }  // namespace
 
-bool has_int8_linear() {
-#ifdef TOKENLOOM_HAS_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
+bool has_int8_linear() { return tokenloom_vnni::has_vnni(); }
 
 int64_t group_size() { return kGroup; }
 
@@ -233,7 +204,7 @@ int64_t group_size() { return kGroup; }
 // int32, 128 * each group's sum of qx). The kernel's own activation quantization, exposed for tests.
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t num_groups) {
   TORCH_CHECK(has_int8_linear(), "int8 linears need a CPU with AVX512_VNNI");
-  check_input(x);
+  tokenloom_vnni::check_activations(x);
   TORCH_CHECK(num_groups * kGroup >= x.size(1) && (num_groups - 1) * kGroup < x.size(1),
               "num_groups must be in_features / 64, rounded up");
   x = x.contiguous();
@@ -259,7 +230,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t num_gro
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor w_scales, torch::Tensor bias,
                           int64_t out_features, bool out_fp32) {
   TORCH_CHECK(has_int8_linear(), "int8 linears need a CPU with AVX512_VNNI");
-  check_input(x);
+  tokenloom_vnni::check_activations(x);
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kInt32 && panels.size(2) == kPanel &&
                   panels.size(1) % kQuadsPerGroup == 0 && panels.is_contiguous(),
               "panels: [padded_out / 32, num_groups * 16, 32] int32, contiguous");
