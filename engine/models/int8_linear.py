@@ -164,10 +164,12 @@ class Int8Linear(QuantizedLinear):
         quantized = pack_panels(q, scales, weight.shape[1])
         super().__init__(plan.kernels.int8_linear, quantized.panels, quantized.scales, *weight.shape, bias)
         self.quantized = quantized
+        self.kernels = plan.kernels
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """[n] int64 -> [n, in_features] fp32: row i = q[i] * its groups' scales."""
-        return dequantize_rows(self.quantized, rows)
+        """[n] int64 -> [n, in_features] fp32: row i = q[i] * its groups' scales (`dequantize_rows`'s
+        values, in one kernel call: a tied embedding's lookup, once a step)."""
+        return self.kernels.int8_rows(self.panels, self.scales, rows, self.in_features, self.out_features)
 
 
 class QuantizedEmbedding(nn.Module):

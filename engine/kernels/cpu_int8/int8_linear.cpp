@@ -273,6 +273,12 @@ std::vector<torch::Tensor> quantize_activations_q4(torch::Tensor x, int64_t num_
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& dm,
                           const torch::Tensor& bias, int64_t out_features, bool out_fp32);
 
+// embedding_rows.cpp (a tied embedding's rows read back out of the head's panels)
+torch::Tensor int8_rows(const torch::Tensor& panels, const torch::Tensor& scales, const torch::Tensor& rows,
+                        int64_t in_features, int64_t out_features);
+torch::Tensor int4_rows(const torch::Tensor& panels, const torch::Tensor& dm, const torch::Tensor& rows,
+                        int64_t in_features, int64_t out_features);
+
 // Both kernels as torch ops, `tokenloom_int8::linear` and `::linear_q4`, for C++ callers in
 // another shared library (engine/kernels/cpu/decode_stack.cpp) to reach through the dispatcher.
 namespace {
@@ -299,5 +305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "W8A8 linear on vpdpbusd, scales per group of 64 inputs (CPU)");
   m.def("q4_block_size", &q4_block_size, "inputs per int4 block: the weights' (d, m) and the activations' scale");
   m.def("quantize_activations_q4", &quantize_activations_q4, "symmetric int8 per (token, block of 32), with scale * sum (CPU)");
+  m.def("int8_rows", &int8_rows, "rows of an int8 weight read back from its panels, fp32 (a tied embedding's)");
+  m.def("int4_rows", &int4_rows, "rows of an int4 weight read back from its panels, fp32 (a tied embedding's)");
   m.def("int4_linear", &int4_linear, "W4A8 linear on vpdpbusd in Q4_1's format: d and m per block of 32 inputs (CPU)");
 }
