@@ -1,4 +1,4 @@
-"""KV-cache tensors (and the CPU's weight slabs and int8 panels, engine.models.cpu_packing
+"""KV-cache tensors (and the CPU's weight slabs and int8 or int4 panels, engine.models.cpu_packing
 and engine.models.int8_linear) on
 transparent huge pages, where Linux offers them on request.
 
@@ -62,15 +62,19 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return tensor.zero_()
 
 
-def gather_on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Copies of `tensors` (all of one dtype) as views of one tensor on huge pages, in order;
-    None where Linux gives none on request. A step streams every weight once, a page after
-    another: on 4 KB pages each one missed the TLB and the prefetcher stopped at its end."""
-    if not tensors or not huge_pages_on_request():
-        return None
-    pool = zeros_on_huge_pages((sum(t.numel() for t in tensors),), tensors[0].dtype)
-    copies, offset = [], 0
-    for tensor in tensors:
-        copies.append(pool[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor))
-        offset += tensor.numel()
-    return copies
+def move_onto_huge_pages(owners: list, get, put) -> int:
+    """Move the tensor get(owner) of every owner (all of one dtype) into one tensor on huge pages,
+    put(owner, copy) placing each copy as soon as it is made, so the old one is freed at once
+    (peak memory: the pool and one old tensor). Returns the bytes moved; 0 where Linux gives no
+    huge pages on request. A step streams every weight once, a page after another: on 4 KB pages
+    each one missed the TLB and the prefetcher stopped at its end."""
+    if not owners or not huge_pages_on_request():
+        return 0
+    num_elements = [get(owner).numel() for owner in owners]
+    pool = zeros_on_huge_pages((sum(num_elements),), get(owners[0]).dtype)
+    offset = 0
+    for owner, n in zip(owners, num_elements):
+        old = get(owner)
+        put(owner, pool[offset : offset + n].view(old.shape).copy_(old))
+        offset += n
+    return pool.numel() * pool.element_size()

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from engine.dtype_policy import CpuFeatures
-from engine.huge_pages import gather_on_huge_pages
+from engine.huge_pages import move_onto_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +148,9 @@ def gather_slabs_on_huge_pages(model: nn.Module) -> int:
     """Copy every PackedLinear's slabs in `model` into one tensor on transparent huge pages,
     where Linux gives them on request. Returns the bytes moved (0: nothing moved)."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear) and m.slabs is not None]
-    copies = gather_on_huge_pages([m.slabs for m in linears])
-    if copies is None:
-        return 0
-    for module, copy in zip(linears, copies):
-        module.slabs = copy
-    num_bytes = sum(c.numel() * c.element_size() for c in copies)
-    logger.info("bf16 slabs on huge pages: %.1f MB", num_bytes / 1e6)
+    num_bytes = move_onto_huge_pages(linears, lambda m: m.slabs, lambda m, slabs: setattr(m, "slabs", slabs))
+    if num_bytes:
+        logger.info("bf16 slabs on huge pages: %.1f MB", num_bytes / 1e6)
     return num_bytes
 
 

@@ -113,7 +113,7 @@ def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: 
         if type(mlp) is not SwiGLUMLP or mlp.fused is None:
             return f"MLP {type(mlp).__name__} without the fused SiLU×up"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(linear) not in (PackedLinear, Int8Linear, Int4Linear, nn.Linear):  # QuantizedLinear's kinds
+            if type(linear) not in (PackedLinear, Int8Linear, Int4Linear, nn.Linear):  # what _linear_spec takes
                 return f"matmul {type(linear).__name__}"
     return None
 

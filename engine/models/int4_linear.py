@@ -93,11 +93,6 @@ class Int4Linear(QuantizedLinear):
         """`blocks`: (codes, d, m) already in Q4_1 (a GGUF's), packed as they are; else `weight` is quantized."""
         codes, d, m = blocks if blocks is not None else quantize_weight(weight)
         quantized = pack_panels(codes, d, m, weight.shape[1])
-        super().__init__(plan.kernels.int4_linear, quantized.panels, quantized.dm, *weight.shape, bias)
+        super().__init__(plan.kernels.int4_linear, plan.kernels.int4_rows, quantized.panels, quantized.dm,
+                         *weight.shape, bias)
         self.quantized = quantized
-        self.kernels = plan.kernels
-
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """[n] int64 -> [n, in_features] fp32: d * q + m (`dequantize_rows`'s values, in one kernel
-        call: a tied embedding's lookup, once a step)."""
-        return self.kernels.int4_rows(self.panels, self.scales, rows, self.in_features, self.out_features)

@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.huge_pages import gather_on_huge_pages
+from engine.huge_pages import move_onto_huge_pages
 
 PANEL = 32  # output rows per panel (the kernel's kPanel)
 GROUP = 64  # inputs per scale (the kernel's kGroup)
@@ -132,10 +132,11 @@ class QuantizedLinear(nn.Module):
 
     OP_NAME = ""
 
-    def __init__(self, matmul, panels: torch.Tensor, scales: torch.Tensor, out_features: int, in_features: int,
-                 bias: torch.Tensor | None) -> None:
+    def __init__(self, matmul, read_rows, panels: torch.Tensor, scales: torch.Tensor, out_features: int,
+                 in_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.matmul = matmul  # (x, panels, scales, bias, out_features, out_fp32) -> [num_tokens, out_features]
+        self.read_rows = read_rows  # (panels, scales, rows, in_features, out_features) -> [n, in_features] fp32
         self.out_features, self.in_features = out_features, in_features
         self.register_buffer("panels", panels, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
@@ -153,6 +154,12 @@ class QuantizedLinear(nn.Module):
                           self.out_fp32)  # [num_tokens, out_features]
         return out.view(*x.shape[:-1], self.out_features)
 
+    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n] int64 -> [n, in_features] fp32: the weight's rows as the matmul sees them (the
+        scheme's `dequantize_rows` reference's values, in one kernel call: a tied embedding's
+        lookup, once a step)."""
+        return self.read_rows(self.panels, self.scales, rows, self.in_features, self.out_features)
+
 
 class Int8Linear(QuantizedLinear):
     """y = x @ W^T (+ bias), W and x int8 with a scale per group of 64 inputs; y in x's dtype."""
@@ -162,14 +169,9 @@ class Int8Linear(QuantizedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan) -> None:
         q, scales = quantize_weight(weight)
         quantized = pack_panels(q, scales, weight.shape[1])
-        super().__init__(plan.kernels.int8_linear, quantized.panels, quantized.scales, *weight.shape, bias)
+        super().__init__(plan.kernels.int8_linear, plan.kernels.int8_rows, quantized.panels, quantized.scales,
+                         *weight.shape, bias)
         self.quantized = quantized
-        self.kernels = plan.kernels
-
-    def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """[n] int64 -> [n, in_features] fp32: row i = q[i] * its groups' scales (`dequantize_rows`'s
-        values, in one kernel call: a tied embedding's lookup, once a step)."""
-        return self.kernels.int8_rows(self.panels, self.scales, rows, self.in_features, self.out_features)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -191,12 +193,11 @@ def gather_panels_on_huge_pages(model: nn.Module) -> int:
     tensor on huge pages, where Linux gives them (engine.huge_pages); returns the bytes moved
     (0: nothing moved)."""
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    copies = gather_on_huge_pages([m.panels for m in linears])
-    if copies is None:
-        return 0
-    for module, copy in zip(linears, copies):  # each old copy is freed as soon as it is replaced
-        module.panels = module.quantized.panels = copy
-    return sum(c.numel() * c.element_size() for c in copies)
+    return move_onto_huge_pages(linears, lambda m: m.panels, _put_panels)
+
+
+def _put_panels(module: QuantizedLinear, panels: torch.Tensor) -> None:
+    module.panels = module.quantized.panels = panels  # the buffer and the reference layout: one tensor
 
 
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan) -> nn.Module:
