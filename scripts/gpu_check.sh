@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One prepared check for a lent GPU machine, inside 5 minutes:
 #   1. nvidia-smi, torch, triton versions
-#   2. the Triton kernel tests on the GPU (TRITON_INTERPRET=0)
+#   2. the Triton kernel tests on the GPU (TRITON_INTERPRET=0), then the whole engine on them
+#      (tests/models/test_triton_engine.py: scheduling cases, Mistral's window, Gemma 3's
+#      per-layer windows, each against the torch backend or transformers)
 #   3. bench_decode on the default model (smollm2; bf16, triton, batch 64, 128 in, 128 out)
 #   4. bench_decode on a random-weight Mistral-7B shape (bf16, triton, batch 32, 512 in, 64 out)
 #   5. the capacity simulator's prediction of step 4 on this GPU's profile, beside the
@@ -11,7 +13,7 @@
 #      (not failed) on a machine with one GPU, where two NCCL ranks cannot share it
 # Results go to ${OUT:-results/gpu}: a log per step and the two bench JSONs, 8 files (the
 # device tool returns 8 at most). Each step runs under `timeout`, so one hang costs only
-# its own slot; the limits add up to 450 s (give the device call timeout_s=510).
+# its own slot; the limits add up to 540 s (give the device call timeout_s=590).
 # The exit status is 1 if any step failed.
 #
 #   bash scripts/gpu_check.sh                       # here, or on the device machine
@@ -64,7 +66,8 @@ print("triton", triton.__version__)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
 step versions 20 bash -c 'nvidia-smi; "$0" -c "$1"' "$PYTHON" "$VERSIONS"
 
-step test_kernels 110 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kernels.py
+step test_triton 200 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kernels.py \
+    tests/models/test_triton_engine.py
 
 # The default model, converted weights if cached (or convertible), else its shape with random weights.
 if try_step prepare_smollm2 20 "$PYTHON" -m engine.model_files smollm2; then
