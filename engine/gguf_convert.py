@@ -132,7 +132,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         skeleton = AutoModelForCausalLM.from_config(config)
     logger.info("dequantizing %s to %s", file_name, info.weights_dtype)
     try:
-        with _memoized_tensor_name_maps():
+        with memoized_tensor_name_maps():
             parsed = load_gguf_checkpoint(
                 str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype
             )
@@ -180,7 +180,7 @@ def _served_architecture(config, info: GgufInfo, file_name: str) -> str:
 
 
 @contextlib.contextmanager
-def _memoized_tensor_name_maps():
+def memoized_tensor_name_maps():
     """Memoize gguf.get_tensor_name_map during one conversion. transformers'
     get_gguf_hf_weights_map builds a fresh TensorNameMap for every submodule it visits
     (~400 for SmolLM2, 10 of the conversion's 29 s); the map depends only on (arch, layers)."""

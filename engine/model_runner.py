@@ -29,6 +29,7 @@ from engine.distributed.messages import StepInputs
 from engine.distributed.parallel_layers import num_local_kv_heads
 from engine.distributed.parallel_state import TensorParallelGroup, threads_per_rank
 from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
+from engine.gguf_blocks import blocks_for_model
 from engine.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
 from engine.models.config import ModelConfig
@@ -142,8 +143,12 @@ class ModelRunner:
                        int8: Int8Plan | None) -> None:
         """int8, prepacked (or slab) matmuls and the fused element-wise ops, on whatever blocks the model has."""
         slabs = plan_slabs(self.dtype, self.num_weight_bytes, cpu) if is_prepacked else None
+        gguf_blocks = None
+        if int8 is not None and self.tp is None and self.config.load_format == "auto":
+            gguf_blocks = blocks_for_model(self.model, self.config.model, self.model_config.path, int8.scheme)
         apply_fast_paths(self.model, batch_size_hint=self.config.max_num_seqs if is_prepacked else None, slabs=slabs,
-                         fused_ops=fused_ops, backend=self.backend, is_compiled=self.is_compiled, int8=int8)
+                         fused_ops=fused_ops, backend=self.backend, is_compiled=self.is_compiled, int8=int8,
+                         gguf_blocks=gguf_blocks)
 
     def _make_decode_stack(self, fused_ops: CpuFusedOps | None) -> DecodeStack | None:
         """Decode-only steps' layers in one C++ call, where every layer can (engine.models.decode_stack)."""

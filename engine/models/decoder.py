@@ -157,11 +157,15 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def load_weights(self, weights) -> None:
+    def load_weights(self, weights, into: dict[str, torch.Tensor] | None = None) -> None:
         """Copy Hugging Face-named tensors in, each renamed by `checkpoint_names` and its parts
         written to their rows of our merged weights. Under TP each rank keeps its shard (the
-        tensors may be safetensors slices)."""
-        params = dict(self.named_parameters())
+        tensors may be safetensors slices). `into`: write into these tensors, by our parameter
+        name, instead (row by row, any dtype and width: a GGUF's blocks, engine/gguf_blocks.py),
+        skipping the names it lacks; at TP = 1 only."""
+        params = dict(self.named_parameters()) if into is None else into
+        if into is not None and self.tp.size != 1:
+            raise ValueError("loading into other tensors is for TP = 1")
         rules = [(re.compile(rule.pattern), rule) for rule in self.checkpoint_names]
         loaded = set()
         for hf_name, tensor in weights:
@@ -174,6 +178,8 @@ class DecoderForCausalLM(nn.Module):
                     name, parts = pattern.sub(rule.ours, name, count=1), rule.parts
                     break
             if name not in params:
+                if into is not None:
+                    continue
                 raise KeyError(f"unexpected weight {hf_name!r}")
             param = params[name]
             with torch.no_grad():
@@ -183,7 +189,7 @@ class DecoderForCausalLM(nn.Module):
                     self._load_parts(param, tensor, parts)
             loaded.add(name)
         missing = set(params) - loaded
-        if missing:
+        if missing and into is None:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
     def _load_parts(self, param: torch.Tensor, tensor, parts: tuple[str, ...]) -> None:

@@ -3,7 +3,8 @@ from, so a new family gets them without code of its own:
 
 - int8 or int4 matmuls with `--quantization int8|int4` (engine/models/int8_linear.py,
   int4_linear.py), in place of the prepacked ones: every nn.Linear and RowParallelLinear,
-  the LM head too;
+  the LM head too; of a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks where the model came from one
+  (engine/gguf_blocks.py);
 - prepacked matmuls (engine/models/cpu_packing.py): every nn.Linear (attention, MLPs, MoE
   experts, the LM head, tied or not) becomes a PackedLinear, on oneDNN's blocked layout or
   on bf16 slabs per the SlabPlan; a RowParallelLinear packs its matmul and keeps its
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -37,18 +39,21 @@ from engine.models.int8_linear import (Int8Plan, QuantizedEmbedding, QuantizedLi
 from engine.models.layers import OffsetRMSNorm, RMSNorm, SwiGLUMLP
 from engine.models.moe import MoEBlock
 
+if TYPE_CHECKING:
+    from engine.gguf_blocks import GgufBlocks
+
 logger = logging.getLogger(__name__)
 
 
 def apply_fast_paths(model: nn.Module, *, batch_size_hint: int | None, slabs: SlabPlan | None,
                      fused_ops: CpuFusedOps | None, backend: AttentionBackend, is_compiled: bool,
-                     int8: Int8Plan | None = None) -> list[str]:
-    """Quantize the matmuls to int8 (with `int8`), or prepack them (when `batch_size_hint` is
-    given), and hand out the fused ops (when given); returns the notes it logs, one per kind
-    of fast path."""
+                     int8: Int8Plan | None = None, gguf_blocks: dict[str, GgufBlocks] | None = None) -> list[str]:
+    """Quantize the matmuls to int8 (with `int8`; of a GGUF's blocks where `gguf_blocks` has
+    them), or prepack them (when `batch_size_hint` is given), and hand out the fused ops (when
+    given); returns the notes it logs, one per kind of fast path."""
     notes = []
     if int8 is not None:
-        notes.append(quantize_model(model, int8))
+        notes.append(quantize_model(model, int8, gguf_blocks))
     elif is_compiled:
         notes.append("compiled: inductor prepacks the matmuls and fuses the element-wise ops")
     elif batch_size_hint is not None:
@@ -83,9 +88,9 @@ def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None
     return num_packed
 
 
-def quantize_model(model: nn.Module, plan: Int8Plan) -> str:
+def quantize_model(model: nn.Module, plan: Int8Plan, gguf_blocks: dict[str, GgufBlocks] | None = None) -> str:
     """Every matmul, the logits' too, onto int8 (or int4); a tied embedding reads the head's."""
-    num_quantized = quantize_linears(model, plan)  # the LM head among them, tied or not
+    num_quantized = quantize_linears(model, plan, gguf_blocks)  # the LM head among them, tied or not
     for module in model.modules():
         if isinstance(module, RowParallelLinear):  # not nn.Linears: their all-reduce stays
             module.packed = quantized_linear(module.weight, None, plan)
@@ -96,6 +101,9 @@ def quantize_model(model: nn.Module, plan: Int8Plan) -> str:
         note = f"{num_quantized} matmuls int4 (W4A8 on vpdpbusd, Q4_1's blocks of {BLOCK} inputs)"
     else:
         note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd, scales per group of {plan.group_size} inputs)"
+    num_from_gguf = sum(getattr(m, "from_gguf", False) for m in model.modules())
+    if num_from_gguf:
+        note += f", {num_from_gguf} of them the GGUF's own blocks"
     moved = gather_panels_on_huge_pages(model)
     if moved:
         note += f", {moved / 1e6:.1f} MB of panels on huge pages"

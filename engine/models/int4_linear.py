@@ -5,8 +5,8 @@ A single user's decode step reads every weight once, so its speed is the weight 
 memory's read rate: Q4_1 holds a weight in 0.625 bytes (a 4-bit code, and an fp16 scale d and
 minimum m per block of 32: w = d * q + m), 0.31 of bf16's. Any bf16/fp32 checkpoint is quantized
 at load time as llama.cpp's quantize_row_q4_1 does (d = (max - min) / 15, m = min, q rounded);
-a GGUF's Q4_1 blocks can be packed as they are (`pack_panels` takes codes, d and m), with no
-second rounding. Activations are quantized inside the kernel per token and block of 32, as
+a GGUF's Q4_1 or Q4_0 blocks are packed as they are (engine/gguf_blocks.py; Q4_0's
+d (q - 8) is d q + m with m = -8 d), with no second rounding. Activations are quantized inside the kernel per token and block of 32, as
 llama.cpp's Q8_1, and stay in fp32 between matmuls (engine/dtype_policy.py).
 
 `Int4Linear` replaces each nn.Linear (the LM head's too) through engine/models/fast_paths.py,
@@ -90,9 +90,10 @@ class Int4Linear(QuantizedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan,
                  blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """`blocks`: (codes, d, m) already in Q4_1 (a GGUF's), packed as they are; else `weight` is quantized."""
+        """`blocks`: (codes, d, m) already in Q4_1's form (a GGUF's), packed as they are; else `weight` is quantized."""
         codes, d, m = blocks if blocks is not None else quantize_weight(weight)
         quantized = pack_panels(codes, d, m, weight.shape[1])
         super().__init__(plan.kernels.int4_linear, plan.kernels.int4_rows, quantized.panels, quantized.dm,
                          *weight.shape, bias)
         self.quantized = quantized
+        self.from_gguf = blocks is not None

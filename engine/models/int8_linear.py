@@ -3,7 +3,8 @@
 Every weight is quantized once, at load time, from the checkpoint's bf16/fp32 values:
 symmetric int8 with one scale per output row and group of 64 inputs (the input features
 padded with zeros to a multiple of 64). Activations are quantized inside the kernel, one
-scale per token and group of 64. One scale per whole row and token drifts far from fp32
+scale per token and group of 64. A GGUF's Q8_0 blocks (engine/gguf_blocks.py) are packed as they
+are, in groups of 32: the same kernel, its group read from the scales' shape. One scale per whole row and token drifts far from fp32
 (an outlier sets the step for its whole row); per group, greedy answers stay about as close
 to fp32 as with llama.cpp's Q8_0 (scripts/bench/quant_drift.py measures both). The
 activations between matmuls stay in fp32 by default (engine/dtype_policy.py says why).
@@ -21,14 +22,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.huge_pages import move_onto_huge_pages
 
+if TYPE_CHECKING:
+    from engine.gguf_blocks import GgufBlocks
+
 PANEL = 32  # output rows per panel (the kernel's kPanel)
 GROUP = 64  # inputs per scale (the kernel's kGroup)
+GGUF_GROUP = 32  # a GGUF Q8_0 block's inputs per scale (the kernel's kGgufGroup)
 
 
 @dataclass(frozen=True)
@@ -70,10 +76,14 @@ def plan_int8(device_type: str, has_avx512_vnni: bool, scheme: str = "int8") -> 
 class QuantizedWeight:
     """A weight in the kernel's layout, with what it needs to undo the quantization."""
 
-    panels: torch.Tensor  # [padded_out / 32, num_groups * 16, 32] int32: four bytes q + 128 of one row per word
+    panels: torch.Tensor  # [padded_out / 32, num_groups * group / 4, 32] int32: four bytes q + 128 of one row per word
     scales: torch.Tensor  # [padded_out / 32, num_groups, 32] fp32: a panel's scales, group by group
     out_features: int
     in_features: int
+
+    @property
+    def group_size(self) -> int:
+        return self.panels.shape[1] * 4 // self.scales.shape[1]
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +101,13 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_panels(q: torch.Tensor, scales: torch.Tensor, in_features: int) -> QuantizedWeight:
-    """(q [out, num_groups * 64] int8, scales [out, num_groups]) -> the kernel's panels: word
-    (p, i, j) holds the bytes q + 128 of inputs 4i .. 4i+3 of row 32p + j; rows padded with
-    zeros (scale 1)."""
+    """(q [out, num_groups * group] int8, scales [out, num_groups]; group 64, or a GGUF Q8_0's 32)
+    -> the kernel's panels: word (p, i, j) holds the bytes q + 128 of inputs 4i .. 4i+3 of row
+    32p + j; rows padded with zeros (scale 1)."""
     out_features, padded_in = q.shape
-    num_groups = padded_in // GROUP
+    num_groups = scales.shape[1]
+    if padded_in % num_groups or padded_in // num_groups not in (GROUP, GGUF_GROUP):
+        raise ValueError(f"{padded_in} inputs in {num_groups} groups: groups must be {GROUP} or {GGUF_GROUP} inputs")
     padded_out = -(-out_features // PANEL) * PANEL
     num_panels = padded_out // PANEL
     unsigned = torch.full((padded_out, padded_in), 128, dtype=torch.uint8)
@@ -111,8 +123,8 @@ def pack_panels(q: torch.Tensor, scales: torch.Tensor, in_features: int) -> Quan
 def unpack_rows(weight: QuantizedWeight, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantized rows `rows` ([n] int64), read from the panels: (q [n, in_features] int8,
     scales [n, num_groups] fp32)."""
-    words = weight.panels[rows // PANEL, :, rows % PANEL]  # [n, num_groups * 16] int32
-    q = (words.contiguous().view(torch.uint8).to(torch.int16) - 128).to(torch.int8)  # [n, num_groups * 64]
+    words = weight.panels[rows // PANEL, :, rows % PANEL]  # [n, num_groups * group / 4] int32
+    q = (words.contiguous().view(torch.uint8).to(torch.int16) - 128).to(torch.int8)  # [n, num_groups * group]
     scales = weight.scales[rows // PANEL, :, rows % PANEL]  # [n, num_groups]
     return q[:, : weight.in_features], scales
 
@@ -120,7 +132,7 @@ def unpack_rows(weight: QuantizedWeight, rows: torch.Tensor) -> tuple[torch.Tens
 def dequantize_rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
     """[n] int64 -> [n, in_features] fp32: q * its group's scale."""
     q, scales = unpack_rows(weight, rows)
-    per_input = scales.repeat_interleave(GROUP, dim=1)[:, : weight.in_features]  # [n, in_features]
+    per_input = scales.repeat_interleave(weight.group_size, dim=1)[:, : weight.in_features]  # [n, in_features]
     return q.float() * per_input
 
 
@@ -146,6 +158,7 @@ class QuantizedLinear(nn.Module):
             padded_bias[:out_features] = bias.detach().float()
         self.register_buffer("bias", padded_bias, persistent=False)
         self.out_fp32 = False  # logits: the fp32 result, unrounded
+        self.from_gguf = False  # the subclass says: its blocks are a GGUF's, as they were
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
@@ -162,16 +175,24 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
-    """y = x @ W^T (+ bias), W and x int8 with a scale per group of 64 inputs; y in x's dtype."""
+    """y = x @ W^T (+ bias), W and x int8 with a scale per group of 64 inputs (32: a GGUF's
+    Q8_0 blocks); y in x's dtype."""
 
     OP_NAME = "tokenloom_int8::linear"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan) -> None:
-        q, scales = quantize_weight(weight)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan,
+                 blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`blocks`: (q, d) already in Q8_0 (a GGUF's), packed as they are; else `weight` is quantized."""
+        if blocks is not None:
+            q, d = blocks
+            scales = d.float()  # fp16 -> fp32: exact
+        else:
+            q, scales = quantize_weight(weight)
         quantized = pack_panels(q, scales, weight.shape[1])
         super().__init__(plan.kernels.int8_linear, plan.kernels.int8_rows, quantized.panels, quantized.scales,
                          *weight.shape, bias)
         self.quantized = quantized
+        self.from_gguf = blocks is not None
 
 
 class QuantizedEmbedding(nn.Module):
@@ -200,21 +221,26 @@ def _put_panels(module: QuantizedLinear, panels: torch.Tensor) -> None:
     module.panels = module.quantized.panels = panels  # the buffer and the reference layout: one tensor
 
 
-def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan) -> nn.Module:
-    """An Int8Linear, or with plan.scheme "int4" an Int4Linear, of `weight`."""
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan,
+                     blocks: GgufBlocks | None = None) -> nn.Module:
+    """An Int8Linear, or with plan.scheme "int4" an Int4Linear, of `weight`; of a GGUF's `blocks`
+    as they are where given (the scheme's own: Q8_0 for int8, Q4_0 or Q4_1 for int4)."""
     if plan.scheme == "int4":
         from engine.models.int4_linear import Int4Linear
 
-        return Int4Linear(weight, bias, plan)
-    return Int8Linear(weight, bias, plan)
+        return Int4Linear(weight, bias, plan, None if blocks is None else (blocks.codes, blocks.d, blocks.m))
+    return Int8Linear(weight, bias, plan, None if blocks is None else (blocks.codes, blocks.d))
 
 
-def quantize_linears(model: nn.Module, plan: Int8Plan) -> int:
-    """Swap every nn.Linear in `model` for the plan's quantized linear; returns how many."""
+def quantize_linears(model: nn.Module, plan: Int8Plan, blocks: dict[str, GgufBlocks] | None = None) -> int:
+    """Swap every nn.Linear in `model` for the plan's quantized linear, of its GGUF blocks where
+    `blocks` (by weight name, engine/gguf_blocks.place_blocks) has them; returns how many."""
+    blocks = blocks or {}
     num_quantized = 0
-    for module in list(model.modules()):
+    for prefix, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, quantized_linear(child.weight, child.bias, plan))
+                weight_name = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
+                setattr(module, name, quantized_linear(child.weight, child.bias, plan, blocks.get(weight_name)))
                 num_quantized += 1
     return num_quantized

@@ -9,7 +9,9 @@ Simulated schemes fake-quantize every linear's weight and input in fp32 transfor
   g64       blocks of 64 along K for both, fp32 scales (what --quantization int8 runs)
   g64_fp16  the same with fp16 scales
 
-`engine` is the real path: LLM(quantization="int8") on our vpdpbusd kernel.
+`engine` is the real path: LLM(quantization="int8") on our vpdpbusd kernel (`--quantization
+int4` for int4; `--engine-model x.gguf` to run a GGUF's own blocks, engine/gguf_blocks.py,
+against the same fp32 reference of --model).
 
 The greedy score swings by several tokens with any rounding change (one early near-tie
 sends a whole answer elsewhere). Two smoother scores come from one teacher-forced pass
@@ -18,6 +20,7 @@ token is fp32's (`top1_agreement`) and the mean negative log-likelihood of fp32'
 (`answer_nll`; fp32's own is the floor).
 
     python -m scripts.bench.quant_drift --schemes channel,q8_0,g64,engine --json results/quant_drift.json
+    python -m scripts.bench.quant_drift --schemes q8_0,engine --engine-model .peers/gguf/smollm2-q8_0.gguf
 """
 
 from __future__ import annotations
@@ -84,11 +87,11 @@ def simulated_forced(model, prompt: list[int], answer: list[int]) -> tuple[list[
     return logprobs.argmax(-1).tolist(), nll.tolist()
 
 
-def engine_results(path: str, prompts: list[list[int]], answers: list[list[int]]):
-    """(greedy answers, teacher-forced top tokens and NLLs) of LLM(quantization="int8")."""
+def engine_results(path: str, prompts: list[list[int]], answers: list[list[int]], quantization: str = "int8"):
+    """(greedy answers, teacher-forced top tokens and NLLs) of LLM(path, quantization=...)."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(path, quantization="int8")
+    llm = LLM(path, quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     greedy = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     forced_params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
@@ -113,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--schemes", default="channel,q8_0,g64,engine")
     p.add_argument("--json", default=None, help="write the scores here too")
+    p.add_argument("--quantization", default="int8", choices=["int8", "int4"], help="the engine scheme's")
+    p.add_argument("--engine-model", default=None,
+                   help="what the engine scheme loads (a GGUF file, say); default: --model")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -127,14 +133,16 @@ def main(argv: list[str] | None = None) -> None:
     del fp32
     for scheme in args.schemes.split(","):
         if scheme == "engine":
-            answers, forced = engine_results(path, prompts, reference)
+            answers, forced = engine_results(args.engine_model or path, prompts, reference, args.quantization)
         else:
             model = simulated_model(path, scheme)
             answers = [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
             forced = [simulated_forced(model, p, a) for p, a in zip(prompts, reference)]
         results[scheme] = scores(answers, forced, reference)
         print(scheme, json.dumps(results[scheme]), flush=True)
-    write_report(args.json, {"model": args.model, "num_new_tokens": NUM_NEW_TOKENS, "schemes": results}, indent=2)
+    write_report(args.json, {"model": args.model, "engine_model": args.engine_model or args.model,
+                             "quantization": args.quantization, "num_new_tokens": NUM_NEW_TOKENS,
+                             "schemes": results}, indent=2)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.dtype_policy import CpuFeatures
-from engine.models.int8_linear import (GROUP, Int8Linear, check_int8_supported, dequantize_rows,
+from engine.models.int8_linear import (GGUF_GROUP, GROUP, Int8Linear, check_int8_supported, dequantize_rows,
                                        gather_panels_on_huge_pages, pack_panels, quantize_weight, unpack_rows)
 from ipc.engine_config import EngineConfig
 
@@ -177,3 +177,47 @@ def test_rows_read_back_in_one_call_equal_the_reference(shape):
     assert torch.equal(linear.dequantize_rows(rows), dequantize_rows(linear.quantized, rows))
     with pytest.raises(RuntimeError, match="out of range"):
         linear.dequantize_rows(torch.tensor([-1]))
+
+
+def q8_0_blocks(out_features: int, in_features: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF Q8_0 weight's blocks, as engine/gguf_blocks.py unpacks them: int8 values and an
+    fp16 d per 32 inputs."""
+    q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    d = (torch.rand(out_features, in_features // GGUF_GROUP, generator=gen) * 0.01 + 1e-4).half()
+    return q, d
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q8_0_blocks_run_in_groups_of_32(dtype):
+    """Q8_0's groups of 32 (three here: not a whole group of 64) on the same kernel: the
+    blocks read back exactly, activations quantize per 32, the matmul is the dequantized one
+    and each token's row is the same bits at every step size."""
+    gen = torch.Generator().manual_seed(32)
+    q, d = q8_0_blocks(72, 96, gen)
+    bias = torch.randn(72, generator=gen)
+    linear = Int8Linear(torch.empty(72, 96), bias, PLAN, blocks=(q, d))
+    assert linear.quantized.group_size == GGUF_GROUP and linear.from_gguf
+    weight = q.float() * d.float().repeat_interleave(GGUF_GROUP, dim=1)  # exact: fp16 d times a small integer
+    assert torch.equal(linear.dequantize_rows(torch.arange(72)), weight)
+    assert torch.equal(dequantize_rows(linear.quantized, torch.arange(72)), weight)
+    x = torch.randn(300, 96, generator=gen).to(dtype)
+    x_bytes, x_scales, corrections = PLAN.kernels.quantize_activations(x, 3, GGUF_GROUP)
+    groups = x.float().view(300, 3, GGUF_GROUP)
+    torch.testing.assert_close(x_scales, groups.abs().amax(2) / 127, rtol=2**-23, atol=0)
+    assert torch.equal(corrections, 128 * x_bytes.view(300, 3, GGUF_GROUP).sum(2, dtype=torch.int32))
+    xq = x_bytes.double().view(300, 3, GGUF_GROUP) * x_scales.double()[:, :, None]
+    expected = (xq.flatten(1) @ weight.double().t()).float() + bias
+    full = linear(x)  # [300, 72]
+    rtol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(full.float(), expected, atol=1e-3, rtol=rtol)
+    for num_tokens in range(1, 300):
+        assert torch.equal(linear(x[:num_tokens]), full[:num_tokens]), num_tokens
+
+
+@needs_kernel
+def test_groups_other_than_64_and_32_are_refused():
+    with pytest.raises(ValueError, match="groups must be"):
+        pack_panels(torch.zeros(32, 96, dtype=torch.int8), torch.ones(32, 6), 96)  # 16 inputs a group
+    with pytest.raises(RuntimeError, match="groups are 64"):
+        PLAN.kernels.quantize_activations(torch.randn(2, 96), 6, 16)

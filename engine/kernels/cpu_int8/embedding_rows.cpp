@@ -10,7 +10,6 @@
 namespace {
 
 constexpr int64_t kPanel = 32;
-constexpr int64_t kGroup = 64;  // int8: inputs per scale
 constexpr int64_t kBlock = 32;  // int4: inputs per (d, m)
 
 void check_rows(const torch::Tensor& panels, const torch::Tensor& rows, int64_t out_features) {
@@ -24,14 +23,17 @@ void check_rows(const torch::Tensor& panels, const torch::Tensor& rows, int64_t 
 
 }  // namespace
 
-// panels: [padded_out / 32, num_groups * 16, 32] int32 (bytes q + 128), scales: [padded_out / 32,
-// num_groups, 32] fp32; rows: [n] int64 -> [n, in_features] fp32, q * its group's scale.
+// panels: [padded_out / 32, num_groups * group / 4, 32] int32 (bytes q + 128), scales: [padded_out / 32,
+// num_groups, 32] fp32 (group 64, or a GGUF Q8_0's 32); rows: [n] int64 -> [n, in_features] fp32,
+// q * its group's scale.
 torch::Tensor int8_rows(const torch::Tensor& panels, const torch::Tensor& scales, const torch::Tensor& rows,
                         int64_t in_features, int64_t out_features) {
   check_rows(panels, rows, out_features);
   const int64_t num_words = panels.size(1), num_groups = scales.size(1);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && num_words == num_groups * kGroup / 4 &&
-                  in_features <= num_groups * kGroup, "scales disagree with the panels");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && num_groups > 0 &&
+                  num_words % num_groups == 0, "scales disagree with the panels");
+  const int64_t group = num_words / num_groups * 4;
+  TORCH_CHECK((group == 64 || group == 32) && in_features <= num_groups * group, "scales disagree with the panels");
   auto out = torch::empty({rows.numel(), in_features}, panels.options().dtype(torch::kFloat));
   const int32_t* words = panels.data_ptr<int32_t>();
   const float* s = scales.data_ptr<float>();
@@ -42,7 +44,7 @@ torch::Tensor int8_rows(const torch::Tensor& panels, const torch::Tensor& scales
     for (int64_t k = 0; k < in_features; ++k) {
       const uint32_t word = static_cast<uint32_t>(words[(p * num_words + k / 4) * kPanel + j]);
       const int q = static_cast<int>((word >> (8 * (k % 4))) & 0xff) - 128;
-      dst[k] = static_cast<float>(q) * s[(p * num_groups + k / kGroup) * kPanel + j];
+      dst[k] = static_cast<float>(q) * s[(p * num_groups + k / group) * kPanel + j];
     }
   }
   return out;

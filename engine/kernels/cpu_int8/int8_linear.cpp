@@ -1,5 +1,6 @@
-// W8A8 linear layers on AVX512_VNNI's vpdpbusd, with scales per group of 64 inputs
-// (engine/models/int8_linear.py packs the weights and decides where this runs).
+// W8A8 linear layers on AVX512_VNNI's vpdpbusd, with scales per group of 64 inputs, or of 32
+// for a GGUF's Q8_0 blocks packed as they are (engine/models/int8_linear.py packs the weights
+// and decides where this runs).
 //
 //   y[t, n] = sum_g sx[t, g] * sw[n, g] * sum_{k in g} qx[t, k] * qw[n, k]  (+ bias[n])
 //
@@ -8,6 +9,7 @@
 // bound that to the group. Weights are int8, symmetric, one scale per (row, group),
 // quantized once at load time (K padded with zeros to a multiple of 64). Activations are
 // quantized here, one scale per (token, group): qx = round(x * 127 / max|x| over the group).
+// The group is the weight's: the scales' shape against the panels' says which (kGroup or kGgufGroup).
 //
 // vpdpbusd multiplies unsigned bytes by signed ones. The weights are the unsigned side,
 // stored as u = qw + 128, so each group's sum also holds 128 * sum_{k in g} qx[t, k]: a
@@ -17,7 +19,7 @@
 //
 // Weights are packed into panels of 32 output rows, each panel contiguous:
 //   panels: [out_features / 32, num_quads, 32] 32-bit words; word (p, q, j) = the four
-//   bytes u of inputs 4q .. 4q + 3 of row 32 p + j; num_quads = 16 per group;
+//   bytes u of inputs 4q .. 4q + 3 of row 32 p + j; num_quads = group / 4 per group;
 //   w_scales: [out_features / 32, num_groups, 32] fp32, a panel's scales group by group.
 // A panel streams front to back; one vpdpbusd adds four products for 16 rows, with the
 // token's 4 bytes broadcast, so there are no horizontal sums. Each group's int32 sums are
@@ -38,8 +40,8 @@
 namespace {
 
 constexpr int64_t kPanel = 32;  // output rows per panel: two zmm registers of sums
-constexpr int64_t kGroup = 64;  // inputs per scale
-constexpr int64_t kQuadsPerGroup = kGroup / 4;
+constexpr int64_t kGroup = 64;  // inputs per scale: what load-time quantization makes
+constexpr int64_t kGgufGroup = 32;  // a GGUF Q8_0 block's inputs per scale
 constexpr int kMaxRows = 6;  // tokens per pass: 12 int32 and 12 fp32 accumulators in registers
 constexpr int64_t kChunksPerThread = 8;  // run_panels' share-out
 constexpr int64_t kPrefetchQuads = 32;  // 4 KB ahead in the panel, into L2 (as the bf16 slabs do)
@@ -50,17 +52,18 @@ using tokenloom_vnni::lanes;
 using tokenloom_vnni::load_floats_masked;
 using tokenloom_vnni::store_outputs;
 
-// One token: qx per group into `out` ([num_groups * 64] int8, zeros past in_features), its
+// One token: qx per group into `out` ([num_groups * group] int8, zeros past in_features), its
 // scale max|x| / 127 (1 for an all-zero group) and its correction 128 * sum qx.
-template <typename in_t>
+template <int64_t group, typename in_t>
 void quantize_row(const in_t* x, int64_t in_features, int64_t num_groups, int8_t* out, float* scales,
                   int32_t* corrections) {
+  constexpr int kChunks = group / 16;
   for (int64_t g = 0; g < num_groups; ++g) {
-    const int64_t k0 = g * kGroup;
-    __m512 v[4];
+    const int64_t k0 = g * group;
+    __m512 v[kChunks];
     __m512 amax = _mm512_setzero_ps();
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < kChunks; ++c) {
       v[c] = load_floats_masked(x + k0 + 16 * c, lanes(in_features - k0 - 16 * c));
       amax = _mm512_max_ps(amax, _mm512_abs_ps(v[c]));
     }
@@ -68,7 +71,7 @@ void quantize_row(const in_t* x, int64_t in_features, int64_t num_groups, int8_t
     const __m512 inv = _mm512_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
     __m512i sum = _mm512_setzero_si512();
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < kChunks; ++c) {
       // Round to nearest even (the MXCSR default), as torch.round does in the reference.
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
       sum = _mm512_add_epi32(sum, q);
@@ -79,13 +82,13 @@ void quantize_row(const in_t* x, int64_t in_features, int64_t num_groups, int8_t
   }
 }
 
-template <typename in_t>
+template <int64_t group, typename in_t>
 void quantize_rows(const in_t* x, int64_t num_tokens, int64_t in_features, int64_t num_groups, int8_t* out,
                    float* scales, int32_t* corrections) {
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      quantize_row(x + t * in_features, in_features, num_groups, out + t * num_groups * kGroup,
-                   scales + t * num_groups, corrections + t * num_groups);
+      quantize_row<group>(x + t * in_features, in_features, num_groups, out + t * num_groups * group,
+                          scales + t * num_groups, corrections + t * num_groups);
     }
   });
 }
@@ -98,9 +101,10 @@ struct Activations {
 };
 
 // out[r][n0 .. n0 + 32) for rows [0, kRows) of `x`, over one panel.
-template <int kRows, typename out_t>
+template <int kRows, int64_t group, typename out_t>
 void panel_rows(Activations x, int64_t num_groups, const uint32_t* panel, const float* w_scales, const float* bias,
                 int64_t num_valid, out_t* out, int64_t out_stride) {
+  constexpr int64_t kQuadsPerGroup = group / 4;
   const int64_t num_quads = num_groups * kQuadsPerGroup;
   __m512 acc[kRows][2];
 #pragma GCC unroll 8
@@ -169,24 +173,24 @@ void panel_rows(Activations x, int64_t num_groups, const uint32_t* panel, const 
 template <typename out_t>
 using PanelRowsFn = void (*)(Activations, int64_t, const uint32_t*, const float*, const float*, int64_t, out_t*,
                              int64_t);
-template <typename out_t>
-constexpr PanelRowsFn<out_t> kPanelRows[kMaxRows] = {panel_rows<1, out_t>, panel_rows<2, out_t>,
-                                                     panel_rows<3, out_t>, panel_rows<4, out_t>,
-                                                     panel_rows<5, out_t>, panel_rows<6, out_t>};
+template <int64_t group, typename out_t>
+constexpr PanelRowsFn<out_t> kPanelRows[kMaxRows] = {panel_rows<1, group, out_t>, panel_rows<2, group, out_t>,
+                                                     panel_rows<3, group, out_t>, panel_rows<4, group, out_t>,
+                                                     panel_rows<5, group, out_t>, panel_rows<6, group, out_t>};
 
 // Each panel's outputs for every token, the panels shared out as the bf16 slabs are (share_out.h).
-template <typename out_t>
+template <int64_t group, typename out_t>
 void run_panels(Activations x, int64_t num_tokens, int64_t num_groups, const uint32_t* panels, const float* w_scales,
                 const float* bias, int64_t num_panels, int64_t out_features, out_t* out) {
-  const int64_t num_quads = num_groups * kQuadsPerGroup;
+  const int64_t num_quads = num_groups * group / 4;
   tokenloom_cpu::share_out<kChunksPerThread>(num_panels, [&](int64_t p) {
     const int64_t n0 = p * kPanel;
     for (int64_t r0 = 0; r0 < num_tokens; r0 += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, num_tokens - r0);
       const Activations block{x.quads + r0 * num_quads, x.scales + r0 * num_groups, x.corrections + r0 * num_groups};
-      kPanelRows<out_t>[rows - 1](block, num_groups, panels + p * num_quads * kPanel,
-                                  w_scales + p * num_groups * kPanel, bias == nullptr ? nullptr : bias + n0,
-                                  out_features - n0, out + r0 * out_features + n0, out_features);
+      kPanelRows<group, out_t>[rows - 1](block, num_groups, panels + p * num_quads * kPanel,
+                                         w_scales + p * num_groups * kPanel, bias == nullptr ? nullptr : bias + n0,
+                                         out_features - n0, out + r0 * out_features + n0, out_features);
     }
   });
 }
@@ -199,50 +203,69 @@ bool has_int8_linear() { return tokenloom_vnni::has_vnni(); }
 
 int64_t group_size() { return kGroup; }
 
-// x: [num_tokens, in_features] bf16 or fp32 -> (qx [num_tokens, num_groups * 64] int8, zeros
+namespace {
+
+void check_group(int64_t group) {
+  TORCH_CHECK(group == kGroup || group == kGgufGroup, "int8 groups are 64 inputs (or a GGUF Q8_0's 32), not ", group);
+}
+
+}  // namespace
+
+// x: [num_tokens, in_features] bf16 or fp32 -> (qx [num_tokens, num_groups * group] int8, zeros
 // past in_features; scales [num_tokens, num_groups] fp32; corrections [num_tokens, num_groups]
 // int32, 128 * each group's sum of qx). The kernel's own activation quantization, exposed for tests.
-std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t num_groups) {
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t num_groups, int64_t group) {
   TORCH_CHECK(has_int8_linear(), "int8 linears need a CPU with AVX512_VNNI");
   tokenloom_vnni::check_activations(x);
-  TORCH_CHECK(num_groups * kGroup >= x.size(1) && (num_groups - 1) * kGroup < x.size(1),
-              "num_groups must be in_features / 64, rounded up");
+  check_group(group);
+  TORCH_CHECK(num_groups * group >= x.size(1) && (num_groups - 1) * group < x.size(1),
+              "num_groups must be in_features / group, rounded up");
   x = x.contiguous();
-  auto bytes = torch::empty({x.size(0), num_groups * kGroup}, x.options().dtype(at::kChar));
+  auto bytes = torch::empty({x.size(0), num_groups * group}, x.options().dtype(at::kChar));
   auto scales = torch::empty({x.size(0), num_groups}, x.options().dtype(at::kFloat));
   auto corrections = torch::empty({x.size(0), num_groups}, x.options().dtype(at::kInt));
 #ifdef TOKENLOOM_HAS_VNNI
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
-                  scales.data_ptr<float>(), corrections.data_ptr<int32_t>());
+  auto run = [&](auto group_constant) {
+    constexpr int64_t g = decltype(group_constant)::value;
+    if (x.scalar_type() == at::kFloat) {
+      quantize_rows<g>(x.data_ptr<float>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
+                       scales.data_ptr<float>(), corrections.data_ptr<int32_t>());
+    } else {
+      quantize_rows<g>(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
+                       scales.data_ptr<float>(), corrections.data_ptr<int32_t>());
+    }
+  };
+  if (group == kGroup) {
+    run(std::integral_constant<int64_t, kGroup>{});
   } else {
-    quantize_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
-                  scales.data_ptr<float>(), corrections.data_ptr<int32_t>());
+    run(std::integral_constant<int64_t, kGgufGroup>{});
   }
 #endif
   return {bytes, scales, corrections};
 }
 
-// x: [num_tokens, in_features] bf16 or fp32; panels: [padded_out / 32, num_groups * 16, 32]
+// x: [num_tokens, in_features] bf16 or fp32; panels: [padded_out / 32, num_groups * group / 4, 32]
 // int32 and w_scales: [padded_out / 32, num_groups, 32] fp32 (engine.models.int8_linear's
-// layout); bias: [padded_out] fp32 or empty. Returns [num_tokens, out_features] in x's
-// dtype, or with out_fp32 in fp32 (logits).
+// layout; group 64, or 32 for a GGUF's Q8_0 blocks); bias: [padded_out] fp32 or empty. Returns
+// [num_tokens, out_features] in x's dtype, or with out_fp32 in fp32 (logits).
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor w_scales, torch::Tensor bias,
                           int64_t out_features, bool out_fp32) {
   TORCH_CHECK(has_int8_linear(), "int8 linears need a CPU with AVX512_VNNI");
   tokenloom_vnni::check_activations(x);
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kInt32 && panels.size(2) == kPanel &&
-                  panels.size(1) % kQuadsPerGroup == 0 && panels.is_contiguous(),
-              "panels: [padded_out / 32, num_groups * 16, 32] int32, contiguous");
+                  panels.is_contiguous(), "panels: [padded_out / 32, num_groups * group / 4, 32] int32, contiguous");
   const int64_t num_tokens = x.size(0), in_features = x.size(1);
-  const int64_t num_panels = panels.size(0), num_groups = panels.size(1) / kQuadsPerGroup;
+  const int64_t num_panels = panels.size(0), num_groups = w_scales.dim() == 3 ? w_scales.size(1) : 0;
+  TORCH_CHECK(w_scales.scalar_type() == torch::kFloat && w_scales.dim() == 3 && w_scales.size(0) == num_panels &&
+                  num_groups > 0 && w_scales.size(2) == kPanel && w_scales.is_contiguous() &&
+                  panels.size(1) % num_groups == 0,
+              "w_scales: [padded_out / 32, num_groups, 32] fp32, contiguous, a whole number of quads a group");
+  const int64_t group = panels.size(1) / num_groups * 4;
+  check_group(group);
   const int64_t padded_out = num_panels * kPanel;
-  TORCH_CHECK(num_groups * kGroup >= in_features && (num_groups - 1) * kGroup < in_features,
+  TORCH_CHECK(num_groups * group >= in_features && (num_groups - 1) * group < in_features,
               "x's features disagree with the weight's");
   TORCH_CHECK(out_features <= padded_out && out_features > padded_out - kPanel, "out_features disagrees with the panels");
-  TORCH_CHECK(w_scales.scalar_type() == torch::kFloat && w_scales.dim() == 3 && w_scales.size(0) == num_panels &&
-                  w_scales.size(1) == num_groups && w_scales.size(2) == kPanel && w_scales.is_contiguous(),
-              "w_scales: [padded_out / 32, num_groups, 32] fp32, contiguous");
   const bool has_bias = bias.numel() > 0;
   if (has_bias) {
     TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.numel() == padded_out && bias.is_contiguous(),
@@ -251,17 +274,28 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor w
   auto out = torch::empty({num_tokens, out_features}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
   if (num_tokens == 0 || num_panels == 0) return out;
 #ifdef TOKENLOOM_HAS_VNNI
-  // [num_tokens, num_groups * 64] int8, [num_tokens, num_groups] fp32, [num_tokens, num_groups] int32
-  const auto quantized = quantize_activations(x, num_groups);
+  // [num_tokens, num_groups * group] int8, [num_tokens, num_groups] fp32, [num_tokens, num_groups] int32
+  const auto quantized = quantize_activations(x, num_groups, group);
   const Activations xq{reinterpret_cast<const uint32_t*>(quantized[0].data_ptr<int8_t>()),
                        quantized[1].data_ptr<float>(), quantized[2].data_ptr<int32_t>()};
   const uint32_t* w = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
   const float* ws = w_scales.data_ptr<float>();
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
+  auto run = [&](auto group_constant, auto* out_data) {
+    constexpr int64_t g = decltype(group_constant)::value;
+    run_panels<g>(xq, num_tokens, num_groups, w, ws, b, num_panels, out_features, out_data);
+  };
+  auto run_group = [&](auto* out_data) {
+    if (group == kGroup) {
+      run(std::integral_constant<int64_t, kGroup>{}, out_data);
+    } else {
+      run(std::integral_constant<int64_t, kGgufGroup>{}, out_data);
+    }
+  };
   if (out.scalar_type() == at::kFloat) {
-    run_panels(xq, num_tokens, num_groups, w, ws, b, num_panels, out_features, out.data_ptr<float>());
+    run_group(out.data_ptr<float>());
   } else {
-    run_panels(xq, num_tokens, num_groups, w, ws, b, num_panels, out_features, out.data_ptr<at::BFloat16>());
+    run_group(out.data_ptr<at::BFloat16>());
   }
 #endif
   return out;
@@ -300,9 +334,10 @@ TORCH_LIBRARY_IMPL(tokenloom_int8, CPU, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8_linear", &has_int8_linear, "whether this build has the int8 kernels (AVX512_VNNI)");
-  m.def("group_size", &group_size, "inputs per scale, weights' and activations' alike");
-  m.def("quantize_activations", &quantize_activations, "symmetric int8 per (token, group of 64), with corrections (CPU)");
-  m.def("int8_linear", &int8_linear, "W8A8 linear on vpdpbusd, scales per group of 64 inputs (CPU)");
+  m.def("group_size", &group_size, "inputs per scale, weights' and activations' alike (load-time quantization's)");
+  m.def("quantize_activations", &quantize_activations, "symmetric int8 per (token, group of 64 or 32), with corrections (CPU)",
+        py::arg("x"), py::arg("num_groups"), py::arg("group") = kGroup);
+  m.def("int8_linear", &int8_linear, "W8A8 linear on vpdpbusd, scales per group of 64 (or 32) inputs (CPU)");
   m.def("q4_block_size", &q4_block_size, "inputs per int4 block: the weights' (d, m) and the activations' scale");
   m.def("quantize_activations_q4", &quantize_activations_q4, "symmetric int8 per (token, block of 32), with scale * sum (CPU)");
   m.def("int8_rows", &int8_rows, "rows of an int8 weight read back from its panels, fp32 (a tied embedding's)");

@@ -1,0 +1,118 @@
+"""A GGUF's Q8_0, Q4_0 and Q4_1 blocks kept as they are under `--quantization int8|int4`
+(engine/gguf_blocks.py): unpacked to exactly gguf-py's dequantized values; placed into our
+merged weights (q/k rows un-permuted as transformers' loader does, q, k, v and gate, up merged,
+the tied head from the embedding) so each quantized linear reads back the converted folder's
+weights bit for bit; and the engine on them gives the same tokens as on the folder's weights
+requantized, where that requantization is exact (Q4_1), and runs from the blocks where it is not."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from engine import LLM, SamplingParams
+from engine.dtype_policy import detect_cpu_features
+from engine.gguf_blocks import read_gguf_blocks, unpack_blocks
+from engine.model_files import resolve_model
+from engine.models import load_model
+from engine.models.config import ModelConfig
+from engine.models.int8_linear import QuantizedLinear
+from tests.helpers.gguf_writer import write_llama_gguf
+from tests.models.test_gguf_files import write_tiny_llama
+
+needs_vnni = pytest.mark.skipif(not detect_cpu_features().has_avx512_vnni, reason="int8/int4 need AVX512_VNNI")
+SCHEME = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_unpacked_blocks_are_gguf_py_values(type_name):
+    qtype = GGMLQuantizationType[type_name]
+    weights = np.random.default_rng(0).normal(0, 0.1, (40, 96)).astype(np.float32)
+    weights[3, :32] = 0  # an all-zero block
+    raw = quantize(weights, qtype)  # [40, bytes per row]
+    blocks = unpack_blocks(raw, type_name)
+    assert blocks.codes.shape == (40, 96) and blocks.d.shape == (40, 3) and blocks.d.dtype == torch.float16
+    per_input = blocks.d.float().repeat_interleave(32, dim=1)
+    values = blocks.codes.float() * per_input
+    if blocks.m is not None:
+        assert int(blocks.codes.min()) >= 0 and int(blocks.codes.max()) <= 15
+        values = values + blocks.m.float().repeat_interleave(32, dim=1)
+    assert torch.equal(values, torch.from_numpy(dequantize(raw, qtype)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-blocks")
+    folder, _ = write_tiny_llama(root)
+    files = {name: write_llama_gguf(folder, root / f"tiny.{name}.gguf", GGMLQuantizationType[name])
+             for name in SCHEME}
+    return folder, files
+
+
+def our_fp32_weights(folder) -> dict[str, torch.Tensor]:
+    model = load_model(ModelConfig.from_folder(folder), torch.float32, torch.device("cpu"))
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("type_name", list(SCHEME))
+def test_blocks_map_onto_the_checkpoint_names(type_name, tiny, in_gguf_cache):
+    _, files = tiny
+    converted = resolve_model(str(files[type_name]))
+    blocks = read_gguf_blocks(files[type_name], converted, SCHEME[type_name])
+    # Every 2-D weight of the tiny Llama: 7 a layer, and the (tied) embedding.
+    assert len(blocks) == 2 * 7 + 1 and "model.embed_tokens.weight" in blocks
+    from safetensors.torch import load_file
+
+    folder_weights = load_file(f"{converted}/model.safetensors")
+    for name, b in blocks.items():  # the q/k rows un-permuted: the folder's rows, in its order
+        values = b.codes.float() * b.d.float().repeat_interleave(32, dim=1)
+        if b.m is not None:
+            values += b.m.float().repeat_interleave(32, dim=1)
+        assert torch.equal(values, folder_weights[name]), name
+    assert read_gguf_blocks(files[type_name], converted, "int4" if SCHEME[type_name] == "int8" else "int8") == {}
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name", list(SCHEME))
+def test_engine_keeps_the_gguf_blocks(type_name, tiny, in_gguf_cache, caplog):
+    _, files = tiny
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(files[type_name]), quantization=SCHEME[type_name], skip_tokenizer_init=True)
+    model = llm.engine.model_runner.model
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(linears) == 2 * 4 + 1 and all(m.from_gguf for m in linears.values())
+    assert any("9 of them the GGUF's own blocks" in r.getMessage() for r in caplog.records)
+    if type_name == "Q8_0":
+        assert all(m.quantized.group_size == 32 for m in linears.values())
+    # Each matmul's weight, read back from its panels, is the converted folder's, bit for bit.
+    reference = our_fp32_weights(llm.engine.model_path)
+    for name, linear in linears.items():
+        expected = reference["embed_tokens.weight" if name == "lm_head" else f"{name}.weight"]
+        assert torch.equal(linear.dequantize_rows(torch.arange(linear.out_features)), expected), name
+    tokens = [o.token_ids for o in llm.generate([[5, 17, 42, 9], [100, 3]], GREEDY, use_tqdm=False)]
+    llm.shutdown()
+    if type_name == "Q4_1":  # requantizing the folder gives the same blocks: the same tokens
+        requantized = LLM(str(llm.engine.model_path), quantization="int4", skip_tokenizer_init=True)
+        assert not any(m.from_gguf for m in requantized.engine.model_runner.model.modules()
+                       if isinstance(m, QuantizedLinear))
+        assert [o.token_ids for o in requantized.generate([[5, 17, 42, 9], [100, 3]], GREEDY,
+                                                          use_tqdm=False)] == tokens
+        requantized.shutdown()
+
+
+@needs_vnni
+def test_folder_and_other_schemes_quantize_as_before(tiny, in_gguf_cache):
+    """A folder, or a GGUF whose blocks are not the scheme's (Q8_0 under int4), is quantized
+    from the weights as before."""
+    folder, files = tiny
+    for model, quantization in ((str(folder), "int8"), (str(files["Q8_0"]), "int4")):
+        llm = LLM(model, quantization=quantization, skip_tokenizer_init=True)
+        linears = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, QuantizedLinear)]
+        assert linears and not any(m.from_gguf for m in linears)
+        llm.shutdown()
