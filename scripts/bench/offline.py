@@ -48,6 +48,7 @@ import threading
 import time
 from pathlib import Path
 
+from ipc.engine_config import QUANTIZATIONS
 from scripts.bench.offline_hf import run_hf
 from scripts.lib.bench_report import machine_info, write_report
 from scripts.lib.offline_result import ModeResult, print_table, step_columns, step_counts, useful_positions
@@ -195,7 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from the engine's memory budget")
-    p.add_argument("--quantization", choices=["int8"], default=None, help="CPU: int8 W8A8 weights (default: none)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="CPU: int8 W8A8 or int4 W4A8 weights (default: none)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="every mode's weights and activations (auto: the engine's choice, bf16 on CPUs with "
                         "native bf16 matmul, else fp32)")
