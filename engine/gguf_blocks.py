@@ -48,6 +48,14 @@ class GgufBlocks:
     def take_rows(self, rows: torch.Tensor) -> GgufBlocks:
         return GgufBlocks(self.codes[rows], self.d[rows], None if self.m is None else self.m[rows])
 
+    def dequantize(self) -> torch.Tensor:
+        """[rows, num_blocks * 32] fp32: d q (+ m), gguf-py's values bit for bit (each product
+        of an fp16 and a small integer is exact in fp32; adding m rounds once, as it does)."""
+        values = self.codes.float() * self.d.float().repeat_interleave(BLOCK, dim=1)
+        if self.m is not None:
+            values += self.m.float().repeat_interleave(BLOCK, dim=1)
+        return values
+
 
 def unpack_blocks(raw: np.ndarray, type_name: str) -> GgufBlocks:
     """A GGUF tensor's bytes ([rows, bytes per row] uint8) -> its blocks per row."""
@@ -175,5 +183,17 @@ def blocks_for_model(model: nn.Module, model_arg: str, folder: str, scheme: str)
         logger.warning("%s: its blocks could not be mapped onto the model (%s); quantizing the converted "
                        "folder's weights instead", path.name, error)
         return {}
-    logger.info("%s: %d weights keep the GGUF's own blocks (%s)", path.name, len(placed), scheme)
-    return placed
+    # The folder holds the same file dequantized: each weight's blocks must give its values
+    # exactly, else the mapping went wrong somewhere and that weight is quantized from the folder.
+    matching = {name: b for name, b in placed.items() if _equals_weight(model, name, b)}
+    if len(matching) < len(placed):
+        logger.warning("%s: %d weights' blocks disagree with the converted folder (%s); those are quantized "
+                       "from the folder", path.name, len(placed) - len(matching),
+                       ", ".join(sorted(set(placed) - set(matching))[:3]))
+    logger.info("%s: %d weights keep the GGUF's own blocks (%s)", path.name, len(matching), scheme)
+    return matching
+
+
+def _equals_weight(model: nn.Module, name: str, blocks: GgufBlocks) -> bool:
+    weight = model.get_submodule(name.removesuffix(".weight")).weight  # a tied head: the embedding's tensor
+    return torch.equal(blocks.dequantize().to(weight.dtype), weight.detach().cpu())

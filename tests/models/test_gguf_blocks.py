@@ -38,12 +38,9 @@ def test_unpacked_blocks_are_gguf_py_values(type_name):
     raw = quantize(weights, qtype)  # [40, bytes per row]
     blocks = unpack_blocks(raw, type_name)
     assert blocks.codes.shape == (40, 96) and blocks.d.shape == (40, 3) and blocks.d.dtype == torch.float16
-    per_input = blocks.d.float().repeat_interleave(32, dim=1)
-    values = blocks.codes.float() * per_input
     if blocks.m is not None:
         assert int(blocks.codes.min()) >= 0 and int(blocks.codes.max()) <= 15
-        values = values + blocks.m.float().repeat_interleave(32, dim=1)
-    assert torch.equal(values, torch.from_numpy(dequantize(raw, qtype)))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +68,7 @@ def test_blocks_map_onto_the_checkpoint_names(type_name, tiny, in_gguf_cache):
 
     folder_weights = load_file(f"{converted}/model.safetensors")
     for name, b in blocks.items():  # the q/k rows un-permuted: the folder's rows, in its order
-        values = b.codes.float() * b.d.float().repeat_interleave(32, dim=1)
-        if b.m is not None:
-            values += b.m.float().repeat_interleave(32, dim=1)
-        assert torch.equal(values, folder_weights[name]), name
+        assert torch.equal(b.dequantize(), folder_weights[name]), name
     assert read_gguf_blocks(files[type_name], converted, "int4" if SCHEME[type_name] == "int8" else "int8") == {}
 
 
@@ -116,3 +110,28 @@ def test_folder_and_other_schemes_quantize_as_before(tiny, in_gguf_cache):
         linears = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, QuantizedLinear)]
         assert linears and not any(m.from_gguf for m in linears)
         llm.shutdown()
+
+
+@needs_vnni
+def test_blocks_that_disagree_with_the_folder_are_not_kept(tiny, in_gguf_cache, monkeypatch, caplog):
+    """A mapping gone wrong (here: one weight's rows reversed) is caught at load: that weight is
+    quantized from the folder instead, the others keep their blocks, and the log says so."""
+    import engine.gguf_blocks as gguf_blocks
+
+    _, files = tiny
+    read = gguf_blocks.read_gguf_blocks
+
+    def one_weight_reversed(*args):
+        blocks = read(*args)
+        name = "model.layers.0.mlp.down_proj.weight"
+        blocks[name] = blocks[name].take_rows(torch.arange(len(blocks[name].d) - 1, -1, -1))
+        return blocks
+
+    monkeypatch.setattr(gguf_blocks, "read_gguf_blocks", one_weight_reversed)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(files["Q8_0"]), quantization="int8", skip_tokenizer_init=True)
+    model = llm.engine.model_runner.model
+    assert not model.layers[0].mlp.down_proj.from_gguf and model.layers[1].mlp.down_proj.from_gguf
+    assert any("1 weights' blocks disagree" in r.getMessage() and "layers.0.mlp.down_proj" in r.getMessage()
+               for r in caplog.records)
+    llm.shutdown()
