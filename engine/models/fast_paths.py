@@ -103,7 +103,8 @@ def quantize_model(model: nn.Module, plan: Int8Plan, gguf_blocks: dict[str, Gguf
         note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd, scales per group of {plan.group_size} inputs)"
     num_from_gguf = sum(getattr(m, "from_gguf", False) for m in model.modules())
     if num_from_gguf:
-        note += f", {num_from_gguf} of them the GGUF's own blocks"
+        kind = "Q4_0/Q4_1 blocks" if plan.scheme == "int4" else "Q8_0 blocks, groups of 32"
+        note += f", {num_from_gguf} of them the GGUF's own {kind}"
     moved = gather_panels_on_huge_pages(model)
     if moved:
         note += f", {moved / 1e6:.1f} MB of panels on huge pages"

@@ -81,7 +81,8 @@ def test_engine_keeps_the_gguf_blocks(type_name, tiny, in_gguf_cache, caplog):
     model = llm.engine.model_runner.model
     linears = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert len(linears) == 2 * 4 + 1 and all(m.from_gguf for m in linears.values())
-    assert any("9 of them the GGUF's own blocks" in r.getMessage() for r in caplog.records)
+    kind = "Q8_0 blocks" if type_name == "Q8_0" else "Q4_0/Q4_1 blocks"
+    assert any(f"9 of them the GGUF's own {kind}" in r.getMessage() for r in caplog.records)
     if type_name == "Q8_0":
         assert all(m.quantized.group_size == 32 for m in linears.values())
     # Each matmul's weight, read back from its panels, is the converted folder's, bit for bit.
