@@ -24,7 +24,8 @@ defaults otherwise, on the bf16, Q8_0 and Q4_1 GGUFs of scripts/peers_llamacpp.s
 hold the same weights: the bf16 file is the Q4_1 one dequantized, as our converted folder is);
 its prompt cache is turned off per request (`cache_prompt: false`). Ours runs
 `frontend.cli serve --model smollm2` at its defaults (bf16), with `--quantization int8` and `int4`, and,
-given --ours-extra, with those extra flags as `ours-extra`.
+given --ours-extra, with those extra flags as `ours-extra`. `ours-int8-q8_0` and `ours-int4-q4_1`
+(not in the default list) serve llama.cpp's own Q8_0 and Q4_1 files with their blocks as they are.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ logger = logging.getLogger("bench_single_user")
 LLAMA_BIN = REPO_ROOT / ".peers" / "llama.cpp" / "bin" / "llama-server"
 GGUF_DIR = REPO_ROOT / ".peers" / "gguf"
 LLAMA_GGUFS = {"llama-bf16": "smollm2-bf16.gguf", "llama-q8_0": "smollm2-q8_0.gguf", "llama-q4_1": "smollm2-q4_1.gguf"}
-OURS_FLAGS = {"ours-bf16": [], "ours-int8": ["--quantization", "int8"], "ours-int4": ["--quantization", "int4"]}
+OURS_FLAGS = {"ours-bf16": [], "ours-int8": ["--quantization", "int8"], "ours-int4": ["--quantization", "int4"],
+              "ours-int8-q8_0": ["--quantization", "int8"], "ours-int4-q4_1": ["--quantization", "int4"]}
+# Ours on llama.cpp's own files: the GGUF's blocks as they are (engine/gguf_blocks.py), the very weights it runs.
+OURS_GGUFS = {"ours-int8-q8_0": "smollm2-q8_0.gguf", "ours-int4-q4_1": "smollm2-q4_1.gguf"}
 DEFAULT_SERVERS = "llama-bf16,llama-q8_0,llama-q4_1,ours-bf16,ours-int8,ours-int4"
 VOCAB_SIZE = 49152  # SmolLM2's
 TIMEOUT = aiohttp.ClientTimeout(total=3600)
@@ -93,7 +97,8 @@ def make_server(name: str, args: argparse.Namespace, port: int) -> Server:
     flags = OURS_FLAGS.get(name)
     if name == "ours-extra":
         flags = shlex.split(args.ours_extra)
-    command = [sys.executable, "-m", "frontend.cli", "serve", "--model", args.model, "--port", str(port), *flags]
+    model = str(Path(args.gguf_dir) / OURS_GGUFS[name]) if name in OURS_GGUFS else args.model
+    command = [sys.executable, "-m", "frontend.cli", "serve", "--model", model, "--port", str(port), *flags]
     return Server(name, command, {}, f"http://127.0.0.1:{port}")
 
 
