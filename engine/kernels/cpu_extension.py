@@ -88,7 +88,9 @@ def load_extension(name: str, sources: list[Path], headers: list[Path]) -> Modul
     Each extension has its own folder, so editing one's sources rebuilds it alone."""
     from torch.utils.cpp_extension import load
 
-    build_dir = cache_dir() / "torch_extensions" / f"{_cpu_key()}-{_sources_key(sources + headers)}"
+    # Resolved: ninja's command lines name the sources by path, so a cache reached through a link
+    # (the tests' throwaway caches link this folder) would otherwise rebuild everything, twice.
+    build_dir = (cache_dir() / "torch_extensions").resolve() / f"{_cpu_key()}-{_sources_key(sources + headers)}"
     logger.info("loading %s (built on first use) from %s", name, build_dir)
     with exclusive_build(build_dir):
         copies = copy_sources(sources + headers, build_dir / "src")[:len(sources)]

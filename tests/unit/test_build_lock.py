@@ -1,5 +1,6 @@
 """Kernel builds: a killed build no longer hangs every later engine start (engine.kernels.build_lock),
-checkouts with the same kernels share one build (engine.kernels.cpu_extension.copy_sources), and
+checkouts with the same kernels share one build (engine.kernels.cpu_extension.copy_sources), as do
+caches reached through a link, and
 without kernels their users fall back to torch through one helper (load_cpu_kernels_or_none)."""
 
 from __future__ import annotations
@@ -78,6 +79,28 @@ def test_sources_are_compiled_from_one_copy_whichever_checkout_asks(tmp_path):
     moved[0].write_bytes(moved[0].read_bytes() + b"\n// changed\n")
     copy_sources(moved, folder)
     assert copies[0].read_bytes().endswith(b"// changed\n")
+
+
+def test_a_cache_reached_through_a_link_builds_in_the_same_place(tmp_path, monkeypatch):
+    """The tests' throwaway caches link the real cache's torch_extensions: through the link, ninja
+    must see the same paths, or it rebuilds every kernel (and again on the next plain start)."""
+    import torch.utils.cpp_extension
+
+    from engine.kernels import cpu_extension
+
+    real = tmp_path / "real"
+    (real / "torch_extensions").mkdir(parents=True)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "torch_extensions").symlink_to(real / "torch_extensions")
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: seen.append(kwargs))
+    for cache in (real, linked):
+        monkeypatch.setenv("TOKENLOOM_CACHE", str(cache))
+        cpu_extension.load_extension("probe", cpu_extension.SOURCES[:1], cpu_extension.HEADERS)
+    assert seen[0]["build_directory"] == seen[1]["build_directory"]
+    assert seen[0]["sources"] == seen[1]["sources"]
+    assert seen[1]["build_directory"].startswith(str(real.resolve()))
 
 
 def test_without_kernels_attention_fused_ops_and_sampling_fall_back_to_torch(monkeypatch, caplog):
