@@ -194,6 +194,13 @@ def blocks_for_model(model: nn.Module, model_arg: str, folder: str, scheme: str)
     return matching
 
 
-def _equals_weight(model: nn.Module, name: str, blocks: GgufBlocks) -> bool:
+def _equals_weight(model: nn.Module, name: str, blocks: GgufBlocks, rows_at_a_time: int = 4096) -> bool:
+    """Whether the blocks give the model's loaded weight exactly; a few thousand rows at a time,
+    so a large vocabulary's head is not dequantized whole."""
     weight = model.get_submodule(name.removesuffix(".weight")).weight  # a tied head: the embedding's tensor
-    return torch.equal(blocks.dequantize().to(weight.dtype), weight.detach().cpu())
+    for start in range(0, weight.shape[0], rows_at_a_time):
+        rows = slice(start, start + rows_at_a_time)
+        part = GgufBlocks(blocks.codes[rows], blocks.d[rows], None if blocks.m is None else blocks.m[rows])
+        if not torch.equal(part.dequantize().to(weight.dtype), weight[rows].detach().cpu()):
+            return False
+    return True

@@ -136,3 +136,18 @@ def test_blocks_that_disagree_with_the_folder_are_not_kept(tiny, in_gguf_cache, 
     assert any("1 weights' blocks disagree" in r.getMessage() and "layers.0.mlp.down_proj" in r.getMessage()
                for r in caplog.records)
     llm.shutdown()
+
+
+def test_the_load_check_reads_every_row_in_chunks():
+    from engine.gguf_blocks import _equals_weight
+
+    raw = quantize(np.random.default_rng(1).normal(0, 0.1, (10, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    blocks = unpack_blocks(raw, "Q8_0")
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(64, 10, bias=False)
+    with torch.no_grad():
+        model.proj.weight.copy_(blocks.dequantize())
+    assert _equals_weight(model, "proj.weight", blocks, rows_at_a_time=3)
+    with torch.no_grad():
+        model.proj.weight[9, 5] += 1e-3  # in the last, partial chunk
+    assert not _equals_weight(model, "proj.weight", blocks, rows_at_a_time=3)
