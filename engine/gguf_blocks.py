@@ -20,7 +20,7 @@ Reference for the block layouts: ggml/src/ggml-common.h (block_q4_0, block_q4_1,
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,21 +108,20 @@ def hf_row_sources(gguf_path: Path, folder: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from engine.gguf_convert import memoized_tensor_name_maps
+    from engine.gguf_convert import memoized_tensor_name_maps, replaced
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    calls = []
+    tensor_indices = itertools.count()
 
     def row_numbers(data: np.ndarray, qtype) -> np.ndarray:
         # The loader calls this once per tensor, in the file's order: the i-th call is tensor i.
-        index = len(calls)
-        calls.append(qtype)
+        index = next(tensor_indices)
         shape = data.shape[:-1] + (1,)  # a row a value, whatever the rows' bytes
         return np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + index * ROW_SPAN
 
-    with _replaced(gguf, "dequantize", row_numbers), memoized_tensor_name_maps():
+    with replaced(gguf, "dequantize", row_numbers), memoized_tensor_name_maps():
         parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton,
                                       torch_dtype=torch.float64)
     return {name: tensor.reshape(tensor.shape[:-1]).long() if tensor.dim() == 2 else tensor.long()
@@ -158,16 +157,6 @@ def place_blocks(model: nn.Module, hf_blocks: dict[str, GgufBlocks]) -> dict[str
     if is_tied and "embed_tokens.weight" in placed:
         placed["lm_head.weight"] = placed.pop("embed_tokens.weight")
     return placed
-
-
-@contextlib.contextmanager
-def _replaced(module, name: str, value):
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 def blocks_for_model(model: nn.Module, model_arg: str, folder: str, scheme: str) -> dict[str, GgufBlocks]:

@@ -180,18 +180,23 @@ def _served_architecture(config, info: GgufInfo, file_name: str) -> str:
 
 
 @contextlib.contextmanager
+def replaced(module, name: str, value):
+    """`module.name` is `value` inside the block, and what it was again after it."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
 def memoized_tensor_name_maps():
-    """Memoize gguf.get_tensor_name_map during one conversion. transformers'
+    """Memoize gguf.get_tensor_name_map during one conversion (a context manager). transformers'
     get_gguf_hf_weights_map builds a fresh TensorNameMap for every submodule it visits
     (~400 for SmolLM2, 10 of the conversion's 29 s); the map depends only on (arch, layers)."""
     import gguf
 
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = original
+    return replaced(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
 
 
 def _check_tensors(tensors: dict, skeleton, config) -> None:

@@ -135,16 +135,3 @@ def test_q4_1_blocks_pack_as_given():
     x = torch.randn(3, 64, generator=generator)
     expected = reference(x, linear)
     torch.testing.assert_close(linear(x).double(), expected, rtol=2e-4, atol=2e-4 * expected.abs().max().item())
-
-
-@needs_kernel
-@pytest.mark.parametrize("shape", [(45, 70), (32, 64), (130, 577)])
-def test_rows_read_back_in_one_call_equal_the_reference(shape):
-    """A tied embedding's lookup (Int4Linear.dequantize_rows, one kernel call) gives
-    dequantize_rows' values bit for bit, for any rows in any order."""
-    linear = Int4Linear(torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1])), None, PLAN)
-    rows = torch.tensor([shape[0] - 1, 0, 3, 3, shape[0] // 2])
-    assert torch.equal(linear.dequantize_rows(rows), dequantize_rows(linear.quantized, rows))
-    assert linear.dequantize_rows(torch.tensor([], dtype=torch.long)).shape == (0, shape[1])
-    with pytest.raises(RuntimeError, match="out of range"):
-        linear.dequantize_rows(torch.tensor([shape[0]]))

@@ -167,18 +167,6 @@ def test_panels_gathered_on_huge_pages_give_the_same_outputs(monkeypatch):
     assert gather_panels_on_huge_pages(model) == 0
 
 
-@needs_kernel
-@pytest.mark.parametrize("shape", [(45, 70), (32, 64), (130, 577)])
-def test_rows_read_back_in_one_call_equal_the_reference(shape):
-    """A tied embedding's lookup (Int8Linear.dequantize_rows, one kernel call) gives
-    dequantize_rows' values bit for bit, for any rows in any order."""
-    linear = Int8Linear(torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1])), None, PLAN)
-    rows = torch.tensor([shape[0] - 1, 0, 3, 3, shape[0] // 2])
-    assert torch.equal(linear.dequantize_rows(rows), dequantize_rows(linear.quantized, rows))
-    with pytest.raises(RuntimeError, match="out of range"):
-        linear.dequantize_rows(torch.tensor([-1]))
-
-
 def q8_0_blocks(out_features: int, in_features: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A GGUF Q8_0 weight's blocks, as engine/gguf_blocks.py unpacks them: int8 values and an
     fp16 d per 32 inputs."""

@@ -195,6 +195,17 @@ void run_panels(Activations x, int64_t num_tokens, int64_t num_groups, const uin
   });
 }
 
+// f(std::integral_constant<int64_t, G>{}) for the run-time group G, 64 or 32 (check_group's):
+// the kernels take the group as a template argument, so its loops unroll.
+template <typename F>
+void with_group(int64_t group, F&& f) {
+  if (group == kGroup) {
+    f(std::integral_constant<int64_t, kGroup>{});
+  } else {
+    f(std::integral_constant<int64_t, kGgufGroup>{});
+  }
+}
+
 #endif  // TOKENLOOM_HAS_VNNI
 
 }  // namespace
@@ -225,7 +236,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t num_gro
   auto scales = torch::empty({x.size(0), num_groups}, x.options().dtype(at::kFloat));
   auto corrections = torch::empty({x.size(0), num_groups}, x.options().dtype(at::kInt));
 #ifdef TOKENLOOM_HAS_VNNI
-  auto run = [&](auto group_constant) {
+  with_group(group, [&](auto group_constant) {
     constexpr int64_t g = decltype(group_constant)::value;
     if (x.scalar_type() == at::kFloat) {
       quantize_rows<g>(x.data_ptr<float>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
@@ -234,12 +245,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t num_gro
       quantize_rows<g>(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
                        scales.data_ptr<float>(), corrections.data_ptr<int32_t>());
     }
-  };
-  if (group == kGroup) {
-    run(std::integral_constant<int64_t, kGroup>{});
-  } else {
-    run(std::integral_constant<int64_t, kGgufGroup>{});
-  }
+  });
 #endif
   return {bytes, scales, corrections};
 }
@@ -281,22 +287,14 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor w
   const uint32_t* w = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
   const float* ws = w_scales.data_ptr<float>();
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
-  auto run = [&](auto group_constant, auto* out_data) {
+  with_group(group, [&](auto group_constant) {
     constexpr int64_t g = decltype(group_constant)::value;
-    run_panels<g>(xq, num_tokens, num_groups, w, ws, b, num_panels, out_features, out_data);
-  };
-  auto run_group = [&](auto* out_data) {
-    if (group == kGroup) {
-      run(std::integral_constant<int64_t, kGroup>{}, out_data);
+    if (out.scalar_type() == at::kFloat) {
+      run_panels<g>(xq, num_tokens, num_groups, w, ws, b, num_panels, out_features, out.data_ptr<float>());
     } else {
-      run(std::integral_constant<int64_t, kGgufGroup>{}, out_data);
+      run_panels<g>(xq, num_tokens, num_groups, w, ws, b, num_panels, out_features, out.data_ptr<at::BFloat16>());
     }
-  };
-  if (out.scalar_type() == at::kFloat) {
-    run_group(out.data_ptr<float>());
-  } else {
-    run_group(out.data_ptr<at::BFloat16>());
-  }
+  });
 #endif
   return out;
 }
