@@ -58,10 +58,11 @@ def test_matches_an_fp32_matmul_rounded_once(num_tokens, with_bias):
 
 
 @needs_slabs
-@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 4])
 def test_every_slab_is_computed_once_whatever_the_share_out(num_threads):
-    # 65 slabs: chunks of 4 (2 threads) or 2 (3 threads) leave a remainder, and with more
-    # threads than the machine has cores one may take several chunks in a row.
+    # 65 slabs: each thread's own part (32 and 33 slabs with 2 threads, 16 or 17 with 4) in
+    # chunks of 4, 2 or 2 that leave a remainder; with more threads than the machine has
+    # cores, threads that finish early take chunks from the back of the others' parts.
     gen = torch.Generator().manual_seed(num_threads)
     weight = torch.randn(65 * 16, 64, generator=gen).bfloat16()
     x = torch.randn(5, 64, generator=gen).bfloat16()

@@ -1,8 +1,15 @@
-// share_out: items [0, num_items) handed to torch's intra-op threads in chunks from a shared
-// counter rather than split in equal parts up front: when a thread loses its core for a
-// while (a server's frontend or client runs on the same cores), the others take over its
-// remaining chunks instead of waiting for it at the end of the region. The bf16 slabs and
-// the int8 panels share out their output features this way.
+// share_out: items [0, num_items) handed to torch's intra-op threads. The bf16 slabs and the
+// int8/int4 panels share out their output features this way.
+//
+// Each thread owns one contiguous part of the items and works through it front to back, a
+// chunk at a time, so a small step's weights stream from memory as one run per thread: the
+// hardware prefetcher and the kernels' own prefetch run on past each chunk's end into the
+// next. A thread done with its own part takes chunks from the back of the part with the most
+// left, so when a thread loses its core for a while (a server's frontend or client runs on
+// the same cores) the others take over its remaining chunks instead of waiting for it at the
+// end of the region. (Chunks from one shared counter balanced as well, but each thread's run
+// then broke at every chunk, and a one-token step's weights streamed measurably slower:
+// docs/cpu-kernels.md.)
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -10,19 +17,82 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 
 namespace tokenloom_cpu {
 
-// Calls fn(i) once for every i in [0, num_items), about kChunksPerThread chunks a thread.
+namespace share_out_detail {
+
+// One thread's part: [front, back) left to do, both in one word so that the owner (taking
+// from the front) and a thief (taking from the back) agree on who takes what.
+class alignas(64) Part {  // a cache line each: the threads' CAS loops do not share one
+ public:
+  void reset(int64_t front, int64_t back) { state_.store(pack(front, back), std::memory_order_relaxed); }
+
+  int64_t num_left() const {
+    const uint64_t s = state_.load(std::memory_order_relaxed);
+    return static_cast<int64_t>(s & 0xffffffffu) - static_cast<int64_t>(s >> 32);
+  }
+
+  // The next up to `chunk` items from the front (the owner) or the back (a thief), as
+  // [begin, end); begin == end when nothing is left.
+  void take(int64_t chunk, bool from_back, int64_t* begin, int64_t* end) {
+    uint64_t s = state_.load(std::memory_order_relaxed);
+    while (true) {
+      const int64_t front = static_cast<int64_t>(s >> 32), back = static_cast<int64_t>(s & 0xffffffffu);
+      if (front >= back) {
+        *begin = *end = 0;
+        return;
+      }
+      const int64_t n = std::min(chunk, back - front);
+      const uint64_t next = from_back ? pack(front, back - n) : pack(front + n, back);
+      if (state_.compare_exchange_weak(s, next, std::memory_order_relaxed)) {
+        *begin = from_back ? back - n : front;
+        *end = from_back ? back : front + n;
+        return;
+      }
+    }
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return (static_cast<uint64_t>(front) << 32) | static_cast<uint64_t>(back);
+  }
+  std::atomic<uint64_t> state_{0};
+};
+
+}  // namespace share_out_detail
+
+// Calls fn(i) once for every i in [0, num_items) (fewer than 2^31), about kChunksPerThread
+// chunks to a thread's part.
 template <int64_t kChunksPerThread, typename Fn>
 void share_out(int64_t num_items, const Fn& fn) {
+  using share_out_detail::Part;
   if (num_items == 0) return;
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
   const int64_t chunk = std::max<int64_t>(1, num_items / (num_threads * kChunksPerThread));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-    for (int64_t first = next.fetch_add(chunk); first < num_items; first = next.fetch_add(chunk)) {
-      for (int64_t i = first; i < std::min(first + chunk, num_items); ++i) fn(i);
+  std::unique_ptr<Part[]> parts(new Part[num_threads]);
+  for (int64_t t = 0; t < num_threads; ++t) parts[t].reset(t * num_items / num_threads, (t + 1) * num_items / num_threads);
+  const auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) fn(i);
+  };
+  // A call may get several parts (a nested region runs the whole range on one thread).
+  at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
+    int64_t begin, end;
+    for (int64_t t = first_part; t < last_part; ++t) {
+      for (parts[t].take(chunk, false, &begin, &end); begin < end; parts[t].take(chunk, false, &begin, &end)) {
+        run(begin, end);
+      }
+    }
+    while (true) {  // the others' leftovers, from the fullest part's back
+      int64_t victim = -1, most = 0;
+      for (int64_t t = 0; t < num_threads; ++t) {
+        const int64_t left = parts[t].num_left();
+        if (left > most) victim = t, most = left;
+      }
+      if (victim < 0) return;
+      parts[victim].take(chunk, true, &begin, &end);
+      run(begin, end);
     }
   });
 }
