@@ -10,6 +10,13 @@ dtype, and the activations stay in fp32: bf16's rounding of every activation and
 residual stream, on top of int8's, sends greedy answers elsewhere (SmolLM2 stops naming
 Paris), and the bytes bf16 would save are the activations' and KV's, not the weights'.
 
+The KV cache has a dtype of its own (`kv_cache_dtype="auto"`): the activations', except
+beside int8 or int4 weights' fp32 activations on a CPU that multiplies bf16 natively,
+where K and V are stored, and attention runs, in bf16 as a bf16 model's do. A decode step
+reads every context token's K and V, so fp32 there doubled the attention's reads (a fifth
+of a batched int8 run's time) and halved the tokens the pool holds; the rounding is the
+bf16 model's, on attention alone, and the residual stream and matmuls stay as they were.
+
 The decision is a pure function of the detected capabilities, so it is tested
 on faked ones; `detect_cpu_features` is the only part that looks at the machine.
 """
@@ -47,6 +54,20 @@ def choose_dtype(requested: str | None, device_type: str, cpu: CpuFeatures,
     if cpu.has_avx512_bf16:
         return "bfloat16", "auto: the CPU has AVX512_BF16"
     return "float32", "auto: the CPU has no native bf16 matmul (neither AMX-BF16 nor AVX512_BF16)"
+
+
+def choose_kv_cache_dtype(requested: str | None, dtype: str, device_type: str, cpu: CpuFeatures,
+                          quantization: str | None = None) -> tuple[str, str]:
+    """(KV cache dtype name, why), given the activations' dtype name: an explicit choice wins;
+    "auto" is the activations' dtype, or bf16 beside quantized weights (see the module's note)."""
+    if requested not in (None, AUTO):
+        if requested not in DTYPE_NAMES:
+            raise ValueError(f"kv_cache_dtype must be one of {(AUTO, *DTYPE_NAMES)}, got {requested!r}")
+        return requested, "requested"
+    if (quantization in ("int8", "int4") and dtype == "float32" and device_type == "cpu"
+            and (cpu.has_amx_bf16 or cpu.has_avx512_bf16)):
+        return "bfloat16", f"auto: beside {quantization} weights, half fp32's bytes for every KV read"
+    return dtype, "auto: the activations' dtype"
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.distributed.executor import TensorParallelExecutor, WorkerDeadError
 from engine.model_files import resolve_model
-from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device_and_dtype
+from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_kv_pool_dtype
 from engine.models.config import ModelConfig
 from engine.request import Request
 from engine.padded_static_scheduler import PaddedStaticScheduler
@@ -67,11 +67,11 @@ class EngineCore:
         # The pool is sized from the memory budget unless its block count is given.
         if config.node_rank != 0:
             raise ValueError("node_rank > 0 runs workers only (engine.distributed.worker), not an engine core")
-        device, dtype = resolve_device_and_dtype(config)
+        device, kv_dtype = resolve_kv_pool_dtype(config)
         tp_size = config.tensor_parallel_size
         # Per rank: each holds its share of the KV heads, so the same budget buys more blocks.
         num_kv_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model_config, config.block_size, dtype, tp_size)
+            1, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model_config, config.block_size, kv_dtype, tp_size)
         )
         self.num_kv_blocks = num_kv_blocks
         # A sequence must fit in the whole pool by itself, or preemption could not save it.

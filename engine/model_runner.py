@@ -28,7 +28,7 @@ from engine.cuda_graphs import CudaGraphRunner
 from engine.distributed.messages import StepInputs
 from engine.distributed.parallel_layers import num_local_kv_heads
 from engine.distributed.parallel_state import TensorParallelGroup, threads_per_rank
-from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
+from engine.dtype_policy import CpuFeatures, choose_dtype, choose_kv_cache_dtype, detect_cpu_features
 from engine.gguf_blocks import blocks_for_model
 from engine.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
@@ -60,15 +60,31 @@ def resolve_dtype(config: EngineConfig, device: torch.device, cpu: CpuFeatures) 
     return DTYPES[name], reason
 
 
+def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, cpu: CpuFeatures,
+                           dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """(KV cache dtype, why) beside activations in `dtype`: as asked, or by engine.dtype_policy for "auto"."""
+    name, reason = choose_kv_cache_dtype(config.kv_cache_dtype, str(dtype).removeprefix("torch."), device.type, cpu,
+                                         config.quantization)
+    if DTYPES[name] != dtype and config.compile:
+        raise ValueError("a KV cache dtype other than the activations' is not supported with compile")
+    return DTYPES[name], reason
+
+
 def cpu_features_of(device: torch.device) -> CpuFeatures:
     """The host CPU's bf16 support where the engine runs on it; none on a GPU."""
     return detect_cpu_features() if device.type == "cpu" else CpuFeatures()
 
 
 def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype a ModelRunner for `config` runs in (the engine core sizes the KV pool by them)."""
+    """The device and dtype a ModelRunner for `config` runs in."""
     device = resolve_device(config)
     return device, resolve_dtype(config, device, cpu_features_of(device))[0]
+
+
+def resolve_kv_pool_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and KV pool dtype of a ModelRunner for `config` (the engine core sizes the pool by them)."""
+    device, dtype = resolve_device_and_dtype(config)
+    return device, resolve_kv_cache_dtype(config, device, cpu_features_of(device), dtype)[0]
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -92,6 +108,9 @@ class ModelRunner:
         cpu = cpu_features_of(self.device)  # read once; every choice below that needs it is handed it
         self.dtype, reason = resolve_dtype(config, self.device, cpu)
         logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, reason)
+        self.kv_dtype, reason = resolve_kv_cache_dtype(config, self.device, cpu, self.dtype)
+        if self.kv_dtype != self.dtype:
+            logger.info("KV cache and attention in %s (%s)", str(self.kv_dtype).removeprefix("torch."), reason)
         self._set_num_threads()
         # Compiled, inductor prepacks the weights itself (freezing).
         self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
@@ -100,6 +119,8 @@ class ModelRunner:
         is_prepacked = (config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
                         and int8 is None)
         self.model = self._load_model(bound_caches=is_prepacked or self.is_compiled)
+        if self.kv_dtype != self.dtype:
+            self.model.set_attention_dtype(self.kv_dtype)
         self.backend, fused_ops = self._make_backend(cpu)
         self._prepare_model(fused_ops, cpu, is_prepacked, int8)
         self.kv_caches = self._make_kv_pool(num_kv_blocks)
@@ -133,7 +154,7 @@ class ModelRunner:
     def _make_backend(self, cpu: CpuFeatures) -> tuple[AttentionBackend, CpuFusedOps | None]:
         """The attention backend, and the fused CPU ops where they apply (the backend's KV
         store then runs fused with rotary, on their kernels)."""
-        name = resolve_attention_backend(self.config.attention_backend, self.device.type, self.dtype, cpu)
+        name = resolve_attention_backend(self.config.attention_backend, self.device.type, self.kv_dtype, cpu)
         fused_ops = select_fused_ops(self.device, name, self.is_compiled)
         windows = tuple(sorted({self.model_config.window_of(i) for i in range(self.model_config.num_layers)}))
         kernels = fused_ops.kernels if fused_ops is not None else None
@@ -168,8 +189,8 @@ class ModelRunner:
 
     def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":  # blocks are read scattered: fewer TLB misses on huge pages
-            return zeros_on_huge_pages(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return zeros_on_huge_pages(shape, self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _make_sampler(self) -> Sampler:
         kernels = sampling_kernels(self.device)

@@ -50,6 +50,11 @@ class EngineConfig:
         "weights and activations: auto (bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512_BF16, "
         "else float32, and float32 under --quantization; see engine.dtype_policy), float32, bfloat16, float16",
         choices=(AUTO_DTYPE, *DTYPE_NAMES)))
+    # A decode reads every context token's K and V each step; the pool's bytes bound how many tokens it holds.
+    kv_cache_dtype: str = field(default=AUTO_DTYPE, metadata=_flag(
+        "KV cache and attention: auto (the activations' dtype, except bfloat16 beside --quantization's float32 "
+        "activations on CPUs with native bf16; see engine.dtype_policy), float32, bfloat16, float16",
+        choices=(AUTO_DTYPE, *DTYPE_NAMES)))
     # Weight bytes bound a decode step: int8 halves them (engine.models.int8_linear).
     quantization: str | None = field(default=None, metadata=_flag(
         "CPU: int8 (W8A8 on AVX512_VNNI, weights and activations with a scale per group of 64 inputs), "
@@ -96,6 +101,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.dtype not in (None, AUTO_DTYPE, *DTYPE_NAMES):
             raise ValueError(f"dtype must be one of {(AUTO_DTYPE, *DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in (AUTO_DTYPE, *DTYPE_NAMES):
+            raise ValueError(f"kv_cache_dtype must be one of {(AUTO_DTYPE, *DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization is not None and self.compile:

@@ -3,6 +3,9 @@ in one matmul (optional bias), optional per-head q/k RMSNorm before rotary (Qwen
 (1 + w) norm), full or partial rotary, then the attention backend and o_proj. A layer with
 a sliding window (config.window_of) hands it to the backend, which reads only the blocks
 inside it; the scale is head_dim ** -0.5 unless the config sets query_pre_attn_scalar.
+Where the KV cache has a dtype other than the activations' (bf16 beside int8 weights'
+fp32 activations: engine.dtype_policy), qkv is cast to it after its matmul and attention's
+output back before o_proj: rotary, the KV store and attention run in the cache's dtype.
 
 Three ways through, chosen by what the engine handed the module; in each, the backend
 is the KV cache's one writer:
@@ -52,6 +55,8 @@ class Attention(nn.Module):
         self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, tp)
         # Rotary inside the backend's KV store (rotary_store_kv): set by engine.models.fast_paths where it applies.
         self.is_rotary_fused = False
+        # The KV cache's dtype where it is not the activations' (DecoderForCausalLM.set_attention_dtype); None: theirs.
+        self.attention_dtype: torch.dtype | None = None
 
     @property
     def why_rotary_not_fused(self) -> str | None:
@@ -68,6 +73,8 @@ class Attention(nn.Module):
         prepared for the step by the model runner."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        if self.attention_dtype is not None:
+            qkv = qkv.to(self.attention_dtype)
         if self.is_rotary_fused and backend is not COMPILED:
             # Rotary and the KV store in one pass; k is rotated in place inside qkv.
             if self.q_norm is not None:
@@ -87,7 +94,8 @@ class Attention(nn.Module):
                 return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))
             backend.store_kv(k, v, kv_cache)
         out = backend.forward(q, k, v, kv_cache, self.scale, self.sliding_window)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))  # [num_out, hidden_size]
+        out = take_rows(out.reshape(num_tokens, self.q_size), output_rows).to(hidden.dtype)
+        return self.o_proj(out)  # [num_out, hidden_size]
 
     def _norm_qk_in_place(self, qkv: torch.Tensor) -> None:
         """Per-head q/k RMSNorm written back into qkv, so the fused kernel rotates and stores the

@@ -58,7 +58,8 @@ class DecodeStack:
         """[num_seqs] ids -> [num_seqs, hidden_size] final hidden states, as the model's forward gives."""
         model = self._model
         hidden = model.embed(input_ids)  # [num_seqs, hidden_size]
-        cos, sin = model.rotary.cos_sin(positions, hidden.dtype)  # [num_seqs, 1, head_dim] each
+        angle_dtype = model.attention_dtype or hidden.dtype  # rotary runs in attention's dtype
+        cos, sin = model.rotary.cos_sin(positions, angle_dtype)  # [num_seqs, 1, head_dim] each
         block_tables, seq_lens = backend.decode_tables()
         hidden, residual = self._stack.forward(hidden, cos.squeeze(1), sin.squeeze(1), metadata.slot_mapping,
                                                block_tables, seq_lens)

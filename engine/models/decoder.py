@@ -102,6 +102,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one parameter, listed once (as embed_tokens.weight)
+        self.attention_dtype: torch.dtype | None = None  # set_attention_dtype's
 
     def make_layer(self, config: ModelConfig, layer_index: int, tp: TensorParallelGroup) -> DecoderLayer:
         return DecoderLayer(config, Attention(config, layer_index, tp), dense_mlp(config, tp))
@@ -112,6 +113,17 @@ class DecoderForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+
+    def set_attention_dtype(self, dtype: torch.dtype | None) -> None:
+        """Rotary, the KV store and attention in `dtype`, the KV cache's, between matmuls in the
+        model's own dtype; None: all in the model's dtype (engine.models.attention)."""
+        self.attention_dtype = dtype
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.attention_dtype = dtype
+            for norm in (attn.q_norm, attn.k_norm):  # they norm heads in attention's dtype, as a bf16 model's do
+                if norm is not None and dtype is not None:
+                    norm.to(dtype)
 
     def build_rotary(self, device: torch.device) -> None:
         """(Re)build the rotary tables in fp32 on `device` (after loading and casting the weights)."""
@@ -133,8 +145,9 @@ class DecoderForCausalLM(nn.Module):
         rows alone: every row's K and V are in the cache by then. For a prompt that is 84%
         of a layer's matmuls left out, 2.8% of the model's."""
         hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
-        cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, hidden.dtype)
+        angle_dtype = self.attention_dtype or hidden.dtype  # rotary runs in attention's dtype
+        cos_sin = self.rotary.cos_sin(positions, angle_dtype)
+        local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, angle_dtype)
         residual = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches or [None] * len(self.layers))):

@@ -87,11 +87,12 @@ def simulated_forced(model, prompt: list[int], answer: list[int]) -> tuple[list[
     return logprobs.argmax(-1).tolist(), nll.tolist()
 
 
-def engine_results(path: str, prompts: list[list[int]], answers: list[list[int]], quantization: str = "int8"):
-    """(greedy answers, teacher-forced top tokens and NLLs) of LLM(path, quantization=...)."""
+def engine_results(path: str, prompts: list[list[int]], answers: list[list[int]], quantization: str = "int8",
+                   kv_cache_dtype: str = "auto"):
+    """(greedy answers, teacher-forced top tokens and NLLs) of LLM(path, quantization=..., kv_cache_dtype=...)."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(path, quantization=quantization)
+    llm = LLM(path, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     greedy = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     forced_params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="int8", choices=["int8", "int4"], help="the engine scheme's")
     p.add_argument("--engine-model", default=None,
                    help="what the engine scheme loads (a GGUF file, say); default: --model")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the engine scheme's KV cache (auto: bf16 beside int8/int4 where the CPU has native bf16)")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     del fp32
     for scheme in args.schemes.split(","):
         if scheme == "engine":
-            answers, forced = engine_results(args.engine_model or path, prompts, reference, args.quantization)
+            answers, forced = engine_results(args.engine_model or path, prompts, reference, args.quantization,
+                                             args.kv_cache_dtype)
         else:
             model = simulated_model(path, scheme)
             answers = [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         results[scheme] = scores(answers, forced, reference)
         print(scheme, json.dumps(results[scheme]), flush=True)
     write_report(args.json, {"model": args.model, "engine_model": args.engine_model or args.model,
-                             "quantization": args.quantization, "num_new_tokens": NUM_NEW_TOKENS,
+                             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+                             "num_new_tokens": NUM_NEW_TOKENS,
                              "schemes": results}, indent=2)
 
 

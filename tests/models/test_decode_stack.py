@@ -1,7 +1,8 @@
 """Decode-only steps in one C++ call (engine/models/decode_stack.py): the same tokens and the
 same log-probabilities, bit for bit, as the eager layer loop, for every kind of matmul it
 takes (bf16 slabs, int8 and int4 panels, oneDNN-prepacked fp32, plain weights), with q/k biases
-(Qwen2) and a per-head q/k norm (Qwen3); models it cannot run say why and stay eager."""
+(Qwen2) and a per-head q/k norm (Qwen3), and with a KV cache in a dtype of its own; models it
+cannot run say why and stay eager."""
 
 from __future__ import annotations
 
@@ -27,12 +28,16 @@ SETTINGS = {
     "fp32_onednn": dict(dtype="float32"),
     "fp32_plain": dict(dtype="float32", cpu_prepack=False),
     "bf16": dict(dtype="bfloat16"),  # slabs with AVX512_BF16; oneDNN's or plain weights elsewhere
-    "int8": dict(quantization="int8"),
+    "int8": dict(quantization="int8"),  # fp32 activations; KV and attention in bf16 where the CPU has it
+    "int8_fp32_kv": dict(quantization="int8", kv_cache_dtype="float32"),
     "int4": dict(quantization="int4"),
+    "fp32_bf16_kv": dict(dtype="float32", kv_cache_dtype="bfloat16"),  # qkv cast to bf16, attention's output back
 }
 NEEDS = {
     "int8": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
+    "int8_fp32_kv": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
     "int4": (CPU.has_avx512_vnni, "int4 needs AVX512_VNNI"),
+    "fp32_bf16_kv": (CPU.has_avx512_bf16, "the C++ bf16 attention needs AVX512_BF16"),
 }
 ENGINE_KWARGS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, enable_prefix_caching=False)
 

@@ -1,4 +1,5 @@
-"""dtype="auto": the decision on faked CPU capabilities, and what the engine config accepts."""
+"""dtype="auto" and kv_cache_dtype="auto": the decisions on faked CPU capabilities, and what
+the engine config accepts."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.dtype_policy import CpuFeatures, choose_dtype, detect_cpu_features
+from engine.dtype_policy import CpuFeatures, choose_dtype, choose_kv_cache_dtype, detect_cpu_features
 from engine.model_runner import resolve_device, resolve_dtype
 
 AMX = CpuFeatures(has_amx_bf16=True, has_avx512_bf16=True)  # Sapphire Rapids
@@ -41,6 +42,36 @@ def test_auto_keeps_fp32_activations_under_int8_weights(cpu):
     dtype, reason = choose_dtype("auto", "cpu", cpu, quantization="int8")
     assert dtype == "float32" and "int8" in reason
     assert choose_dtype("bfloat16", "cpu", cpu, quantization="int8") == ("bfloat16", "requested")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("cpu", [AMX, AVX512_BF16_ONLY])
+def test_auto_kv_cache_is_bf16_beside_quantized_weights_on_native_bf16(quantization, cpu):
+    kv, reason = choose_kv_cache_dtype("auto", "float32", "cpu", cpu, quantization)
+    assert kv == "bfloat16" and quantization in reason
+
+
+@pytest.mark.parametrize(
+    "dtype, device_type, cpu, quantization",
+    [
+        ("float32", "cpu", AVX2_ONLY, "int8"),  # bf16 would be emulated: no gain
+        ("bfloat16", "cpu", AMX, "int8"),  # --dtype bfloat16 asked for: already bf16
+        ("float32", "cpu", AMX, None),  # fp32 asked for, no quantization: everything fp32
+        ("bfloat16", "cpu", AVX512_BF16_ONLY, None),
+        ("float32", "cuda", AVX2_ONLY, None),
+    ],
+)
+def test_auto_kv_cache_is_otherwise_the_activations_dtype(dtype, device_type, cpu, quantization):
+    assert choose_kv_cache_dtype(None, dtype, device_type, cpu, quantization) == (dtype, "auto: the activations' dtype")
+
+
+def test_an_explicit_kv_cache_dtype_overrides():
+    assert choose_kv_cache_dtype("float32", "float32", "cpu", AMX, "int8") == ("float32", "requested")
+    assert choose_kv_cache_dtype("bfloat16", "float32", "cpu", AVX2_ONLY, None) == ("bfloat16", "requested")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        choose_kv_cache_dtype("fp8", "float32", "cpu", AMX)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp8")
 
 
 @pytest.mark.parametrize("requested", ["float32", "bfloat16", "float16"])
