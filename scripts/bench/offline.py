@@ -125,6 +125,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         num_kv_blocks=args.num_kv_blocks,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         cpu_prepack=not args.no_cpu_prepack,
         compile=args.compile,
         enable_prefix_caching=prefix_caching,
@@ -134,6 +135,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
     startup_s = time.perf_counter() - startup
     runner = llm.engine.model_runner
     dtype, compile_mode = str(runner.dtype).removeprefix("torch."), "inductor" if runner.is_compiled else "eager"
+    kv_cache_dtype = str(runner.kv_dtype).removeprefix("torch.")
     prompts = [r.prompt_token_ids for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
     warmup = warmup_requests(workload, args.max_num_batched_tokens, llm.engine.config.max_num_seqs)
@@ -166,6 +168,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         latencies=[o.metrics.finish_time - o.metrics.arrival_time for o in outputs],
         step_stats=step_stats,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         quantization=args.quantization,
         compile_mode=compile_mode,
         startup_s=startup_s,
@@ -198,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from the engine's memory budget")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="CPU: int8 W8A8 or int4 W4A8 weights (default: none)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="our engine's KV cache (auto: the activations' dtype, bf16 beside --quantization's fp32)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="every mode's weights and activations (auto: the engine's choice, bf16 on CPUs with "
                         "native bf16 matmul, else fp32)")

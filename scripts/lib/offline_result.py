@@ -21,6 +21,7 @@ class ModeResult:
     latencies: list[float]
     step_stats: list = field(default_factory=list)  # start_time, end_time, num_seqs, num_tokens per step
     dtype: str = ""  # what the mode actually ran in, "auto" resolved
+    kv_cache_dtype: str = ""  # our engine's KV cache, resolved; "": not our engine
     quantization: str | None = None  # "int8": --quantization; None: weights in dtype
     compile_mode: str = "eager"  # "inductor": the engine's forward ran under torch.compile
     startup_s: float = 0.0  # building the engine or loading the model, compilation included
@@ -50,6 +51,7 @@ class ModeResult:
             "num_computed_positions": self.num_computed_positions,
             "num_steps": len(self.step_stats),
             "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "quantization": self.quantization,
             "compile_mode": self.compile_mode,
             "startup_s": self.startup_s,
