@@ -37,10 +37,16 @@ constexpr int64_t kPrefetchPairs = 64;
 
 // out[r][n0 .. n0+16) for rows [0, kRows) of x_pairs ([rows][num_pairs] words); out_t is
 // at::BFloat16 (rounded once) or float (the sums as they are). `next_slab` (or null): the
-// slab to bring into L2 meanwhile, a line per pair, at the pass's own pace.
+// slab whose lines [next_begin, next_end) (a line: one pair's 16 words) are brought into
+// L2 meanwhile, spread evenly over this pass's pairs.
 template <int kRows, typename out_t>
 void slab_rows(const uint32_t* x_pairs, int64_t num_pairs, const uint32_t* slab, const at::BFloat16* bias,
-               out_t* out, int64_t out_stride, const uint32_t* next_slab) {
+               out_t* out, int64_t out_stride, const uint32_t* next_slab, int64_t next_begin, int64_t next_end) {
+  // Fixed point, 16 fraction bits: the lines of next_slab due by each pair (at most one a pair).
+  const uint64_t step =
+      next_slab != nullptr && num_pairs > 0 ? (static_cast<uint64_t>(next_end - next_begin) << 16) / num_pairs : 0;
+  uint64_t due = static_cast<uint64_t>(next_begin) << 16;
+  int64_t line = next_begin;
   // Two sums per row, for even and odd pairs: one row alone would wait on each add's latency.
   __m512 acc[kRows], acc2[kRows];
 #pragma GCC unroll 8
@@ -49,9 +55,10 @@ void slab_rows(const uint32_t* x_pairs, int64_t num_pairs, const uint32_t* slab,
   for (; p + 2 <= num_pairs; p += 2) {
     _mm_prefetch(reinterpret_cast<const char*>(slab + (p + kPrefetchPairs) * 16), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(slab + (p + kPrefetchPairs + 1) * 16), _MM_HINT_T1);
-    if (next_slab != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(next_slab + p * 16), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next_slab + (p + 1) * 16), _MM_HINT_T1);
+    due += 2 * step;
+#pragma GCC unroll 2
+    for (int i = 0; i < 2 && line < static_cast<int64_t>(due >> 16); ++i, ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(next_slab + 16 * line), _MM_HINT_T1);
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(slab + p * 16);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(slab + (p + 1) * 16);
@@ -67,6 +74,9 @@ void slab_rows(const uint32_t* x_pairs, int64_t num_pairs, const uint32_t* slab,
     for (int r = 0; r < kRows; ++r) {
       acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x_pairs[r * num_pairs + p]), w);
     }
+  }
+  if (next_slab != nullptr) {
+    for (; line < next_end; ++line) _mm_prefetch(reinterpret_cast<const char*>(next_slab + 16 * line), _MM_HINT_T1);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
@@ -88,28 +98,32 @@ void slab_rows(const uint32_t* x_pairs, int64_t num_pairs, const uint32_t* slab,
 
 template <typename out_t>
 using SlabRowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const at::BFloat16*, out_t*, int64_t,
-                            const uint32_t*);
+                            const uint32_t*, int64_t, int64_t);
 template <typename out_t>
 constexpr SlabRowsFn<out_t> kSlabRows[kMaxRows] = {
     slab_rows<1, out_t>, slab_rows<2, out_t>, slab_rows<3, out_t>, slab_rows<4, out_t>,
     slab_rows<5, out_t>, slab_rows<6, out_t>, slab_rows<7, out_t>, slab_rows<8, out_t>};
 
 // Each slab's outputs for every token, the slabs shared out (share_out.h). With more than
-// kMaxRows tokens, the second pass over a slab (from cache, bound by the dot products) also
-// brings the next slab into L2, so the memory streams while the core computes instead of
-// each slab's first pass waiting on it; the next slab is usually this thread's (the
-// share-out hands out runs of slabs).
+// kMaxRows tokens each slab takes several passes, and every pass brings its share of the
+// next slab into L2 (lines in proportion to its rows), so the memory streams through all of
+// a slab's passes while the core computes, and the next slab's first pass finds it in cache
+// instead of waiting on it; the next slab is usually this thread's (each thread works
+// through its own run of slabs). When only the second pass brought it in, at a line a
+// pair, the memory sat idle through the first: a step of 9-15 tokens waited on it.
 template <typename out_t>
 void run_slabs(const uint32_t* x_pairs, int64_t num_tokens, int64_t num_pairs, const uint32_t* w,
                const at::BFloat16* b, int64_t num_slabs, out_t* o) {
   const int64_t out_features = num_slabs * 16;
   tokenloom_cpu::share_out<kChunksPerThread>(num_slabs, [&](int64_t s) {
-    const uint32_t* next = s + 1 < num_slabs ? w + (s + 1) * num_pairs * 16 : nullptr;
+    const uint32_t* next = num_tokens > kMaxRows && s + 1 < num_slabs ? w + (s + 1) * num_pairs * 16 : nullptr;
     for (int64_t r0 = 0; r0 < num_tokens; r0 += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, num_tokens - r0);
+      // This pass's share of the next slab's lines, in proportion to its rows.
+      const int64_t begin = r0 * num_pairs / num_tokens, end = (r0 + rows) * num_pairs / num_tokens;
       kSlabRows<out_t>[rows - 1](x_pairs + r0 * num_pairs, num_pairs, w + s * num_pairs * 16,
                                  b == nullptr ? nullptr : b + s * 16, o + r0 * out_features + s * 16,
-                                 out_features, r0 == kMaxRows ? next : nullptr);
+                                 out_features, end > begin ? next : nullptr, begin, end);
     }
   });
 }
