@@ -49,10 +49,6 @@ def test_bf16_cache_beside_fp32_activations(arch, tmp_path):
     # bf16 q, k and v move the log-probs (attention really ran in bf16), by less than bf16
     # everywhere (weights, matmuls, residual stream) does.
     assert 0 < gap < bf16_model_gap, (gap, bf16_model_gap)
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    tokens = [llm.generate([prompt], greedy, use_tqdm=False)[0].token_ids for llm in (fp32, bf16)]
-    assert len(set(tokens[0])) >= 3  # answers that vary: a real check
-    assert tokens[1][:8] == tokens[0][:8]
 
 
 def test_int8_weights_get_a_bf16_cache_by_default(tmp_path):
