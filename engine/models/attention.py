@@ -94,7 +94,9 @@ class Attention(nn.Module):
                 return self.o_proj(take_rows(out.reshape(num_tokens, self.q_size), output_rows))
             backend.store_kv(k, v, kv_cache)
         out = backend.forward(q, k, v, kv_cache, self.scale, self.sliding_window)  # [num_tokens, num_heads, head_dim]
-        out = take_rows(out.reshape(num_tokens, self.q_size), output_rows).to(hidden.dtype)
+        out = take_rows(out.reshape(num_tokens, self.q_size), output_rows)
+        if self.attention_dtype is not None:
+            out = out.to(hidden.dtype)
         return self.o_proj(out)  # [num_out, hidden_size]
 
     def _norm_qk_in_place(self, qkv: torch.Tensor) -> None:

@@ -117,16 +117,18 @@ class DecodeStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       if (i > 0) add_rms_norm(x, residual, layer.input_norm, eps_, sum_lanes_);  // x, residual in place
-      // [num_tokens, q_size + 2 * kv_size]; in the KV cache's dtype where it is not the activations'
-      torch::Tensor qkv = layer.qkv.forward(x).to(layer.k_cache.scalar_type());
+      torch::Tensor qkv = layer.qkv.forward(x);  // [num_tokens, q_size + 2 * kv_size]
+      const bool is_cast = qkv.scalar_type() != layer.k_cache.scalar_type();  // attention in the cache's dtype
+      if (is_cast) qkv = qkv.to(layer.k_cache.scalar_type());
       if (layer.q_norm.numel() > 0) norm_qk_in_place(qkv, layer, num_tokens, q_size, kv_size);
       // [num_tokens, num_heads, head_dim]; k rotated in place, k and v in the cache
       torch::Tensor q = rotary_store_kv(qkv, cos, sin, slot_mapping, layer.k_cache, layer.v_cache, num_heads_,
                                         num_kv_heads_);
       torch::Tensor out = paged_decode_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, layer.scale,
                                                  layer.window);  // [num_tokens, num_heads, head_dim]
-      // [num_tokens, hidden_size]
-      torch::Tensor attn = layer.o_proj.forward(out.reshape({num_tokens, q_size}).to(hidden.scalar_type()));
+      out = out.reshape({num_tokens, q_size});
+      if (is_cast) out = out.to(hidden.scalar_type());
+      torch::Tensor attn = layer.o_proj.forward(out);  // [num_tokens, hidden_size]
       add_rms_norm(attn, residual, layer.post_norm, eps_, sum_lanes_);
       torch::Tensor gate_up = layer.gate_up.forward(attn);  // [num_tokens, 2 * intermediate_size]
       x = layer.down.forward(silu_mul(gate_up));  // [num_tokens, hidden_size]
