@@ -13,8 +13,11 @@
 // kMaxRows tokens share each weight load; more tokens take further passes over the
 // slab, which is then in cache, and are bound by the dot products instead: from 64
 // tokens up they run near the vdpbf16ps peak (figures: docs/performance.md, "CPU
-// matmuls"). Sums are fp32; the output is rounded to bf16 once, or
-// left in fp32 (logits).
+// matmuls"). The passes split the tokens evenly, and each pass's tokens are interleaved
+// pair by pair first ([pair][row] words), so the broadcasts read one stream with
+// constant offsets: read from the rows' own streams (one a row, one register each for
+// its address), steps of 20 tokens and more ran 8-12% slower. Sums are fp32; the output
+// is rounded to bf16 once, or left in fp32 (logits).
 #include "share_out.h"
 
 #include <torch/extension.h>
@@ -23,19 +26,20 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
 namespace {
 
-constexpr int kMaxRows = 8;  // tokens per pass: their sums stay in registers
+constexpr int kMaxRows = 12;  // tokens per pass: their 24 sums and two weight vectors stay in registers
 constexpr int64_t kChunksPerThread = 8;  // run_slabs' share-out
 // 4 KB ahead in the slab, into L2: prefetching into L1 stalled the loop once the L1's few
 // miss buffers were full (8-64-token steps of the model's linears: 10-15% slower).
 constexpr int64_t kPrefetchPairs = 64;
 
-// out[r][n0 .. n0+16) for rows [0, kRows) of x_pairs ([rows][num_pairs] words); out_t is
+// out[r][n0 .. n0+16) for rows [0, kRows) of x_pairs ([num_pairs][kRows] words); out_t is
 // at::BFloat16 (rounded once) or float (the sums as they are). `next_slab` (or null): the
 // slab whose lines [next_begin, next_end) (a line: one pair's 16 words) are brought into
 // L2 meanwhile, spread evenly over this pass's pairs.
@@ -49,7 +53,7 @@ void slab_rows(const uint32_t* x_pairs, int64_t num_pairs, const uint32_t* slab,
   int64_t line = next_begin;
   // Two sums per row, for even and odd pairs: one row alone would wait on each add's latency.
   __m512 acc[kRows], acc2[kRows];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int r = 0; r < kRows; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
   int64_t p = 0;
   for (; p + 2 <= num_pairs; p += 2) {
@@ -62,30 +66,30 @@ void slab_rows(const uint32_t* x_pairs, int64_t num_pairs, const uint32_t* slab,
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(slab + p * 16);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(slab + (p + 1) * 16);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < kRows; ++r) {
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x_pairs[r * num_pairs + p]), w0);
-      acc2[r] = _mm512_dpbf16_ps(acc2[r], (__m512bh)_mm512_set1_epi32(x_pairs[r * num_pairs + p + 1]), w1);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x_pairs[p * kRows + r]), w0);
+      acc2[r] = _mm512_dpbf16_ps(acc2[r], (__m512bh)_mm512_set1_epi32(x_pairs[(p + 1) * kRows + r]), w1);
     }
   }
   for (; p < num_pairs; ++p) {
     const __m512bh w = (__m512bh)_mm512_loadu_si512(slab + p * 16);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < kRows; ++r) {
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x_pairs[r * num_pairs + p]), w);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x_pairs[p * kRows + r]), w);
     }
   }
   if (next_slab != nullptr) {
     for (; line < next_end; ++line) _mm_prefetch(reinterpret_cast<const char*>(next_slab + 16 * line), _MM_HINT_T1);
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
   __m512 b = _mm512_setzero_ps();
   if (bias != nullptr) {
     b = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias))), 16));
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int r = 0; r < kRows; ++r) {
     if constexpr (std::is_same_v<out_t, float>) {
       _mm512_storeu_ps(out + r * out_stride, _mm512_add_ps(acc[r], b));
@@ -102,7 +106,38 @@ using SlabRowsFn = void (*)(const uint32_t*, int64_t, const uint32_t*, const at:
 template <typename out_t>
 constexpr SlabRowsFn<out_t> kSlabRows[kMaxRows] = {
     slab_rows<1, out_t>, slab_rows<2, out_t>, slab_rows<3, out_t>, slab_rows<4, out_t>,
-    slab_rows<5, out_t>, slab_rows<6, out_t>, slab_rows<7, out_t>, slab_rows<8, out_t>};
+    slab_rows<5, out_t>, slab_rows<6, out_t>, slab_rows<7, out_t>, slab_rows<8, out_t>,
+    slab_rows<9, out_t>, slab_rows<10, out_t>, slab_rows<11, out_t>, slab_rows<12, out_t>};
+
+// At least `num_words` words, kept by the calling thread from call to call: a fresh buffer
+// for a prefill step's 16 MB would be page-faulted in on every call.
+uint32_t* interleave_buffer(size_t num_words) {
+  static thread_local std::vector<uint32_t> buffer;
+  if (buffer.size() < num_words) buffer.resize(num_words);
+  return buffer.data();
+}
+
+// Pass i's tokens are rows [first_row(i), first_row(i + 1)): the passes split them evenly.
+int64_t first_row(int64_t pass, int64_t num_tokens, int64_t num_passes) { return pass * num_tokens / num_passes; }
+
+// x ([num_tokens][num_pairs] words) with each pass's rows interleaved pair by pair into
+// `interleaved`: pass i's block starts at word first_row(i) * num_pairs and is
+// [num_pairs][rows of pass i].
+void interleave_passes(const uint32_t* x, int64_t num_tokens, int64_t num_pairs, int64_t num_passes,
+                       uint32_t* interleaved) {
+  // Large steps (prefill) split the copy over the threads by pairs; a few tokens' is microseconds.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, num_tokens));
+  at::parallel_for(0, num_pairs, grain, [&](int64_t p_begin, int64_t p_end) {
+    for (int64_t i = 0; i < num_passes; ++i) {
+      const int64_t r0 = first_row(i, num_tokens, num_passes), rows = first_row(i + 1, num_tokens, num_passes) - r0;
+      uint32_t* block = interleaved + r0 * num_pairs;
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint32_t* row = x + (r0 + r) * num_pairs;
+        for (int64_t p = p_begin; p < p_end; ++p) block[p * rows + r] = row[p];
+      }
+    }
+  });
+}
 
 // Each slab's outputs for every token, the slabs shared out (share_out.h). With more than
 // kMaxRows tokens each slab takes several passes, and every pass brings its share of the
@@ -112,13 +147,21 @@ constexpr SlabRowsFn<out_t> kSlabRows[kMaxRows] = {
 // through its own run of slabs). When only the second pass brought it in, at a line a
 // pair, the memory sat idle through the first: a step of 9-15 tokens waited on it.
 template <typename out_t>
-void run_slabs(const uint32_t* x_pairs, int64_t num_tokens, int64_t num_pairs, const uint32_t* w,
+void run_slabs(const uint32_t* x, int64_t num_tokens, int64_t num_pairs, const uint32_t* w,
                const at::BFloat16* b, int64_t num_slabs, out_t* o) {
   const int64_t out_features = num_slabs * 16;
+  const int64_t num_passes = (num_tokens + kMaxRows - 1) / kMaxRows;
+  // One token's row is already its own interleaving.
+  const uint32_t* x_pairs = x;
+  if (num_tokens > 1) {
+    uint32_t* interleaved = interleave_buffer(num_tokens * num_pairs);
+    interleave_passes(x, num_tokens, num_pairs, num_passes, interleaved);
+    x_pairs = interleaved;
+  }
   tokenloom_cpu::share_out<kChunksPerThread>(num_slabs, [&](int64_t s) {
-    const uint32_t* next = num_tokens > kMaxRows && s + 1 < num_slabs ? w + (s + 1) * num_pairs * 16 : nullptr;
-    for (int64_t r0 = 0; r0 < num_tokens; r0 += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, num_tokens - r0);
+    const uint32_t* next = num_passes > 1 && s + 1 < num_slabs ? w + (s + 1) * num_pairs * 16 : nullptr;
+    for (int64_t i = 0; i < num_passes; ++i) {
+      const int64_t r0 = first_row(i, num_tokens, num_passes), rows = first_row(i + 1, num_tokens, num_passes) - r0;
       // This pass's share of the next slab's lines, in proportion to its rows.
       const int64_t begin = r0 * num_pairs / num_tokens, end = (r0 + rows) * num_pairs / num_tokens;
       kSlabRows<out_t>[rows - 1](x_pairs + r0 * num_pairs, num_pairs, w + s * num_pairs * 16,
