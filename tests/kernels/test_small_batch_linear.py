@@ -58,18 +58,20 @@ def test_matches_an_fp32_matmul_rounded_once(num_tokens, with_bias):
 
 
 @needs_slabs
-@pytest.mark.parametrize("num_tokens,in_features", [(2, 98), (12, 98), (13, 98), (25, 98), (37, 2), (512, 2048)])
+@pytest.mark.parametrize("num_tokens,in_features", [(2, 98), (12, 98), (13, 98), (25, 98), (37, 2), (512, 2048), (300, 8192)])
 def test_a_tokens_output_is_the_same_bits_whatever_the_step(num_tokens, in_features):
     """The passes split a step's tokens and interleave each pass's rows (odd pair counts, one
-    pair, a large step's copy split over the threads): a token's sums must not depend on
-    which pass it lands in, or a sequence would answer differently alone and in a batch."""
+    pair, a large step's copy split over the threads, a 300-token step of 8,192 inputs in two
+    chunks of rows): a token's sums must not depend on which pass or chunk it lands in, or a
+    sequence would answer differently alone and in a batch."""
     gen = torch.Generator().manual_seed(num_tokens)
     weight, x = torch.randn(32, in_features, generator=gen).bfloat16(), torch.randn(num_tokens, in_features, generator=gen).bfloat16()
     slabs, no_bias = pack_slabs(weight), torch.empty(0, dtype=torch.bfloat16)
     together = KERNELS.small_batch_linear(x, slabs, no_bias, True)
     for i in {0, num_tokens // 2, num_tokens - 1}:
         assert torch.equal(together[i], KERNELS.small_batch_linear(x[i:i + 1], slabs, no_bias, True)[0]), i
-    torch.testing.assert_close(together, reference(x, weight, None), atol=1e-4, rtol=1e-5)
+    # fp32 sums in another order than the reference's: the error grows with the number of inputs.
+    torch.testing.assert_close(together, reference(x, weight, None), atol=1e-5 * in_features**0.5, rtol=1e-5)
 
 
 @needs_slabs
