@@ -111,7 +111,7 @@ constexpr SlabRowsFn<out_t> kSlabRows[kMaxRows] = {
     slab_rows<9, out_t>, slab_rows<10, out_t>, slab_rows<11, out_t>, slab_rows<12, out_t>};
 
 // At least `num_words` words, kept by the calling thread from call to call: a fresh buffer
-// for a prefill step's 16 MB would be page-faulted in on every call.
+// for a prefill chunk's 4 MB would be page-faulted in on every call.
 uint32_t* interleave_buffer(size_t num_words) {
   static thread_local std::vector<uint32_t> buffer;
   if (buffer.size() < num_words) buffer.resize(num_words);
@@ -179,7 +179,7 @@ void run_slab_rows(const uint32_t* x, int64_t num_tokens, int64_t num_pairs, con
 template <typename out_t>
 void run_slabs(const uint32_t* x, int64_t num_tokens, int64_t num_pairs, const uint32_t* w,
                const at::BFloat16* b, int64_t num_slabs, out_t* o) {
-  const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / (num_pairs * 4));
+  const int64_t chunk = std::max<int64_t>(kMaxRows, kChunkBytes / (std::max<int64_t>(1, num_pairs) * 4));
   for (int64_t r0 = 0; r0 < num_tokens; r0 += chunk) {
     run_slab_rows(x + r0 * num_pairs, std::min(chunk, num_tokens - r0), num_pairs, w, b, num_slabs,
                   o + r0 * num_slabs * 16);
