@@ -9,7 +9,15 @@
 // the same cores) the others take over its remaining chunks instead of waiting for it at the
 // end of the region. (Chunks from one shared counter balanced as well, but each thread's run
 // then broke at every chunk, and a one-token step's weights streamed measurably slower:
-// docs/cpu-kernels.md.)
+// docs/cpu-kernels.md.) A thread's pieces shrink as its part runs out (half of what is left,
+// at most a chunk), so both threads' last pieces are small and they leave the region close
+// together: whole chunks to the end left one thread waiting up to a chunk's time in every region.
+//
+// A caller may give a prologue of `num_pieces` pieces of work that must all be done before
+// any item (the bf16 slabs copy the step's activations into their interleaved layout that
+// way, in the region that then reads them). The threads claim pieces from one counter and
+// wait until all are done, so one that has lost its core holds up the other by at most the
+// piece it was running, not by all of its share.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -18,6 +26,11 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <thread>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace tokenloom_cpu {
 
@@ -44,7 +57,8 @@ class alignas(64) Part {  // a cache line each: the threads' CAS loops do not sh
         *begin = *end = 0;
         return;
       }
-      const int64_t n = std::min(chunk, back - front);
+      // Smaller pieces near the part's end, so the threads' last pieces end close together.
+      const int64_t n = std::min(chunk, std::max<int64_t>(1, (back - front) / 2));
       const uint64_t next = from_back ? pack(front, back - n) : pack(front + n, back);
       if (state_.compare_exchange_weak(s, next, std::memory_order_relaxed)) {
         *begin = from_back ? back - n : front;
@@ -63,21 +77,34 @@ class alignas(64) Part {  // a cache line each: the threads' CAS loops do not sh
 
 }  // namespace share_out_detail
 
-// Calls fn(i) once for every i in [0, num_items) (fewer than 2^31), about kChunksPerThread
-// chunks to a thread's part.
-template <int64_t kChunksPerThread, typename Fn>
-void share_out(int64_t num_items, const Fn& fn) {
+// Calls before(j) for every j in [0, num_pieces), then, once all have returned, fn(i) once
+// for every i in [0, num_items) (fewer than 2^31), about kChunksPerThread chunks to a
+// thread's part.
+template <int64_t kChunksPerThread, typename Before, typename Fn>
+void share_out(int64_t num_items, int64_t num_pieces, const Before& before, const Fn& fn) {
   using share_out_detail::Part;
   if (num_items == 0) return;
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
   const int64_t chunk = std::max<int64_t>(1, num_items / (num_threads * kChunksPerThread));
   std::unique_ptr<Part[]> parts(new Part[num_threads]);
   for (int64_t t = 0; t < num_threads; ++t) parts[t].reset(t * num_items / num_threads, (t + 1) * num_items / num_threads);
+  std::atomic<int64_t> next_piece{0}, num_pieces_done{0};
   const auto run = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) fn(i);
   };
   // A call may get several parts (a nested region runs the whole range on one thread).
   at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
+    for (int64_t j = next_piece.fetch_add(1, std::memory_order_relaxed); j < num_pieces;
+         j = next_piece.fetch_add(1, std::memory_order_relaxed)) {
+      before(j);
+      num_pieces_done.fetch_add(1, std::memory_order_release);
+    }
+    for (int64_t spins = 0; num_pieces_done.load(std::memory_order_acquire) < num_pieces; ++spins) {
+#if defined(__x86_64__)
+      _mm_pause();
+#endif
+      if (spins > (int64_t{1} << 12)) std::this_thread::yield();  // the piece's thread lost its core
+    }
     int64_t begin, end;
     for (int64_t t = first_part; t < last_part; ++t) {
       for (parts[t].take(chunk, false, &begin, &end); begin < end; parts[t].take(chunk, false, &begin, &end)) {
@@ -95,6 +122,12 @@ void share_out(int64_t num_items, const Fn& fn) {
       run(begin, end);
     }
   });
+}
+
+// share_out without a prologue.
+template <int64_t kChunksPerThread, typename Fn>
+void share_out(int64_t num_items, const Fn& fn) {
+  share_out<kChunksPerThread>(num_items, 0, [](int64_t) {}, fn);
 }
 
 }  // namespace tokenloom_cpu
