@@ -37,6 +37,7 @@ done
 import json, sys
 out_dir, shapes = sys.argv[1], sys.argv[2:]
 rows = {}
+share = lambda x: "n/a" if x is None else f"{x:.1%}"
 for shape in shapes:
     vllm = json.load(open(f"{out_dir}/vllm_{shape}.json"))["results"]["vllm"]
     ours = json.load(open(f"{out_dir}/ours_{shape}.json"))["results"]["continuous"]
@@ -45,9 +46,13 @@ for shape in shapes:
         "ours_output_tokens_per_s": ours["output_tokens_per_s"], "vllm_output_tokens_per_s": vllm["output_tokens_per_s"],
         "ours_dtype": ours.get("dtype"), "vllm_dtype": vllm.get("dtype_used"),
         "ratio": ours["total_tokens_per_s"] / vllm["total_tokens_per_s"],
+        # CPU time the hypervisor gave to other guests during each measured run: a run that lost
+        # a core for a while (a few % and up) says less about its engine
+        "ours_steal_share": ours.get("steal_share"), "vllm_steal_share": vllm.get("steal_share"),
     }
     r = rows[shape]
     print(f"{shape:14s} ours {r['ours_total_tokens_per_s']:8.1f} tok/s ({r['ours_dtype']})  "
-          f"vLLM {r['vllm_total_tokens_per_s']:8.1f} tok/s ({r['vllm_dtype']})  ratio {r['ratio']:.2f}x")
+          f"vLLM {r['vllm_total_tokens_per_s']:8.1f} tok/s ({r['vllm_dtype']})  ratio {r['ratio']:.2f}x  "
+          f"CPU stolen {share(r['ours_steal_share'])} / {share(r['vllm_steal_share'])}")
 json.dump(rows, open(f"{out_dir}/summary.json", "w"), indent=2)
 PY

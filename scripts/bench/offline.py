@@ -50,7 +50,7 @@ from pathlib import Path
 
 from ipc.engine_config import QUANTIZATIONS
 from scripts.bench.offline_hf import run_hf
-from scripts.lib.bench_report import machine_info, write_report
+from scripts.lib.bench_report import cpu_steal_s, machine_info, steal_share, write_report
 from scripts.lib.offline_result import ModeResult, print_table, step_columns, step_counts, useful_positions
 from scripts.lib.workload import (
     DISTRIBUTIONS,
@@ -147,12 +147,14 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
     llm.engine.record_step_stats = True
     if live is not None:
         live.start_run(name or mode, llm.engine.step_stats)
+    steal_before = cpu_steal_s()
     start = time.perf_counter()
     if conversations:
         outputs, workload = generate_conversations(llm, conversations)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    stolen = steal_share(steal_before, cpu_steal_s(), elapsed)
     stats = llm.engine.stats()
     check_lengths(workload, [len(o.token_ids) for o in outputs], mode)
     step_stats = list(llm.engine.step_stats)
@@ -176,6 +178,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         num_prefix_cache_queries=stats.num_prefix_cache_queries - stats_before.num_prefix_cache_queries,
         num_prefix_cache_hits=stats.num_prefix_cache_hits - stats_before.num_prefix_cache_hits,
         num_preemptions=stats.num_preemptions - stats_before.num_preemptions,
+        steal_share=stolen,
         **step_counts(step_stats),
     )
 

@@ -40,6 +40,26 @@ def machine_info() -> dict:
     return info
 
 
+def cpu_steal_s() -> float | None:
+    """CPU time the hypervisor gave to other guests so far, all cores summed (/proc/stat's
+    "steal"), or None where the kernel does not report it. Read before and after a measured
+    run: on a shared VM a run can lose a core for seconds, and its figures then say less."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
+def steal_share(steal_before: float | None, steal_after: float | None, elapsed_s: float) -> float | None:
+    """Stolen CPU time over the run's wall time x cores (0: the run had the machine's cores)."""
+    if steal_before is None or steal_after is None or elapsed_s <= 0:
+        return None
+    return (steal_after - steal_before) / (elapsed_s * (os.cpu_count() or 1))
+
+
 def require_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...]) -> None:
     """Exits through parser.error when one of the named counts is below 1."""
     for name in names:

@@ -34,6 +34,7 @@ class ModeResult:
     max_batch_rows: int = 0  # most rows in one step: running sequences, finished padded rows included
     mean_batch_rows: float = 0.0  # time-weighted over the steps
     num_preemptions: int = 0
+    steal_share: float | None = None  # CPU time stolen by the hypervisor over wall x cores
 
     def summary(self) -> dict:
         return {
@@ -63,6 +64,7 @@ class ModeResult:
             "max_batch_rows": self.max_batch_rows,
             "mean_batch_rows": self.mean_batch_rows,
             "num_preemptions": self.num_preemptions,
+            "steal_share": self.steal_share,
         }
 
 

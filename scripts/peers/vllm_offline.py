@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.lib.bench_report import write_report
+from scripts.lib.bench_report import cpu_steal_s, steal_share, write_report
 from scripts.lib.workload import DISTRIBUTIONS, make_shared_prefix_workload, make_workload
 
 WORKLOADS = ("random", "shared_prefix")
@@ -100,9 +100,11 @@ def main(argv: list[str] | None = None) -> dict:
                  SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     if args.enable_prefix_caching and not llm.reset_prefix_cache():  # start the measured run cold
         raise RuntimeError("vLLM refused to reset its prefix cache after the warm-up")
+    steal_before = cpu_steal_s()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    stolen = steal_share(steal_before, cpu_steal_s(), elapsed)
 
     output_lens = [len(o.outputs[0].token_ids) for o in outputs]
     bad = [(i, r.max_tokens, n) for i, (r, n) in enumerate(zip(workload, output_lens)) if n != r.max_tokens]
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prefix_caching": args.enable_prefix_caching,
         "prefix_cache_hit_rate": num_cached / num_prompt,  # cached prompt tokens / prompt tokens
         "num_prefix_cache_hit_tokens": num_cached,
+        "steal_share": stolen,
     }
     print(f"vllm {vllm.__version__} {args.dtype}: {len(workload)} requests, {num_prompt} prompt + {num_output} "
           f"output tokens in {elapsed:.2f} s: {summary['requests_per_s']:.2f} req/s, "

@@ -1,0 +1,32 @@
+"""The benchmark reports' reading of the CPU time a shared VM's hypervisor took (scripts/lib/bench_report.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts.lib.bench_report import cpu_steal_s, steal_share
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="no /proc/stat: not Linux")
+def test_steal_is_read_from_proc_stat_and_never_goes_back():
+    first = cpu_steal_s()
+    assert first is not None and first >= 0
+    time.sleep(0.05)
+    second = cpu_steal_s()
+    assert second is not None and second >= first
+    # /proc/stat's first line: "cpu user nice system idle iowait irq softirq steal ..."
+    ticks = int(Path("/proc/stat").read_text().split()[8])
+    assert ticks / os.sysconf("SC_CLK_TCK") >= first
+
+
+def test_steal_share_is_stolen_time_over_wall_time_and_cores():
+    cores = os.cpu_count() or 1
+    assert steal_share(10.0, 10.0 + 0.5 * cores, 1.0) == pytest.approx(0.5)
+    assert steal_share(3.0, 3.0, 2.0) == 0.0
+    assert steal_share(None, 1.0, 1.0) is None
+    assert steal_share(1.0, None, 1.0) is None
+    assert steal_share(1.0, 2.0, 0.0) is None
