@@ -181,6 +181,22 @@ void run_panels(Activations x, int64_t num_tokens, int64_t num_blocks, const uin
 
 int64_t q4_block_size() { return kBlock; }
 
+namespace {
+
+// x (contiguous) quantized into bytes [num_tokens, num_blocks * 32], scales and scaled sums
+// [num_tokens, num_blocks]: quantize_activations_q4's arrays, wherever the caller keeps them.
+void quantize_into_q4(const torch::Tensor& x, int64_t num_blocks, int8_t* bytes, float* scales, float* scaled_sums) {
+#ifdef TOKENLOOM_HAS_VNNI
+  if (x.scalar_type() == at::kFloat) {
+    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), num_blocks, bytes, scales, scaled_sums);
+  } else {
+    quantize_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), num_blocks, bytes, scales, scaled_sums);
+  }
+#endif
+}
+
+}  // namespace
+
 // x: [num_tokens, in_features] bf16 or fp32 -> (qx [num_tokens, num_blocks * 32] int8, zeros
 // past in_features; scales [num_tokens, num_blocks] fp32; scale * sum qx [num_tokens, num_blocks]
 // fp32). The kernel's own activation quantization, exposed for tests.
@@ -193,15 +209,7 @@ std::vector<torch::Tensor> quantize_activations_q4(torch::Tensor x, int64_t num_
   auto bytes = torch::empty({x.size(0), num_blocks * kBlock}, x.options().dtype(at::kChar));
   auto scales = torch::empty({x.size(0), num_blocks}, x.options().dtype(at::kFloat));
   auto scaled_sums = torch::empty({x.size(0), num_blocks}, x.options().dtype(at::kFloat));
-#ifdef TOKENLOOM_HAS_VNNI
-  if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), num_blocks, bytes.data_ptr<int8_t>(),
-                  scales.data_ptr<float>(), scaled_sums.data_ptr<float>());
-  } else {
-    quantize_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), num_blocks, bytes.data_ptr<int8_t>(),
-                  scales.data_ptr<float>(), scaled_sums.data_ptr<float>());
-  }
-#endif
+  quantize_into_q4(x, num_blocks, bytes.data_ptr<int8_t>(), scales.data_ptr<float>(), scaled_sums.data_ptr<float>());
   return {bytes, scales, scaled_sums};
 }
 
@@ -234,9 +242,11 @@ torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& panels
   if (num_tokens == 0 || num_panels == 0) return out;
 #ifdef TOKENLOOM_HAS_VNNI
   // [num_tokens, num_blocks * 32] int8, [num_tokens, num_blocks] fp32 twice
-  const auto quantized = quantize_activations_q4(x_in, num_blocks);
-  const Activations xq{reinterpret_cast<const uint32_t*>(quantized[0].data_ptr<int8_t>()),
-                       quantized[1].data_ptr<float>(), quantized[2].data_ptr<float>()};
+  const auto scratch = tokenloom_vnni::activation_scratch(num_tokens, num_blocks, kBlock);
+  quantize_into_q4(x_in.contiguous(), num_blocks, scratch.bytes, static_cast<float*>(scratch.first),
+                   static_cast<float*>(scratch.second));
+  const Activations xq{reinterpret_cast<const uint32_t*>(scratch.bytes), static_cast<const float*>(scratch.first),
+                       static_cast<const float*>(scratch.second)};
   const uint32_t* w = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
   const at::Half* scales = dm.data_ptr<at::Half>();
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;

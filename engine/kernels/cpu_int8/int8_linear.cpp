@@ -220,6 +220,22 @@ void check_group(int64_t group) {
   TORCH_CHECK(group == kGroup || group == kGgufGroup, "int8 groups are 64 inputs (or a GGUF Q8_0's 32), not ", group);
 }
 
+// x (contiguous) quantized into bytes [num_tokens, num_groups * group], scales and corrections
+// [num_tokens, num_groups]: quantize_activations' arrays, wherever the caller keeps them.
+void quantize_into(const torch::Tensor& x, int64_t num_groups, int64_t group, int8_t* bytes, float* scales,
+                   int32_t* corrections) {
+#ifdef TOKENLOOM_HAS_VNNI
+  with_group(group, [&](auto group_constant) {
+    constexpr int64_t g = decltype(group_constant)::value;
+    if (x.scalar_type() == at::kFloat) {
+      quantize_rows<g>(x.data_ptr<float>(), x.size(0), x.size(1), num_groups, bytes, scales, corrections);
+    } else {
+      quantize_rows<g>(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), num_groups, bytes, scales, corrections);
+    }
+  });
+#endif
+}
+
 }  // namespace
 
 // x: [num_tokens, in_features] bf16 or fp32 -> (qx [num_tokens, num_groups * group] int8, zeros
@@ -235,18 +251,8 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t num_gro
   auto bytes = torch::empty({x.size(0), num_groups * group}, x.options().dtype(at::kChar));
   auto scales = torch::empty({x.size(0), num_groups}, x.options().dtype(at::kFloat));
   auto corrections = torch::empty({x.size(0), num_groups}, x.options().dtype(at::kInt));
-#ifdef TOKENLOOM_HAS_VNNI
-  with_group(group, [&](auto group_constant) {
-    constexpr int64_t g = decltype(group_constant)::value;
-    if (x.scalar_type() == at::kFloat) {
-      quantize_rows<g>(x.data_ptr<float>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
-                       scales.data_ptr<float>(), corrections.data_ptr<int32_t>());
-    } else {
-      quantize_rows<g>(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), num_groups, bytes.data_ptr<int8_t>(),
-                       scales.data_ptr<float>(), corrections.data_ptr<int32_t>());
-    }
-  });
-#endif
+  quantize_into(x, num_groups, group, bytes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                corrections.data_ptr<int32_t>());
   return {bytes, scales, corrections};
 }
 
@@ -281,9 +287,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor w
   if (num_tokens == 0 || num_panels == 0) return out;
 #ifdef TOKENLOOM_HAS_VNNI
   // [num_tokens, num_groups * group] int8, [num_tokens, num_groups] fp32, [num_tokens, num_groups] int32
-  const auto quantized = quantize_activations(x, num_groups, group);
-  const Activations xq{reinterpret_cast<const uint32_t*>(quantized[0].data_ptr<int8_t>()),
-                       quantized[1].data_ptr<float>(), quantized[2].data_ptr<int32_t>()};
+  const auto scratch = tokenloom_vnni::activation_scratch(num_tokens, num_groups, group);
+  quantize_into(x.contiguous(), num_groups, group, scratch.bytes, static_cast<float*>(scratch.first),
+                static_cast<int32_t*>(scratch.second));
+  const Activations xq{reinterpret_cast<const uint32_t*>(scratch.bytes), static_cast<const float*>(scratch.first),
+                       static_cast<const int32_t*>(scratch.second)};
   const uint32_t* w = reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>());
   const float* ws = w_scales.data_ptr<float>();
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;

@@ -1,12 +1,14 @@
 // What the int8 and int4 matmuls share (int8_linear.cpp, int4_linear.cpp): the VNNI build
 // switch, a token's inputs loaded as fp32 under a mask, the output store (fp32, or bf16 rounded
-// to nearest even as torch's cast does) and the check of the activations they take.
+// to nearest even as torch's cast does), the check of the activations they take and the
+// scratch their quantized activations go to.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
 #define TOKENLOOM_HAS_VNNI 1
@@ -26,6 +28,26 @@ inline bool has_vnni() {
 inline void check_activations(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x: 2-D bf16 or fp32 on the CPU");
+}
+
+// A call's quantized activations: the bytes, then two [num_tokens, num_groups] arrays of 4-byte
+// values, each at a 64-byte boundary, in memory the calling thread keeps from call to call.
+// Three tensors made and freed in every call (allocation, dispatch, reference counts) cost a
+// one-token step of the default model about as much as quantizing its activations did.
+struct ActivationScratch {
+  int8_t* bytes;
+  void* first;  // [num_tokens, num_groups] 4-byte values
+  void* second;  // [num_tokens, num_groups] 4-byte values
+};
+
+inline ActivationScratch activation_scratch(int64_t num_tokens, int64_t num_groups, int64_t group) {
+  static thread_local std::vector<uint8_t> buffer;
+  const auto round_up = [](size_t n) { return (n + 63) / 64 * 64; };
+  const size_t num_bytes = round_up(static_cast<size_t>(num_tokens * num_groups * group));
+  const size_t num_values = round_up(static_cast<size_t>(num_tokens * num_groups) * 4);
+  if (buffer.size() < num_bytes + 2 * num_values + 64) buffer.resize(num_bytes + 2 * num_values + 64);
+  uint8_t* base = reinterpret_cast<uint8_t*>(round_up(reinterpret_cast<uintptr_t>(buffer.data())));
+  return {reinterpret_cast<int8_t*>(base), base + num_bytes, base + num_bytes + num_values};
 }
 
 #ifdef TOKENLOOM_HAS_VNNI
