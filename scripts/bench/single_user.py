@@ -45,7 +45,7 @@ from pathlib import Path
 
 import aiohttp
 
-from scripts.lib.bench_report import machine_info, require_at_least_one, write_report
+from scripts.lib.bench_report import machine_info, read_rate_gb_s, require_at_least_one, write_report
 from scripts.lib.local_server import REPO_ROOT, launch_server, stop_server
 from scripts.lib.sse_client import StreamStatusError, stream_chunks
 from scripts.lib.workload import make_workload
@@ -185,8 +185,9 @@ async def timed_request(session: aiohttp.ClientSession, server: Server, prompt_t
     return run
 
 
-async def measure(servers: list[Server], args: argparse.Namespace) -> None:
-    """Warm each server up, then the rounds: one request per server per round, order rotated."""
+async def measure(servers: list[Server], args: argparse.Namespace, read_rates: list[float]) -> None:
+    """Warm each server up, then the rounds: one request per server per round, order rotated;
+    each round's memory read rate (one core, GB/s) is appended to `read_rates`."""
     requests = make_workload(args.repeats + 1, (args.prompt_len, args.prompt_len), (args.output_len, args.output_len),
                              seed=args.seed, vocab_size=VOCAB_SIZE)
     warmup, rounds = requests[0], requests[1:]
@@ -196,6 +197,8 @@ async def measure(servers: list[Server], args: argparse.Namespace) -> None:
             run = await timed_request(session, server, warmup.prompt_token_ids, WARMUP_OUTPUT_LEN)
             logger.info("%s warmed up (TTFT %.0f ms)", server.name, run["ttft_s"] * 1000)
         for index, request in enumerate(rounds):
+            read_rates.append(read_rate_gb_s())  # the host's memory this round, for reading the ratios
+            logger.info("round %d: memory read %.1f GB/s (one core)", index, read_rates[-1])
             shift = index % len(servers)
             for server in servers[shift:] + servers[:shift]:
                 run = await timed_request(session, server, request.prompt_token_ids, args.output_len)
@@ -253,6 +256,7 @@ def git_revision() -> str:
 def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()[0]
     servers = [make_server(name, args, free_port()) for name in args.servers]
+    read_rates: list[float] = []
     try:
         for server in servers:
             server.log_path = Path(args.log_dir) / f"single-user-{server.name}.log"
@@ -260,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
             logger.info("starting %s: %s", server.name, shlex.join(server.command))
             server.process = launch_server(server.command, server.url, server.log_path)
             logger.info("%s up after %.1f s", server.name, time.monotonic() - start)
-        asyncio.run(measure(servers, args))
+        asyncio.run(measure(servers, args, read_rates))
     finally:
         for server in servers:
             if server.process is not None:
@@ -274,6 +278,7 @@ def run(args: argparse.Namespace) -> dict:
         "llama_server_version": llama_version(args.llama_server),
         "tokenloom_revision": git_revision(),
         "load_average_1m_before": load_before,
+        "read_gb_s_by_round": read_rates,
         "machine": machine_info(),
     }
 

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,6 +59,26 @@ def steal_share(steal_before: float | None, steal_after: float | None, elapsed_s
     if steal_before is None or steal_after is None or elapsed_s <= 0:
         return None
     return (steal_after - steal_before) / (elapsed_s * (os.cpu_count() or 1))
+
+
+_READ_PROBE: list = []  # the probe's buffer, made once: a fresh one would time its page faults
+
+
+def read_rate_gb_s(num_bytes: int = 256 << 20, trials: int = 3) -> float:
+    """One core's rate of reading memory now, in GB/s (best of `trials` sums of a buffer far
+    larger than the caches). Taken between a benchmark's rounds: the memory is the part of a
+    shared VM that other guests load most, and a server that streams its weights follows it."""
+    import numpy as np
+
+    if not _READ_PROBE or _READ_PROBE[0].nbytes != num_bytes:
+        _READ_PROBE[:] = [np.ones(num_bytes // 4, dtype=np.float32)]
+    buffer = _READ_PROBE[0]
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.nbytes / best / 1e9
 
 
 def require_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace, names: tuple[str, ...]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.lib.bench_report import cpu_steal_s, steal_share
+from scripts.lib.bench_report import cpu_steal_s, read_rate_gb_s, steal_share
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="no /proc/stat: not Linux")
@@ -30,3 +30,13 @@ def test_steal_share_is_stolen_time_over_wall_time_and_cores():
     assert steal_share(None, 1.0, 1.0) is None
     assert steal_share(1.0, None, 1.0) is None
     assert steal_share(1.0, 2.0, 0.0) is None
+
+
+def test_read_rate_is_a_positive_rate_and_keeps_its_buffer():
+    from scripts.lib import bench_report
+
+    rate = read_rate_gb_s(num_bytes=8 << 20, trials=2)
+    assert 0.1 < rate < 10_000  # GB/s: any machine's memory, never zero or a division by zero
+    buffer = bench_report._READ_PROBE[0]
+    read_rate_gb_s(num_bytes=8 << 20, trials=1)
+    assert bench_report._READ_PROBE[0] is buffer  # made once, so no probe times its page faults
