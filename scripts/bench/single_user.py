@@ -45,7 +45,8 @@ from pathlib import Path
 
 import aiohttp
 
-from scripts.lib.bench_report import machine_info, read_rate_gb_s, require_at_least_one, write_report
+from scripts.lib.bench_report import (host_cpu_ticks, machine_info, read_rate_gb_s, require_at_least_one,
+                                     write_report)
 from scripts.lib.local_server import REPO_ROOT, launch_server, stop_server
 from scripts.lib.sse_client import StreamStatusError, stream_chunks
 from scripts.lib.workload import make_workload
@@ -110,8 +111,8 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
 
 def host_busy_ticks() -> int:
     """All cores' non-idle time since boot, in clock ticks (the first line of /proc/stat)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4]  # less idle and iowait
+    ticks = host_cpu_ticks()
+    return sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
 
 
 def process_tree_ticks(root_pid: int) -> int:

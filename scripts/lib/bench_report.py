@@ -41,17 +41,25 @@ def machine_info() -> dict:
     return info
 
 
+def host_cpu_ticks() -> list[int]:
+    """All cores' clock ticks since boot by state, the first line of /proc/stat (user, nice,
+    system, idle, iowait, irq, softirq, steal, ...); [] if that line is not the cores' sum.
+    Raises OSError where there is no /proc/stat."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return [int(v) for v in fields[1:]] if fields and fields[0] == "cpu" else []
+
+
 def cpu_steal_s() -> float | None:
     """CPU time the hypervisor gave to other guests so far, all cores summed (/proc/stat's
     "steal"), or None where the kernel does not report it. Read before and after a measured
     run: on a shared VM a run can lose a core for seconds, and its figures then say less."""
     try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = host_cpu_ticks()
     except OSError:
         return None
-    if len(fields) < 9 or fields[0] != "cpu":
+    if len(ticks) < 8:
         return None
-    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    return ticks[7] / os.sysconf("SC_CLK_TCK")
 
 
 def steal_share(steal_before: float | None, steal_after: float | None, elapsed_s: float) -> float | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.lib.bench_report import cpu_steal_s, read_rate_gb_s, steal_share
+from scripts.lib.bench_report import cpu_steal_s, host_cpu_ticks, read_rate_gb_s, steal_share
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="no /proc/stat: not Linux")
@@ -21,6 +21,7 @@ def test_steal_is_read_from_proc_stat_and_never_goes_back():
     # /proc/stat's first line: "cpu user nice system idle iowait irq softirq steal ..."
     ticks = int(Path("/proc/stat").read_text().split()[8])
     assert ticks / os.sysconf("SC_CLK_TCK") >= first
+    assert host_cpu_ticks()[7] >= ticks  # the same counter, read again (it never goes back)
 
 
 def test_steal_share_is_stolen_time_over_wall_time_and_cores():
