@@ -39,7 +39,7 @@ SOURCES = [
                  "decode_stack.cpp", "bindings.cpp")
 ]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h",
-                                                     "share_out.h")]
+                                                     "share_out.h", "work_pool.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _module: ModuleType | None = None

@@ -15,6 +15,7 @@ from engine.kernels.cpu_extension import load_extension
 SOURCES = [Path(__file__).parent / "cpu_int8" / name for name in ("int8_linear.cpp", "int4_linear.cpp",
                                                                           "embedding_rows.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / "share_out.h",  # shared with the bf16 slabs
+           Path(__file__).parent / "cpu" / "work_pool.h",  # ... and the decode steps' work pool
            Path(__file__).parent / "cpu_int8" / "vnni_io.h"]
 
 _module: ModuleType | None = None

@@ -85,7 +85,13 @@ def build_decode_stack(model: nn.Module, kv_caches, backend, fused_ops: CpuFused
         k_norm = attn.k_norm.weight if attn.k_norm is not None else NONE
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
                         *linears, k_cache, v_cache, attn.scale, attn.sliding_window)
-    return DecodeStack(stack, min(max_tokens) if max_tokens else None, model), f"{stack.num_layers()} layers"
+    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        # The quantized matmuls are another library's: it shares out on this one's pool.
+        from engine.kernels.int8_extension import load_int8_kernels
+
+        load_int8_kernels().use_work_pool(kernels.work_pool_address())
+    note = f"{stack.num_layers()} layers" + (", on one work pool's threads" if stack.is_pooled() else "")
+    return DecodeStack(stack, min(max_tokens) if max_tokens else None, model), note
 
 
 def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: ModuleType | None) -> str | None:

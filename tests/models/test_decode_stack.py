@@ -111,3 +111,39 @@ def test_other_layers_stay_eager_and_say_why(architecture, overrides, reason, tm
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode steps:")]
     assert "eager" in line and reason in line
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)[0].token_ids) == 4
+
+
+POOLED = {"fp32_onednn": False, "fp32_plain": False, "bf16": CPU.has_avx512_bf16, "int8": True}
+
+
+@pytest.mark.parametrize("setting", list(POOLED))
+def test_stack_runs_on_the_work_pool_where_every_matmul_shares_out(setting, tmp_path):
+    """Slabs and int8 panels share their work out on the decode steps' work pool (work_pool.h);
+    oneDNN's and ATen's matmuls would run on one thread inside it, so those stacks do not use it."""
+    possible, why = NEEDS.get(setting, (True, ""))
+    if not possible:
+        pytest.skip(f"{why}; this CPU has none")
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL)
+    llm = LLM(path, **ENGINE_KWARGS, **SETTINGS[setting])
+    assert llm.engine.model_runner.decode_stack._stack.is_pooled() is POOLED[setting]
+
+
+@pytest.mark.skipif(not (CPU.has_avx512_vnni or CPU.has_avx512_bf16), reason="no pooled matmul kind on this CPU")
+def test_an_error_inside_the_work_pool_reaches_python_and_the_pool_stays_usable(tmp_path):
+    """A kernel's check failing in the pool's OpenMP region is raised to the caller (an exception
+    must not cross the region's end), and the next steps run on the pool as before."""
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL)
+    setting = SETTINGS["int8"] if CPU.has_avx512_vnni else SETTINGS["bf16"]
+    llm = LLM(path, num_threads=2, **ENGINE_KWARGS, **setting)
+    runner = llm.engine.model_runner
+    stack = runner.decode_stack._stack
+    assert stack.is_pooled()
+    expected = llm.generate(prompts(), params(), use_tqdm=False)
+    hidden = runner.model.embed(torch.tensor([5]))  # [1, hidden_size]
+    cos = sin = torch.zeros(1, runner.model_config.head_dim, dtype=runner.kv_dtype)
+    block_tables = torch.zeros(1, 1, dtype=torch.int32)
+    too_long = torch.tensor([1000], dtype=torch.int32)  # past its one-block table: the attention kernel refuses
+    with pytest.raises(RuntimeError, match="seq_len outside its block table"):
+        stack.forward(hidden, cos, sin, torch.tensor([0]), block_tables, too_long)
+    again = llm.generate(prompts(), params(), use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in expected]

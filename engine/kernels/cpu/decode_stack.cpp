@@ -12,6 +12,8 @@
 // put in place: bf16 slabs (small_batch_linear.cpp), int8 panels (an op of the quantized
 // kernels' module, reached through torch's dispatcher since it is another shared library), oneDNN-prepacked
 // weights (mkldnn::_linear_pointwise, as PackedLinear calls it) or plain weights.
+#include "work_pool.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
@@ -83,7 +85,21 @@ struct Layer {
 // (kind, weight, scales, bias, out_features, the quantized op's name or "")
 using LinearSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, std::string>;
 
+// Whether the kind shares its work out through tokenloom_cpu::share_out (so on a WorkPool);
+// oneDNN's and ATen's own matmuls would run on one thread inside the pool's region.
+bool shares_out(LinearKind kind) { return kind == LinearKind::kSlabs || kind == LinearKind::kQuantized; }
+
 }  // namespace
+
+// The pool decode steps run their layers in (work_pool.h); the quantized kernels' library is
+// handed its address (work_pool_address) so that its matmuls share out on it too.
+tokenloom_cpu::WorkPool& decode_pool() {
+  static tokenloom_cpu::WorkPool pool;
+  tokenloom_cpu::work_pool_slot() = &pool;
+  return pool;
+}
+
+int64_t work_pool_address() { return reinterpret_cast<int64_t>(&decode_pool()); }
 
 class DecodeStack {
  public:
@@ -97,9 +113,15 @@ class DecodeStack {
                  torch::Tensor v_cache, double scale, int64_t window) {
     layers_.push_back(Layer{input_norm, post_norm, q_norm, k_norm, make_linear(qkv), make_linear(o_proj),
                             make_linear(gate_up), make_linear(down), k_cache, v_cache, scale, window});
+    const Layer& layer = layers_.back();
+    is_pooled_ = (layers_.size() == 1 || is_pooled_) && shares_out(layer.qkv.kind) && shares_out(layer.o_proj.kind) &&
+                 shares_out(layer.gate_up.kind) && shares_out(layer.down.kind);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Whether forward runs its layers in the work pool's region (every matmul shares out).
+  bool is_pooled() const { return is_pooled_; }
 
   // hidden: [num_seqs, hidden_size], the embeddings of a decode-only step (row i: sequence i);
   // cos, sin: [num_seqs, head_dim]; slot_mapping: [num_seqs] int64; block_tables:
@@ -110,9 +132,25 @@ class DecodeStack {
                                      torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens) {
     TORCH_CHECK(!layers_.empty(), "no layers");
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == seq_lens.size(0), "one token per sequence");
+    torch::Tensor residual = hidden;
+    torch::Tensor x;
+    // Every layer on one OpenMP region, its kernels' work shared out on the pool, where every
+    // matmul can share out; else each kernel on torch's threads, region by region.
+    const auto run_layers = [&] { x = run_layers_from(hidden, residual, cos, sin, slot_mapping, block_tables, seq_lens); };
+    if (is_pooled_) {
+      decode_pool().run_region(at::get_num_threads(), run_layers);
+    } else {
+      run_layers();
+    }
+    return {x, residual};
+  }
+
+ private:
+  torch::Tensor run_layers_from(const torch::Tensor& hidden, torch::Tensor& residual, const torch::Tensor& cos,
+                                const torch::Tensor& sin, const torch::Tensor& slot_mapping,
+                                const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
     const int64_t num_tokens = hidden.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    torch::Tensor residual = hidden;
     torch::Tensor x = rms_norm(hidden, layers_[0].input_norm, eps_, sum_lanes_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -133,10 +171,9 @@ class DecodeStack {
       torch::Tensor gate_up = layer.gate_up.forward(attn);  // [num_tokens, 2 * intermediate_size]
       x = layer.down.forward(silu_mul(gate_up));  // [num_tokens, hidden_size]
     }
-    return {x, residual};
+    return x;
   }
 
- private:
   Linear make_linear(const LinearSpec& spec) const {
     const auto& [kind, weight, scales, bias, out_features, op_name] = spec;
     TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0..3");
@@ -169,13 +206,16 @@ class DecodeStack {
   double eps_;
   int64_t sum_lanes_, silu_lanes_;
   bool is_silu_exact_;
+  bool is_pooled_ = false;
   std::vector<Layer> layers_;
 };
 
 void bind_decode_stack(pybind11::module& m) {
+  m.def("work_pool_address", &work_pool_address, "the decode steps' work pool, for the quantized kernels' library");
   pybind11::class_<DecodeStack>(m, "DecodeStack", "a decode step's decoder layers in one call (CPU)")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, bool>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("is_pooled", &DecodeStack::is_pooled)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -17,6 +17,7 @@
 //    Which widths this torch build uses is probed once from Python (engine/models/fused.py).
 #pragma GCC optimize("fp-contract=off")
 
+#include "share_out.h"  // tokenloom_cpu::parallel_for: a decode step's work pool
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -191,7 +192,7 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
     scalar_t* rs = residual.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
     const int64_t x_stride = x.stride(0), r_stride = residual.stride(0);
-    at::parallel_for(0, num_tokens, grain_size(hidden), [&](int64_t begin, int64_t end) {
+    tokenloom_cpu::parallel_for(0, num_tokens, grain_size(hidden), [&](int64_t begin, int64_t end) {
       std::vector<float> row(hidden);
       for (int64_t t = begin; t < end; ++t) {
         scalar_t* xt = xs + t * x_stride;
@@ -216,7 +217,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, int64_
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* os = out.data_ptr<scalar_t>();
     const int64_t x_stride = x.stride(0);
-    at::parallel_for(0, num_tokens, grain_size(hidden), [&](int64_t begin, int64_t end) {
+    tokenloom_cpu::parallel_for(0, num_tokens, grain_size(hidden), [&](int64_t begin, int64_t end) {
       std::vector<float> row(hidden);
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t h = 0; h < hidden; ++h) row[h] = Cvt<scalar_t>::load(xs[t * x_stride + h]);
@@ -243,7 +244,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up, int64_t lanes) {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* os = out.data_ptr<scalar_t>();
     const int64_t in_stride = gate_up.stride(0);
-    at::parallel_for(0, num_tokens, grain_size(2 * inter), [&](int64_t begin, int64_t end) {
+    tokenloom_cpu::parallel_for(0, num_tokens, grain_size(2 * inter), [&](int64_t begin, int64_t end) {
       std::vector<float> gate(inter), act(inter);
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* g = in + t * in_stride;
@@ -316,7 +317,7 @@ torch::Tensor rotary_store_kv(
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t in_stride = qkv.stride(0);
     const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
-    at::parallel_for(0, num_tokens, grain_size(row), [&](int64_t begin, int64_t end) {
+    tokenloom_cpu::parallel_for(0, num_tokens, grain_size(row), [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> k_rotated(num_kv_heads * head_dim);
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* q = in + t * in_stride;

@@ -21,9 +21,12 @@
 // engine (between oneDNN's regions; docs/performance.md, "Decode attention") though
 // not in isolation, and handing them out
 // from a counter inside parallel_for (as run_slabs does) gained nothing and broke
-// the prefetch from one task into the next.
+// the prefetch from one task into the next. In a decode step's work pool
+// (work_pool.h) the tasks go out in contiguous runs of several (share_out.h), each
+// prefetching from task to task as before.
 #include "vec_capability.h"
 #include "vec_reduce.h"
+#include "share_out.h"  // tokenloom_cpu::parallel_for: a decode step's work pool
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -441,7 +444,7 @@ torch::Tensor paged_decode_attention(
     const scalar_t* v = v_cache.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
-    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    tokenloom_cpu::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task_seq(task), kv_head = task_head(task);

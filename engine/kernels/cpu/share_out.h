@@ -1,5 +1,7 @@
-// share_out: items [0, num_items) handed to torch's intra-op threads. The bf16 slabs and the
-// int8/int4 panels share out their output features this way.
+// share_out: items [0, num_items) handed to torch's intra-op threads, or, called from the
+// master of a decode step's WorkPool (work_pool.h), to the pool's threads, the master going on
+// once every item is done. The bf16 slabs and the int8/int4 panels share out their output
+// features this way; parallel_for (at the end) shares out other kernels' ranges in a pool.
 //
 // Each thread owns one contiguous part of the items and works through it front to back, a
 // chunk at a time, so a small step's weights stream from memory as one run per thread: the
@@ -19,6 +21,8 @@
 // wait until all are done, so one that has lost its core holds up the other by at most the
 // piece it was running, not by all of its share.
 #pragma once
+
+#include "work_pool.h"
 
 #include <ATen/Parallel.h>
 
@@ -77,38 +81,39 @@ class alignas(64) Part {  // a cache line each: the threads' CAS loops do not sh
 
 }  // namespace share_out_detail
 
-// Calls before(j) for every j in [0, num_pieces), then, once all have returned, fn(i) once
-// for every i in [0, num_items) (fewer than 2^31), about kChunksPerThread chunks to a
-// thread's part.
-template <int64_t kChunksPerThread, typename Before, typename Fn>
-void share_out(int64_t num_items, int64_t num_pieces, const Before& before, const Fn& fn) {
+// Calls before(j) for every j in [0, num_pieces), then, once all have returned, run(begin,
+// end) on disjoint ranges that together cover [0, num_items) (fewer than 2^31), each at most
+// `chunk` items, about kChunksPerThread chunks to a thread's part. In a WorkPool's region
+// (work_pool.h) on its threads, else on torch's.
+template <int64_t kChunksPerThread, typename Before, typename Run>
+void share_out_ranges(int64_t num_items, int64_t num_pieces, const Before& before, const Run& run,
+                      int64_t min_chunk = 1) {
   using share_out_detail::Part;
   if (num_items == 0) return;
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
-  const int64_t chunk = std::max<int64_t>(1, num_items / (num_threads * kChunksPerThread));
+  WorkPool* pool = active_pool();
+  const int64_t num_threads = std::min<int64_t>(pool != nullptr ? pool->num_threads() : at::get_num_threads(),
+                                                num_items);
+  const int64_t chunk = std::max<int64_t>(min_chunk, num_items / (num_threads * kChunksPerThread));
   std::unique_ptr<Part[]> parts(new Part[num_threads]);
   for (int64_t t = 0; t < num_threads; ++t) parts[t].reset(t * num_items / num_threads, (t + 1) * num_items / num_threads);
-  std::atomic<int64_t> next_piece{0}, num_pieces_done{0};
-  const auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) fn(i);
+  std::atomic<int64_t> next_piece{0}, num_pieces_done{0}, num_items_done{0};
+  const auto run_counted = [&](int64_t begin, int64_t end) {
+    run(begin, end);
+    if (pool != nullptr) num_items_done.fetch_add(end - begin, std::memory_order_release);
   };
-  // A call may get several parts (a nested region runs the whole range on one thread).
-  at::parallel_for(0, num_threads, 1, [&](int64_t first_part, int64_t last_part) {
+  // Parts [first_part, last_part) are the caller's own; then it takes the others' leftovers.
+  const auto body = [&](int64_t first_part, int64_t last_part) {
     for (int64_t j = next_piece.fetch_add(1, std::memory_order_relaxed); j < num_pieces;
          j = next_piece.fetch_add(1, std::memory_order_relaxed)) {
       before(j);
       num_pieces_done.fetch_add(1, std::memory_order_release);
     }
-    for (int64_t spins = 0; num_pieces_done.load(std::memory_order_acquire) < num_pieces; ++spins) {
-#if defined(__x86_64__)
-      _mm_pause();
-#endif
-      if (spins > (int64_t{1} << 12)) std::this_thread::yield();  // the piece's thread lost its core
-    }
+    // A piece's thread that lost its core holds the others up by that piece.
+    spin_until([&] { return num_pieces_done.load(std::memory_order_acquire) >= num_pieces; });
     int64_t begin, end;
     for (int64_t t = first_part; t < last_part; ++t) {
       for (parts[t].take(chunk, false, &begin, &end); begin < end; parts[t].take(chunk, false, &begin, &end)) {
-        run(begin, end);
+        run_counted(begin, end);
       }
     }
     while (true) {  // the others' leftovers, from the fullest part's back
@@ -119,8 +124,24 @@ void share_out(int64_t num_items, int64_t num_pieces, const Before& before, cons
       }
       if (victim < 0) return;
       parts[victim].take(chunk, true, &begin, &end);
-      run(begin, end);
+      run_counted(begin, end);
     }
+  };
+  if (pool != nullptr) {
+    // The master goes on once every item is done, whether or not each helper has come.
+    pool->run([&](int64_t t) { t < num_threads ? body(t, t + 1) : body(num_threads, num_threads); },
+              [&] { return num_items_done.load(std::memory_order_acquire) >= num_items; });
+    return;
+  }
+  // A call may get several parts (a nested region runs the whole range on one thread).
+  at::parallel_for(0, num_threads, 1, body);
+}
+
+// share_out_ranges, item by item.
+template <int64_t kChunksPerThread, typename Before, typename Fn>
+void share_out(int64_t num_items, int64_t num_pieces, const Before& before, const Fn& fn) {
+  share_out_ranges<kChunksPerThread>(num_items, num_pieces, before, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) fn(i);
   });
 }
 
@@ -128,6 +149,27 @@ void share_out(int64_t num_items, int64_t num_pieces, const Before& before, cons
 template <int64_t kChunksPerThread, typename Fn>
 void share_out(int64_t num_items, const Fn& fn) {
   share_out<kChunksPerThread>(num_items, 0, [](int64_t) {}, fn);
+}
+
+}  // namespace tokenloom_cpu
+
+namespace tokenloom_cpu {
+
+// at::parallel_for in a kernel a decode step runs: in a WorkPool's region its ranges are
+// shared out on the pool (each at least `grain` items; fewer items than that run here),
+// elsewhere it is at::parallel_for.
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (active_pool() == nullptr) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  if (end - begin <= std::max<int64_t>(grain, 1)) {
+    if (end > begin) f(begin, end);
+    return;
+  }
+  share_out_ranges<4>(end - begin, 0, [](int64_t) {}, [&](int64_t b, int64_t e) { f(begin + b, begin + e); },
+                      std::max<int64_t>(grain, 1));
 }
 
 }  // namespace tokenloom_cpu

@@ -71,7 +71,7 @@ void quantize_row(const in_t* x, int64_t in_features, int64_t num_blocks, int8_t
 template <typename in_t>
 void quantize_rows(const in_t* x, int64_t num_tokens, int64_t in_features, int64_t num_blocks, int8_t* out,
                    float* scales, float* scaled_sums) {
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+  tokenloom_cpu::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       quantize_row(x + t * in_features, in_features, num_blocks, out + t * num_blocks * kBlock,
                    scales + t * num_blocks, scaled_sums + t * num_blocks);

@@ -85,7 +85,7 @@ void quantize_row(const in_t* x, int64_t in_features, int64_t num_groups, int8_t
 template <int64_t group, typename in_t>
 void quantize_rows(const in_t* x, int64_t num_tokens, int64_t in_features, int64_t num_groups, int8_t* out,
                    float* scales, int32_t* corrections) {
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+  tokenloom_cpu::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       quantize_row<group>(x + t * in_features, in_features, num_groups, out + t * num_groups * group,
                           scales + t * num_groups, corrections + t * num_groups);
@@ -338,7 +338,14 @@ TORCH_LIBRARY_IMPL(tokenloom_int8, CPU, m) {
   m.impl("linear_q4", &int4_linear);
 }
 
+// The decode steps' work pool of the other kernels' library (its work_pool_address), which
+// this library's share_out and parallel_for then use when called from that pool's master.
+void use_work_pool(int64_t address) {
+  tokenloom_cpu::work_pool_slot() = reinterpret_cast<tokenloom_cpu::WorkPool*>(address);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("use_work_pool", &use_work_pool, "share out on the decode steps' work pool at this address (work_pool.h)");
   m.def("has_int8_linear", &has_int8_linear, "whether this build has the int8 kernels (AVX512_VNNI)");
   m.def("group_size", &group_size, "inputs per scale, weights' and activations' alike (load-time quantization's)");
   m.def("quantize_activations", &quantize_activations, "symmetric int8 per (token, group of 64 or 32), with corrections (CPU)",
