@@ -105,8 +105,11 @@ void share_out_ranges(int64_t num_items, int64_t num_pieces, const Before& befor
   const auto body = [&](int64_t first_part, int64_t last_part) {
     for (int64_t j = next_piece.fetch_add(1, std::memory_order_relaxed); j < num_pieces;
          j = next_piece.fetch_add(1, std::memory_order_relaxed)) {
+      struct Counted {  // a piece that throws still counts, so no thread waits for it forever
+        std::atomic<int64_t>& num_done;
+        ~Counted() { num_done.fetch_add(1, std::memory_order_release); }
+      } counted{num_pieces_done};
       before(j);
-      num_pieces_done.fetch_add(1, std::memory_order_release);
     }
     // A piece's thread that lost its core holds the others up by that piece.
     spin_until([&] { return num_pieces_done.load(std::memory_order_acquire) >= num_pieces; });

@@ -77,6 +77,7 @@ class WorkPool {
     std::exception_ptr error;
     master_ = pthread_self();
     is_closing_.store(false, std::memory_order_release);
+    const uint64_t start = generation_.load(std::memory_order_acquire);  // even: nothing posted yet
 #pragma omp parallel num_threads(num_threads)
     {
       if (omp_get_thread_num() == 0) {
@@ -90,7 +91,7 @@ class WorkPool {
         is_open_.store(false, std::memory_order_release);
         is_closing_.store(true, std::memory_order_release);
       } else {
-        serve(omp_get_thread_num());
+        serve(omp_get_thread_num(), start);
       }
     }
     if (error) std::rethrow_exception(error);
@@ -100,15 +101,26 @@ class WorkPool {
   // (t = its thread number) while the work is posted; returns once done() holds and no
   // helper is still inside body. body must claim its work so that any number of calls,
   // late ones included, do each piece once, and done() must say when every piece is done.
+  // An exception from body, on any thread, is rethrown here once no helper is inside it.
   template <typename Body, typename Done>
   void run(const Body& body, const Done& done) {
     body_ = &call<Body>;
     context_ = &body;
+    helper_error_ = nullptr;
+    has_failed_.store(false, std::memory_order_relaxed);
     generation_.fetch_add(1, std::memory_order_seq_cst);  // odd: posted
-    body(0);
-    spin_until(done);
+    std::exception_ptr error;
+    try {
+      body(0);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    // A failed body leaves its items undone: then only the helpers' leaving is waited for.
+    if (!error) spin_until([&] { return done() || has_failed_.load(std::memory_order_acquire); });
     generation_.fetch_add(1, std::memory_order_seq_cst);  // even: closed to helpers that have not entered
     spin_until([&] { return num_inside_.load(std::memory_order_seq_cst) == 0; });
+    if (!error) error = helper_error_;
+    if (error) std::rethrow_exception(error);
   }
 
  private:
@@ -118,8 +130,8 @@ class WorkPool {
   }
 
   // A helper: runs each posted body once, until the master's function has returned.
-  void serve(int64_t thread) {
-    uint64_t served = generation_.load(std::memory_order_acquire);
+  // `served`: the generation before the region began (nothing posted).
+  void serve(int64_t thread, uint64_t served) {
     for (int64_t spins = 0; !is_closing_.load(std::memory_order_acquire); ++spins) {
       const uint64_t generation = generation_.load(std::memory_order_acquire);
       if ((generation & 1) == 0 || generation == served) {
@@ -131,7 +143,12 @@ class WorkPool {
       // drop, so a helper either sees the close or is waited for (both sides seq_cst).
       num_inside_.fetch_add(1, std::memory_order_seq_cst);
       if (generation_.load(std::memory_order_seq_cst) == generation) {
-        body_.load(std::memory_order_relaxed)(context_.load(std::memory_order_relaxed), thread);
+        try {
+          body_.load(std::memory_order_relaxed)(context_.load(std::memory_order_relaxed), thread);
+        } catch (...) {  // must not leave the OpenMP region: handed to the master
+          bool expected = false;
+          if (has_failed_.compare_exchange_strong(expected, true)) helper_error_ = std::current_exception();
+        }
       }
       num_inside_.fetch_sub(1, std::memory_order_seq_cst);
       served = generation;
@@ -145,6 +162,8 @@ class WorkPool {
   std::atomic<const void*> context_{nullptr};
   std::atomic<bool> is_open_{false}, is_closing_{true};
   std::atomic<bool> is_taken_{false};  // a thread's region holds the pool
+  std::atomic<bool> has_failed_{false};  // a helper's body threw: helper_error_ holds it
+  std::exception_ptr helper_error_;
   pthread_t master_{};
   int64_t num_threads_ = 1;
 };
