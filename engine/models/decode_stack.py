@@ -13,7 +13,8 @@ fused rotary + KV store (q/k RMSNorm allowed), SiLU-gated dense MLP, and matmuls
 slabs, int8 or int4 panels, oneDNN's prepacked weights or plain weights. Anything else (MoE, Gemma's
 norms, partial rotary, tensor parallelism, torch.compile) keeps the eager path, and the
 start-up log says why. The embedding, rotary tables, final norm and LM head stay in Python:
-one call each per step.
+one call each per step. Where every matmul is slabs or int8/int4 panels, the layers run in one
+OpenMP region whose helpers take each kernel's work as they come free (work_pool.h).
 """
 
 from __future__ import annotations
