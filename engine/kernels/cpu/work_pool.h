@@ -39,13 +39,16 @@ inline void spin_pause() {
 #endif
 }
 
-// Spins until done(); yields the core now and then, so that a thread it waits on, or
-// another process, can run on it.
+// Pauses a waiting thread spins through before it yields its core on each further spin, so
+// that a thread it waits on, or another process, can run there.
+constexpr int64_t kSpinsBeforeYield = int64_t{1} << 12;
+
+// Spins until done(), yielding the core past kSpinsBeforeYield spins.
 template <typename Done>
 void spin_until(const Done& done) {
   for (int64_t spins = 0; !done(); ++spins) {
     spin_pause();
-    if (spins > (int64_t{1} << 12)) std::this_thread::yield();
+    if (spins > kSpinsBeforeYield) std::this_thread::yield();
   }
 }
 
@@ -136,7 +139,7 @@ class WorkPool {
       const uint64_t generation = generation_.load(std::memory_order_acquire);
       if ((generation & 1) == 0 || generation == served) {
         spin_pause();
-        if (spins > (int64_t{1} << 12)) std::this_thread::yield();  // the master runs serial work, or lost its core
+        if (spins > kSpinsBeforeYield) std::this_thread::yield();  // the master runs serial work, or lost its core
         continue;
       }
       // Entered, then checked again: the master closes before it waits for num_inside to
