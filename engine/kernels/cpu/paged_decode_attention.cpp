@@ -5,8 +5,9 @@
 //   k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
 // One task per (sequence, KV head) computes every query head of its GQA group,
 // so each K/V row is read from memory once per group. Two passes per task:
-// scores for the whole context (then an exact softmax in fp32), then the
-// probability-weighted sum of V rows. Accumulation is fp32 for every dtype.
+// scores for the whole context (then their exponentials in fp32, less the row's
+// max), then the exponential-weighted sum of V rows, divided by the exponentials'
+// sum once at the end (an exact softmax). Accumulation is fp32 for every dtype.
 //
 // A sliding-window layer passes its window: a decode then reads only the blocks that
 // hold its last `window` positions (p - window < k <= p), from the first one's offset.
@@ -35,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -297,14 +299,21 @@ void score_and_weigh_scalar(const float* q_buf, const scalar_t* k_cache, const s
   }
 }
 
-// Exact softmax of each of the group's score rows, in place; exp is ATen's vectorized one
-// (the build has no -ffast-math to hand std::exp to libmvec).
-void softmax_rows(float* scores, int64_t group, int64_t width) {
+// Each of the group's score rows, in place, becomes exp(score - the row's max), and
+// inv_sums[g] 1 / that row's sum: the softmax's division is left to the task's output
+// (group * head_dim values instead of group * num_keys). exp is ATen's vectorized one (the
+// build has no -ffast-math to hand std::exp to libmvec).
+void exp_rows(float* scores, int64_t group, int64_t width, float* inv_sums) {
+  using tokenloom_cpu::reduce_max;
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * width;
-    const float max_score = *std::max_element(s, s + width);
-    Vec sums(0.f);
+    Vec maxes(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
+    for (; t + Vec::size() <= width; t += Vec::size()) maxes = at::vec::maximum(maxes, Vec::loadu(s + t));
+    float max_score = reduce_max(maxes);
+    for (; t < width; ++t) max_score = std::max(max_score, s[t]);
+    Vec sums(0.f);
+    t = 0;
     for (; t + Vec::size() <= width; t += Vec::size()) {
       const Vec e = (Vec::loadu(s + t) - Vec(max_score)).exp_u20();
       e.store(s + t);
@@ -315,9 +324,7 @@ void softmax_rows(float* scores, int64_t group, int64_t width) {
       s[t] = std::exp(s[t] - max_score);
       sum += s[t];
     }
-    const float inv_sum = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < width; ++t) s[t] *= inv_sum;
+    inv_sums[g] = 1.f / sum;
   }
 }
 
@@ -344,12 +351,13 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
                  float* q_buf,   // [group, head_dim] scratch
                  float* scores,  // [group, num_keys] scratch
                  float* acc,     // [group, head_dim] scratch
+                 float* inv_sums,  // [group] scratch: 1 / each score row's sum of exps
                  scalar_t* out) {  // [group, head_dim]
   const int64_t num_values = shape.group * shape.head_dim;
   for (int64_t i = 0; i < num_values; ++i) q_buf[i] = static_cast<float>(query[i]) * scale;
   if constexpr (std::is_same_v<scalar_t, double>) {  // no fp32 vectors for it: the plain loops
     score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, false);
-    softmax_rows(scores, shape.group, num_keys(seq_len, shape));
+    exp_rows(scores, shape.group, num_keys(seq_len, shape), inv_sums);
     score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, true);
   } else {
     const bool vectorized = shape.head_dim % Vec::size() == 0 && shape.group <= kMaxGroup;
@@ -368,16 +376,21 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
         } else {
           score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
         }
-        softmax_rows(scores, shape.group, num_keys(seq_len, shape));
+        exp_rows(scores, shape.group, num_keys(seq_len, shape), inv_sums);
         weigh<scalar_t, group()>(scores, v_cache, block_table, seq_len, shape, acc);
       });
     } else {
       score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, false);
-      softmax_rows(scores, shape.group, num_keys(seq_len, shape));
+      exp_rows(scores, shape.group, num_keys(seq_len, shape), inv_sums);
       score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, true);
     }
   }
-  for (int64_t i = 0; i < num_values; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+  for (int64_t g = 0; g < shape.group; ++g) {
+    for (int64_t d = 0; d < shape.head_dim; ++d) {
+      const int64_t i = g * shape.head_dim + d;
+      out[i] = static_cast<scalar_t>(acc[i] * inv_sums[g]);
+    }
+  }
 }
 
 }  // namespace
@@ -445,7 +458,7 @@ torch::Tensor paged_decode_attention(
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     tokenloom_cpu::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys);
+      std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys), inv_sums(group);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task_seq(task), kv_head = task_head(task);
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
@@ -457,7 +470,8 @@ torch::Tensor paged_decode_attention(
           shape.after = block_run(k, tables + task_seq(task + 1) * max_num_blocks, lens[task_seq(task + 1)], next);
         }
         decode_task<scalar_t>(q + offset, k, v, tables + seq * max_num_blocks, lens[seq], shape,
-                              static_cast<float>(scale), q_buf.data(), scores.data(), acc.data(), o + offset);
+                              static_cast<float>(scale), q_buf.data(), scores.data(), acc.data(), inv_sums.data(),
+                              o + offset);
       }
     });
   });
