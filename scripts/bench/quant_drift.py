@@ -8,6 +8,7 @@ Simulated schemes fake-quantize every linear's weight and input in fp32 transfor
   q8_0      llama.cpp's Q8_0: blocks of 32 along K for both, fp16 scales
   g64       blocks of 64 along K for both, fp32 scales (what --quantization int8 runs)
   g64_fp16  the same with fp16 scales
+  g128      blocks of 128 for both, fp32 scales (half the kernel's epilogues; not what it runs)
 
 `engine` is the real path: LLM(quantization="int8") on our vpdpbusd kernel (`--quantization
 int4` for int4; `--engine-model x.gguf` to run a GGUF's own blocks, engine/gguf_blocks.py,
@@ -40,6 +41,7 @@ SCHEMES = {  # name: (weight group, activation group, fp16 scales); None: the wh
     "q8_0": (32, 32, True),
     "g64": (64, 64, False),
     "g64_fp16": (64, 64, True),
+    "g128": (128, 128, False),
 }
 
 
