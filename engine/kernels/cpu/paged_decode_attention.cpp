@@ -206,9 +206,10 @@ constexpr bool kHasBf16Dot = true;
 constexpr bool kHasBf16Dot = false;
 #endif
 
-// acc[g] = sum over the window's keys i of probs[g * num_keys + i] * v[first_pos + i].
+// acc[g] = sum over the window's keys i of weights[g * num_keys + i] * v[first_pos + i]
+// (exp_rows' exponentials: the softmax before its division).
 template <typename scalar_t, int kGroup>
-void weigh_rows(const float* probs, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
+void weigh_rows(const float* weights, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
                 const TaskShape& s, float* acc) {
   const int64_t num_chunks = s.head_dim / Vec::size();
   const int64_t n = num_keys(seq_len, s);
@@ -221,7 +222,7 @@ void weigh_rows(const float* probs, const scalar_t* v_cache, const int32_t* bloc
       for (int64_t g = 0; g < kGroup; ++g) sums[g] = Vec::loadu(acc + g * s.head_dim + c * Vec::size());
       for (int64_t t = 0; t < num_tokens; ++t) {
         const Vec v = load_float(block + t * s.head_dim + c * Vec::size());
-        for (int64_t g = 0; g < kGroup; ++g) sums[g] = at::vec::fmadd(Vec(probs[g * n + start + t]), v, sums[g]);
+        for (int64_t g = 0; g < kGroup; ++g) sums[g] = at::vec::fmadd(Vec(weights[g * n + start + t]), v, sums[g]);
       }
       for (int64_t g = 0; g < kGroup; ++g) sums[g].store(acc + g * s.head_dim + c * Vec::size());
     }
@@ -231,7 +232,7 @@ void weigh_rows(const float* probs, const scalar_t* v_cache, const int32_t* bloc
 // weigh_rows with the head's vectors known at compile time: a V row is loaded (and
 // converted) once, whole, and every group head's sums stay in registers across the block.
 template <typename scalar_t, int kGroup, int kChunks>
-void weigh_rows_fixed(const float* probs, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
+void weigh_rows_fixed(const float* weights, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
                       const TaskShape& s, float* acc) {
   Vec sums[kGroup][kChunks];
   const int64_t n = num_keys(seq_len, s);
@@ -239,7 +240,7 @@ void weigh_rows_fixed(const float* probs, const scalar_t* v_cache, const int32_t
     for (int c = 0; c < kChunks; ++c) sums[g][c] = Vec(0.f);
   }
   for_each_block(v_cache, block_table, seq_len, s, [&](const scalar_t* block, int64_t start, int64_t num_tokens) {
-    const float* p = probs + start;
+    const float* p = weights + start;
     for (int64_t t = 0; t < num_tokens; ++t) {
       Vec v[kChunks];
       for (int c = 0; c < kChunks; ++c) v[c] = load_float(block + t * s.head_dim + c * Vec::size());
@@ -259,19 +260,19 @@ constexpr int kMaxSumVectors = Vec::size() >= 16 ? 24 : 12;
 
 // weigh_rows_fixed where the group's sums fit in registers, else weigh_rows.
 template <typename scalar_t, int kGroup>
-void weigh(const float* probs, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
+void weigh(const float* weights, const scalar_t* v_cache, const int32_t* block_table, int64_t seq_len,
            const TaskShape& s, float* acc) {
   const int64_t num_chunks = s.head_dim / Vec::size();
   if constexpr (kGroup * 4 <= kMaxSumVectors) {
-    if (num_chunks == 4) return weigh_rows_fixed<scalar_t, kGroup, 4>(probs, v_cache, block_table, seq_len, s, acc);
+    if (num_chunks == 4) return weigh_rows_fixed<scalar_t, kGroup, 4>(weights, v_cache, block_table, seq_len, s, acc);
   }
   if constexpr (kGroup * 8 <= kMaxSumVectors) {
-    if (num_chunks == 8) return weigh_rows_fixed<scalar_t, kGroup, 8>(probs, v_cache, block_table, seq_len, s, acc);
+    if (num_chunks == 8) return weigh_rows_fixed<scalar_t, kGroup, 8>(weights, v_cache, block_table, seq_len, s, acc);
   }
   if constexpr (kGroup * 2 <= kMaxSumVectors) {
-    if (num_chunks == 2) return weigh_rows_fixed<scalar_t, kGroup, 2>(probs, v_cache, block_table, seq_len, s, acc);
+    if (num_chunks == 2) return weigh_rows_fixed<scalar_t, kGroup, 2>(weights, v_cache, block_table, seq_len, s, acc);
   }
-  weigh_rows<scalar_t, kGroup>(probs, v_cache, block_table, seq_len, s, acc);
+  weigh_rows<scalar_t, kGroup>(weights, v_cache, block_table, seq_len, s, acc);
 }
 
 // The same two passes without vectors, for head sizes that are not a multiple of the vector width.
