@@ -36,7 +36,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -305,16 +304,11 @@ void score_and_weigh_scalar(const float* q_buf, const scalar_t* k_cache, const s
 // (group * head_dim values instead of group * num_keys). exp is ATen's vectorized one (the
 // build has no -ffast-math to hand std::exp to libmvec).
 void exp_rows(float* scores, int64_t group, int64_t width, float* inv_sums) {
-  using tokenloom_cpu::reduce_max;
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * width;
-    Vec maxes(-std::numeric_limits<float>::infinity());
-    int64_t t = 0;
-    for (; t + Vec::size() <= width; t += Vec::size()) maxes = at::vec::maximum(maxes, Vec::loadu(s + t));
-    float max_score = reduce_max(maxes);
-    for (; t < width; ++t) max_score = std::max(max_score, s[t]);
+    const float max_score = tokenloom_cpu::row_max(s, width);
     Vec sums(0.f);
-    t = 0;
+    int64_t t = 0;
     for (; t + Vec::size() <= width; t += Vec::size()) {
       const Vec e = (Vec::loadu(s + t) - Vec(max_score)).exp_u20();
       e.store(s + t);

@@ -20,30 +20,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 namespace {
 
 using tokenloom_cpu::reduce_add;
-using tokenloom_cpu::reduce_max;
+using tokenloom_cpu::row_max;
 using tokenloom_cpu::Vec;
 
 // Elements per partial sum: the scan adds these one by one, then walks one chunk element by element.
 constexpr int64_t kChunk = 256;
 static_assert(kChunk % 16 == 0, "a chunk holds whole vectors of any width used here");
-
-float row_max(const float* x, int64_t n) {
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-  if (n >= Vec::size()) {
-    Vec acc = Vec::loadu(x);
-    for (i = Vec::size(); i + Vec::size() <= n; i += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + i));
-    best = reduce_max(acc);
-  }
-  for (; i < n; ++i) best = (x[i] > best || std::isnan(x[i])) ? x[i] : best;
-  return best;
-}
 
 // The first index holding `value` (the row's max); torch.argmax's choice among ties. A NaN
 // max is torch's answer too: the first NaN.

@@ -1,5 +1,5 @@
-// Small vector helpers shared by the attention kernels: horizontal reductions of one
-// ATen vector and a software prefetch of a run of cache lines.
+// Small vector helpers shared by the attention and sampling kernels: horizontal reductions
+// of one ATen vector or one row, and a software prefetch of a run of cache lines.
 #pragma once
 
 #include "vec_capability.h"
@@ -7,7 +7,9 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace tokenloom_cpu {
 
@@ -27,6 +29,19 @@ inline float reduce_max(const Vec& x) {
 #else
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
 #endif
+}
+
+// The largest of x[0 .. n), by vectors; NaN if any is (torch's max), -inf for n = 0.
+inline float row_max(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= Vec::size()) {
+    Vec acc = Vec::loadu(x);
+    for (i = Vec::size(); i + Vec::size() <= n; i += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + i));
+    best = reduce_max(acc);
+  }
+  for (; i < n; ++i) best = (x[i] > best || std::isnan(x[i])) ? x[i] : best;
+  return best;
 }
 
 // Blocks lie anywhere in the KV pool, so the hardware prefetcher cannot guess the next one.
