@@ -9,6 +9,8 @@ Simulated schemes fake-quantize every linear's weight and input in fp32 transfor
   g64       blocks of 64 along K for both, fp32 scales (what --quantization int8 runs)
   g64_fp16  the same with fp16 scales
   g128      blocks of 128 for both, fp32 scales (half the kernel's epilogues; not what it runs)
+  g64_token weights in blocks of 64, one activation scale per token (not what it runs)
+  channel_a64 one weight scale per output feature, activations in blocks of 64 (not what it runs)
 
 `engine` is the real path: LLM(quantization="int8") on our vpdpbusd kernel (`--quantization
 int4` for int4; `--engine-model x.gguf` to run a GGUF's own blocks, engine/gguf_blocks.py,
@@ -42,6 +44,8 @@ SCHEMES = {  # name: (weight group, activation group, fp16 scales); None: the wh
     "g64": (64, 64, False),
     "g64_fp16": (64, 64, True),
     "g128": (128, 128, False),
+    "g64_token": (64, None, False),
+    "channel_a64": (None, 64, False),
 }
 
 
