@@ -4,13 +4,13 @@ The metric is tests/models/test_bf16_fidelity.py's: over its chat questions, the
 number of leading tokens (of 32, EOS ignored) equal to transformers' fp32 greedy answer.
 Simulated schemes fake-quantize every linear's weight and input in fp32 transformers:
 
-  channel   one weight scale per output feature, one activation scale per token
-  q8_0      llama.cpp's Q8_0: blocks of 32 along K for both, fp16 scales
-  g64       blocks of 64 along K for both, fp32 scales (what --quantization int8 runs)
-  g64_fp16  the same with fp16 scales
-  g128      blocks of 128 for both, fp32 scales (half the kernel's epilogues; not what it runs)
-  g64_token weights in blocks of 64, one activation scale per token (not what it runs)
-  channel_a64 one weight scale per output feature, activations in blocks of 64 (not what it runs)
+  channel      one weight scale per output feature, one activation scale per token
+  q8_0         llama.cpp's Q8_0: blocks of 32 along K for both, fp16 scales
+  g64          blocks of 64 along K for both, fp32 scales (what --quantization int8 runs)
+  g64_fp16     the same with fp16 scales
+  g128         blocks of 128 for both, fp32 scales (half the kernel's epilogues; not what it runs)
+  g64_token    weights in blocks of 64, one activation scale per token (not what it runs)
+  channel_a64  one weight scale per output feature, activations in blocks of 64 (not what it runs)
 
 `engine` is the real path: LLM(quantization="int8") on our vpdpbusd kernel (`--quantization
 int4` for int4; `--engine-model x.gguf` to run a GGUF's own blocks, engine/gguf_blocks.py,
