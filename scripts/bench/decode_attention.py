@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
     run(max(10, args.calls // 10))  # warm-up
     call_s = statistics.median(run(args.calls) for _ in range(args.repeats))
-    element_size = torch.tensor([], dtype=dtype).element_size()
+    element_size = dtype.itemsize
     kv_bytes = args.num_seqs * args.context * args.num_kv_heads * args.head_dim * 2 * element_size
     flops = 2 * 2 * args.num_seqs * args.context * args.num_heads * args.head_dim
     result = {"call_ms": call_s * 1e3, "kv_gb_s": kv_bytes / call_s / 1e9, "gflop_s": flops / call_s / 1e9,
