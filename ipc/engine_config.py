@@ -10,7 +10,10 @@ gave back into a core's argv with `engine_argv`. No torch here.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import MISSING, dataclass, field, fields
+
+from ipc.speculative_config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, converted by engine.model_files
 AUTO_DTYPE = "auto"
@@ -92,6 +95,10 @@ class EngineConfig:
         "port of that store (0: any free port, one host only)"))
     grammar_compile_timeout_s: float = field(default=30.0, metadata=_flag(
         "structured outputs: a grammar still compiling after this many seconds fails its request"))
+    # JSON text, in vLLM's names (ipc.speculative_config); a dict given in Python becomes its JSON.
+    speculative_config: str | None = field(default=None, metadata=_flag(
+        'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft", "model": "self-int4", "num_speculative_tokens": 4}\' (default: off)'))
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -110,6 +117,9 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
         self._check_parallel()
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = json.dumps(self.speculative_config)
+        SpeculativeConfig.parse(self.speculative_config)  # raises, naming the bad field
 
     def _check_parallel(self) -> None:
         size, nnodes = self.tensor_parallel_size, self.nnodes
@@ -123,6 +133,10 @@ class EngineConfig:
             raise ValueError("several nodes need a fixed master_port to meet at")
         if size > 1 and self.compile:
             raise ValueError("compile is not supported with tensor parallelism (the eager path is)")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -136,6 +136,28 @@ class RequestOutput(_Record):
     num_cached_tokens: NumTokens = 0
     # With the first token of a request that asked for prompt_logprobs: prompt tokens 1.. (the first has none).
     prompt_logprobs: Annotated[list[TokenLogprobs], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
+    # Predicted Outputs, this step: drafted from the request's prediction and accepted by the model,
+    # or drafted from it and rejected (OpenAI's usage.completion_tokens_details, summed by the frontend).
+    num_accepted_prediction_tokens: NumTokens = 0
+    num_rejected_prediction_tokens: NumTokens = 0
+
+
+class SpecMethod(enum.IntEnum):
+    """Where a speculative decoding draft came from."""
+
+    NGRAM = 1  # prompt lookup over the request's own prompt and output
+    DRAFT = 2  # a draft model ("self-int4": the served checkpoint in int4)
+    PREDICTION = 3  # the request's `prediction` (OpenAI's Predicted Outputs)
+
+
+class SpecDecodeStats(_Record):
+    """Speculative decoding's cumulative counts for one method, since the core started."""
+
+    method: SpecMethod
+    num_drafts: Count = 0  # verification rows that carried at least one proposed token
+    num_proposed_tokens: Count = 0
+    num_accepted_tokens: Count = 0
+    num_emitted_tokens: Count = 0  # tokens out of those rows: the accepted ones plus one sampled each
 
 
 class SchedulerStats(_Record):
@@ -147,6 +169,7 @@ class SchedulerStats(_Record):
     num_prefix_cache_queries: Count = 0  # prompt tokens looked up in the prefix cache, cumulative
     num_prefix_cache_hits: Count = 0  # of those, tokens found cached, cumulative
     num_cached_blocks: Count = 0  # blocks findable in the prefix cache now, held or free
+    spec_decode: Annotated[list[SpecDecodeStats], Meta(max_length=len(SpecMethod))] = field(default_factory=list)
 
 
 class EngineOutputs(_Message, tag=int(MessageType.ENGINE_OUTPUTS)):

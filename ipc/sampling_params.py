@@ -25,6 +25,7 @@ MAX_ALLOWED_TOKEN_IDS = 262_144  # beyond any vocabulary in use
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 64  # a bad word's tokens, per spelling
 MAX_PENALTY = 2.0  # presence/frequency in [-2, 2] and repetition in (0, 2], as vLLM checks
+MAX_PREDICTION_TOKENS = 262_144  # a prediction must fit the context anyway
 MAX_INT = 2**31 - 1  # counts and token ids: far beyond any context length, and they fit int32 tensors
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit int on the wire
 # Temperatures below this are greedy, as in vLLM: dividing logits by ~1e-40 overflows to inf/NaN.
@@ -68,6 +69,9 @@ class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
         field(default_factory=list)
     prompt_logprobs: Int64 | None = None  # None: none; N: each prompt token's log-prob plus top-N
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's Predicted Outputs: the text the client expects (the file being edited), as tokens. The
+    # engine drafts from it while the output follows it (speculative decoding), then looks up n-grams in it.
+    prediction_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_PREDICTION_TOKENS)] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -163,6 +167,10 @@ class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
         if self.prompt_logprobs is not None and (
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs!r}")
+        if self.prediction_token_ids is not None:
+            if not isinstance(self.prediction_token_ids, list) or len(self.prediction_token_ids) > MAX_PREDICTION_TOKENS:
+                raise ValueError(f"prediction must be at most {MAX_PREDICTION_TOKENS} tokens")
+            _check_token_ids("prediction", self.prediction_token_ids, vocab_size)
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError("structured_outputs must be a StructuredOutputsParams")

@@ -82,7 +82,7 @@ def test_round_trip(msg):
 def test_wire_layout_is_positional_with_int_enums():
     raw = msgpack.unpackb(encode(EngineOutputs(1, [FULL_OUTPUT], SchedulerStats(1, 2, 3, 4, 5))))
     assert raw[0] == int(MessageType.ENGINE_OUTPUTS) and type(raw[0]) is int
-    assert raw[1] == 1 and raw[3] == [1, 2, 3, 4, 5, 0, 0, 0] and len(raw) == 4
+    assert raw[1] == 1 and raw[3] == [1, 2, 3, 4, 5, 0, 0, 0, []] and len(raw) == 4
     assert raw[2][0][:3] == ["req-1", [5, 6], int(FinishReason.STOP)]
     assert raw[2][0][3][0] == [5, -0.25, [5, 9], [-0.25, -1.5]]
 
