@@ -20,6 +20,7 @@ AUTO_DTYPE = "auto"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static", "static-padded")
 QUANTIZATIONS = ("int8", "int4")
+RUNNERS = ("generate", "pooling")  # vLLM's --runner names
 # Field names whose flag is spelled differently (kept from before the flags were generated).
 FLAG_NAMES = {"kv_cache_memory_bytes": "--kv-cache-memory"}
 
@@ -99,10 +100,16 @@ class EngineConfig:
     speculative_config: str | None = field(default=None, metadata=_flag(
         'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
         '\'{"method": "draft", "model": "self-int4", "num_speculative_tokens": 4}\' (default: off)'))
+    # Embeddings only: no generation, and a KV pool sized for prefill alone (engine.pooler).
+    runner: str = field(default="generate", metadata=_flag(
+        "generate: text generation, and embeddings beside it; pooling: embeddings only (/v1/embeddings), "
+        "with a KV pool sized for one step's prefills", choices=RUNNERS))
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

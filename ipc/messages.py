@@ -21,6 +21,7 @@ from typing import Annotated
 
 from msgspec import Meta, Struct, field
 
+from ipc.pooling_params import MAX_EMBEDDING_SIZE, PoolingParams
 from ipc.sampling_params import MAX_STOP_TOKEN_IDS, Int64, SamplingParams, TokenId
 
 MAX_PROMPT_TOKENS = 1_000_000  # also bounds any other token-id list
@@ -80,6 +81,8 @@ class AddRequest(_Message, tag=int(MessageType.ADD_REQUEST)):
     prompt_token_ids: TokenIds
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    # Set: an embedding request (sampling_params unused); its output carries `embedding`, no tokens.
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequests(_Message, tag=int(MessageType.ABORT_REQUESTS)):
@@ -112,6 +115,8 @@ class EngineReady(_Message, tag=int(MessageType.ENGINE_READY)):
     eos_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = field(default_factory=list)
     dtype: Annotated[str, Meta(max_length=MAX_DTYPE_NAME_LEN)] = ""  # what the weights and activations run in ("bfloat16"); "" from older cores
     quantization: Annotated[str, Meta(max_length=MAX_DTYPE_NAME_LEN)] = ""  # "int8"; "": none (weights in dtype)
+    hidden_size: Count = 0  # an embedding's length; 0 from older cores
+    runner: Annotated[str, Meta(max_length=MAX_DTYPE_NAME_LEN)] = ""  # "generate" or "pooling" (embeddings only)
 
 
 class TokenLogprobs(_Record):
@@ -140,6 +145,8 @@ class RequestOutput(_Record):
     # or drafted from it and rejected (OpenAI's usage.completion_tokens_details, summed by the frontend).
     num_accepted_prediction_tokens: NumTokens = 0
     num_rejected_prediction_tokens: NumTokens = 0
+    # An embedding request's pooled vector, with its finish (no tokens): see ipc.pooling_params.
+    embedding: Annotated[list[float], Meta(max_length=MAX_EMBEDDING_SIZE)] | None = None
 
 
 class SpecMethod(enum.IntEnum):

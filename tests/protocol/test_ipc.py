@@ -30,6 +30,7 @@ from ipc.messages import (
     Shutdown,
     TokenLogprobs,
 )
+from ipc.pooling_params import MAX_EMBEDDING_SIZE, PoolingParams, PoolingType
 from ipc.sampling_params import SamplingParams
 from ipc.structured_outputs import MAX_REASONING_END_TOKENS
 
@@ -330,3 +331,41 @@ def test_a_malformed_add_request_names_its_request_when_the_id_reads():
         with pytest.raises(DecodeError) as bad:
             decode(msgpack.packb(payload))
         assert bad.value.request_id is None, payload
+
+
+@pytest.mark.parametrize("msg", [
+    AddRequest("emb-1", [1, 2], SamplingParams(max_tokens=1), 1.5, PoolingParams(PoolingType.MEAN, normalize=False)),
+    EngineOutputs(0, [RequestOutput("emb-1", [], FinishReason.STOP, embedding=[0.25, -1.5, 3e-8])], SchedulerStats()),
+    EngineReady(0, "m", 128, 100, 10, 16, [2], "float32", "", hidden_size=576, runner="pooling"),
+], ids=lambda m: type(m).__name__)
+def test_pooling_round_trip(msg):
+    out = decode(encode(msg))
+    assert out == msg and type(out) is type(msg)
+
+
+def test_pooling_fields_round_trip_and_older_peers_decode():
+    # An embedding request and its answer: the pooling record and the vector come back as sent.
+    request = decode(encode(AddRequest("e", [3], SamplingParams(), 0.0, PoolingParams())))
+    assert request.pooling_params == PoolingParams(PoolingType.LAST, True)
+    assert type(request.pooling_params.pooling_type) is PoolingType
+    output = decode(encode(EngineOutputs(0, [RequestOutput("e", [], FinishReason.STOP, embedding=[1.0, 0.5])],
+                                         SchedulerStats())))
+    assert output.outputs[0].embedding == [1.0, 0.5] and output.outputs[0].new_token_ids == []
+    # A frontend or core from before pooling: no pooling record, no embedding, no hidden size.
+    assert decode(msgpack.packb([MessageType.ADD_REQUEST, "r", [1], []])).pooling_params is None
+    assert decode(msgpack.packb([MessageType.ENGINE_OUTPUTS, 0, [["r", [1]]], []])).outputs[0].embedding is None
+    ready = decode(msgpack.packb([MessageType.ENGINE_READY, 0, "m", 128, 100, 10, 16, [2]]))
+    assert ready.hidden_size == 0 and ready.runner == ""
+
+
+def test_pooling_fields_are_bounded_and_typed():
+    too_long = RequestOutput("e", [], FinishReason.STOP, embedding=[0.0] * (MAX_EMBEDDING_SIZE + 1))
+    with pytest.raises(DecodeError):
+        decode(encode(EngineOutputs(0, [too_long], SchedulerStats())))
+    for bad_pooling in ([3, True], [1, 1], ["last", True], [1, True, 0]):  # unknown type, int bool, str, extra
+        with pytest.raises(DecodeError):
+            decode(msgpack.packb([MessageType.ADD_REQUEST, "r", [1], [], 0.0, bad_pooling]))
+    with pytest.raises(DecodeError):  # a vector of strings is no embedding
+        decode(msgpack.packb([MessageType.ENGINE_OUTPUTS, 0, [["r", [], 1, None, None, 0, None, 0, 0, ["x"]]], []]))
+    with pytest.raises(ValueError, match="normalize"):
+        PoolingParams(normalize=1).validate()
