@@ -6,7 +6,7 @@ lazily so that torch-free parts (`engine.model_files`) stay torch-free.
 
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "EngineCore"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "EngineConfig", "EngineCore"]
 
 
 def __getattr__(name: str):
@@ -18,6 +18,10 @@ def __getattr__(name: str):
         from ipc.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "PoolingParams":
+        from ipc.pooling_params import PoolingParams
+
+        return PoolingParams
     if name == "EngineConfig":
         from engine.config import EngineConfig
 

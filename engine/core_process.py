@@ -164,13 +164,16 @@ class EngineCoreProcess:
                 eos_token_ids=list(engine.model_config.eos_token_ids),
                 dtype=str(engine.model_runner.dtype).removeprefix("torch."),
                 quantization=engine.config.quantization or "",
+                hidden_size=engine.model_config.hidden_size,
+                runner=engine.config.runner,
             )
         )
 
     def _on_add_request(self, identity: bytes, message: AddRequest) -> None:
         try:
             self.engine.add_request(
-                message.request_id, message.prompt_token_ids, message.sampling_params, message.arrival_time or None
+                message.request_id, message.prompt_token_ids, message.sampling_params, message.arrival_time or None,
+                message.pooling_params,
             )
         except ValueError as e:
             self._send(EngineError(str(e), request_id=message.request_id, engine_id=self.engine_id,

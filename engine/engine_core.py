@@ -20,10 +20,12 @@ from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_kv_pool
 from engine.models.config import ModelConfig
 from engine.request import Request
 from engine.padded_static_scheduler import PaddedStaticScheduler
+from engine.pooler import check_pooling_request, pooling_num_kv_blocks
 from engine.scheduler import Scheduler
 from engine.static_scheduler import StaticScheduler
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
 from ipc.messages import RequestOutput, SchedulerStats
+from ipc.pooling_params import PoolingParams
 from ipc.request_checks import check_request
 from ipc.sampling_params import SamplingParams
 
@@ -73,11 +75,13 @@ class EngineCore:
         num_kv_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model_config, config.block_size, kv_dtype, tp_size)
         )
+        max_model_len = min(self.model_config.max_position_embeddings, config.max_model_len or 2**31)
+        if config.runner == "pooling" and not config.num_kv_blocks:  # embeddings only: KV lives one prompt
+            num_kv_blocks = min(num_kv_blocks, pooling_num_kv_blocks(config, max_model_len))
         self.num_kv_blocks = num_kv_blocks
         # A sequence must fit in the whole pool by itself, or preemption could not save it.
         # Sliding windows do not cap it: the attention kernels compute them per layer.
-        limit = min(self.model_config.max_position_embeddings, num_kv_blocks * config.block_size)
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
         self.executor = None
         if tp_size > 1:
             self.executor = TensorParallelExecutor(config, self.model_config, num_kv_blocks, self.max_model_len, device)
@@ -115,15 +119,18 @@ class EngineCore:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """Check and queue a request; raises ValueError (and changes nothing) on bad input.
+        With `pooling_params` it is an embedding request (engine.pooler), `sampling_params` unused.
 
         Everything that reaches a tensor is checked here, against this model, by the same
         `check_request` the frontend runs: the offline API and the core's socket both come
         through here, so a bad value fails this request alone, never a step."""
+        sampling_params = check_pooling_request(self.config, pooling_params, sampling_params)
         params = check_request(prompt_token_ids, sampling_params, vocab_size=self.vocab_size,
-                               max_model_len=self.max_model_len, cap_max_tokens=True)
-        request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time)
+                               max_model_len=self.max_model_len, cap_max_tokens=pooling_params is None)
+        request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params)
         if params.structured_outputs is not None:
             request.grammar = RequestGrammar(self._grammar_compiler().submit(params.structured_outputs),
                                              self.config.grammar_compile_timeout_s,

@@ -21,7 +21,9 @@ from msgspec.structs import replace
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine_core import EngineCore, StepError
+from engine.pooler import POOLING_SAMPLING_PARAMS
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
+from ipc.pooling_params import PoolingParams
 from ipc.sampling_params import SamplingParams, tokenize_bad_words
 from ipc.text.output_processor import OutputProcessor, RequestDelta
 from ipc.text.tokenizer import Tokenizer
@@ -55,6 +57,13 @@ class CompletionOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     # vLLM's prompt_logprobs: None for the first prompt token, then each one's (with prompt_logprobs set)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]  # the model's hidden size; unit length unless PoolingParams(normalize=False)
 
 
 class LLM:
@@ -107,6 +116,35 @@ class LLM:
             else:
                 tokenized.append((None, list(prompt)))
         return self._generate(tokenized, sampling_params, use_tqdm)
+
+    def embed(self, prompts: str | list[int] | list[str] | list[list[int]],
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """One embedding per prompt (text or token ids), in input order (vLLM's `LLM.embed`): last-token
+        pooling, normalized, unless `pooling_params` says otherwise (engine.pooler)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling_params = pooling_params or PoolingParams()
+        token_ids_list = [self._need_tokenizer("text prompts").encode(p) if isinstance(p, str) else list(p)
+                          for p in prompts]
+        request_ids: list[str] = []
+        try:
+            for token_ids in token_ids_list:
+                request_id = str(next(self._request_counter))
+                self.engine.add_request(request_id, token_ids, POOLING_SAMPLING_PARAMS, time.time(), pooling_params)
+                request_ids.append(request_id)
+        except ValueError:
+            self.engine.abort_requests(request_ids)  # all or nothing, as generate
+            raise
+        embeddings: dict[str, list[float]] = {}
+        while self.engine.has_unfinished_requests():
+            try:
+                outputs = self.engine.step()
+            except StepError as e:  # those requests are gone; end the rest too, and say so
+                self.engine.abort_requests(request_ids)
+                raise RuntimeError(f"embedding failed: {e.cause!r}") from e
+            embeddings.update((o.request_id, o.embedding) for o in outputs if o.embedding is not None)
+        return [EmbeddingOutput(request_id, token_ids, embeddings[request_id])
+                for request_id, token_ids in zip(request_ids, token_ids_list)]
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers now (else when the LLM is garbage-collected or at exit)."""

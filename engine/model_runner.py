@@ -40,6 +40,7 @@ from engine.models.fused import CpuFusedOps, select_fused_ops
 from engine.models.int8_linear import Int8Plan, plan_int8
 from engine.request import Request
 from engine.logits_processing import LogitsProcessingState, bad_word_bans
+from engine.pooler import Pooler, plan_pooling
 from engine.prompt_logprobs import PromptLogprobRows, PromptLogprobsCollector
 from engine.sampler import Sampler, SamplingBatch, sampling_kernels
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -128,6 +129,8 @@ class ModelRunner:
         self.sampler = self._make_sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
+        self.pooler = Pooler()
+        self.pooled_hidden: torch.Tensor | None = None  # forward_step's pooled rows, for execute's pooler
         # static-padded's padding and finished rows feed this; any id computes the same, EOS as transformers pads
         self.pad_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else 0
         self.cuda_graphs = self._capture_cuda_graphs(max_model_len)
@@ -216,10 +219,14 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the model on the step's flat batch; return a new token for each request that reached its end."""
         inputs, sampled_requests, sampled_rows, prompt_plans = self._prepare_inputs(scheduler_output)
+        inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
         if self.executor is None:
             logits = self.forward_step(inputs)  # [num_logits_rows, vocab_size]
         else:
             logits = self.executor.run_step(inputs, self.forward_step)  # every rank runs it
+        if pooling_plans:
+            self.pooler.collect(self.pooled_hidden, pooling_plans)  # finished ones get request.embedding
+            self.pooled_hidden = None
         num_discarded = sum(1 for row in scheduler_output.padding if row.is_sampling)
         if num_discarded:
             # Finished rows of a padded static batch: sampled, as a padded engine samples every row, then dropped.
@@ -238,8 +245,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_step(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs: the sampled rows' logits (None when none are sampled,
-        and on a worker rank)."""
-        input_ids, positions, metadata, sample_rows = self._to_tensors(inputs)
+        and on a worker rank). The pooled rows' final hidden states go to `pooled_hidden`."""
+        input_ids, positions, metadata, sample_rows = self._to_tensors(inputs)  # sample_rows: then pooled rows
         self.backend.prepare(metadata)  # the step's plan, made once for every layer
         if self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)[sample_rows]  # [num_sampled, hidden_size]
@@ -247,16 +254,20 @@ class ModelRunner:
             with attention_step(self.backend, self.kv_caches):
                 hidden = self.compiled_forward(input_ids, positions)[sample_rows]  # [num_sampled, hidden_size]
         elif (self.decode_stack is not None and len(inputs.sample_rows) == len(inputs.input_ids)
-              and self.decode_stack.can_run(metadata, self.backend)):
+              and not inputs.pooling_rows and self.decode_stack.can_run(metadata, self.backend)):
             # A decode-only step: every row is sampled, in order.
             hidden = self.decode_stack.forward(input_ids, positions, metadata, self.backend)  # [num_seqs, hidden_size]
         else:
             # Only the sampled rows leave the last layer. A decode step samples every row, in
             # order; a step that samples none (a prompt's middle chunk) runs it whole, so no
             # matmul or all-reduce ever sees zero rows.
-            every_row = len(inputs.sample_rows) in (0, len(inputs.input_ids))
+            # Pooled rows follow the sampled ones, out of order: those rows are always named.
+            every_row = not inputs.pooling_rows and len(inputs.sample_rows) in (0, len(inputs.input_ids))
             hidden = self.model(input_ids, positions, self.kv_caches, self.backend,
                                 None if every_row else sample_rows)  # [num_sampled, hidden_size]
+        if inputs.pooling_rows:
+            self.pooled_hidden = hidden[len(inputs.sample_rows):]  # [num_pooled, hidden_size]
+            hidden = hidden[: len(inputs.sample_rows)]  # [num_sampled, hidden_size]
         if not inputs.sample_rows:
             return None
         return self.model.compute_logits(hidden)  # [num_sampled, vocab_size]
@@ -264,6 +275,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
         self.prompt_logprobs.release(request_id)
+        self.pooler.release(request_id)
         self.logits_state.release(request_id)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput):
@@ -342,7 +354,7 @@ class ModelRunner:
             to_device(inputs.input_ids, torch.int64),  # [num_tokens]
             to_device(inputs.positions, torch.int64),  # [num_tokens]
             metadata,
-            to_device(inputs.sample_rows, torch.int64),  # [num_sampled]
+            to_device(inputs.sample_rows + inputs.pooling_rows, torch.int64),  # [num_sampled + num_pooled]
         )
 
     def _prepare_sampling(self, requests: list[Request]) -> SamplingBatch:

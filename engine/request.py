@@ -7,6 +7,7 @@ import time
 
 from engine.block_manager import ROOT_HASH, hash_block
 from ipc.messages import FinishReason, TokenLogprobs
+from ipc.pooling_params import PoolingParams
 from ipc.sampling_params import SamplingParams
 
 
@@ -50,6 +51,7 @@ class Request:
         sampling_params: SamplingParams,
         max_tokens: int,
         arrival_time: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -70,6 +72,10 @@ class Request:
         # Structured outputs: the matcher that follows the accepted tokens (engine.structured_output)
         self.grammar = None
         self.num_preemptions = 0
+        # Embeddings (engine.pooler): set, the request pools its prompt's states and never samples;
+        # `embedding` is its vector once the last prompt chunk has run.
+        self.pooling_params = pooling_params
+        self.embedding: list[float] | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

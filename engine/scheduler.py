@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.pooler import needs_every_position
 from engine.request import Request, RequestStatus
 from ipc.messages import RequestOutput, SchedulerStats, TokenLogprobs
 
@@ -56,8 +57,10 @@ class ScheduledRequest:
 
     @property
     def is_sampling(self) -> bool:
-        """True when this step computes the request's last token, so it yields a new one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """True when this step computes the request's last token, so it yields a new one
+        (an embedding request's last chunk yields its vector instead: engine.pooler)."""
+        return (self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+                and self.request.pooling_params is None)
 
 
 @dataclass
@@ -255,8 +258,9 @@ class Scheduler:
     def _lookup(self, request: Request) -> tuple[list[int], bytes | None]:
         """The cached blocks `request` can start from, and the hash of the first block
         it would compute itself (None when there is none to share or caching is off)."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], None  # prompt log-probs need every prompt position computed
+        if (not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None
+                or needs_every_position(request.pooling_params)):
+            return [], None  # prompt log-probs and mean pooling need every prompt position computed
         # Stop before the block holding the last token: it must be recomputed for its logits.
         num_lookup_blocks = (request.num_tokens - 1) // self.block_manager.block_size
         block_hashes = request.extend_block_hashes(num_lookup_blocks, self.block_manager.block_size)
@@ -315,6 +319,8 @@ class Scheduler:
             self._register_computed_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
+                if request.embedding is not None:  # an embedding request's last chunk: pooled, done
+                    outputs.append(self._finish_pooled(request))
                 continue  # a prefill chunk that did not reach the end of the sequence
             request.append_token(token.token_id)
             if token.logprobs is not None:
@@ -337,6 +343,13 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _finish_pooled(self, request: Request) -> RequestOutput:
+        """No decode: the request ends in the step that pooled it, its blocks freed at once."""
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return RequestOutput(request.request_id, [], request.status.finish_reason,
+                             num_cached_tokens=request.num_cached_tokens, embedding=request.embedding)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -85,8 +85,8 @@ class ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
         architectures = cfg.get("architectures") or ["LlamaForCausalLM"]
-        num_heads = cfg["num_attention_heads"]
         _refuse_unsupported(architectures[0], cfg)
+        num_heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         local_rope: dict | None = None
         if "full_attention" in rope:  # per layer type (Gemma 3 as transformers 5 writes it)
@@ -140,8 +140,21 @@ def _scaling(rope: dict) -> dict | None:
     return rope
 
 
+# Embedding checkpoints: a base model without its LM head, or a task head that is no language model.
+EMBEDDING_ARCHITECTURE_SUFFIXES = ("Model", "ForEmbedding", "ForMaskedLM", "ForSequenceClassification",
+                                   "ForTokenClassification")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "nomic_bert", "distilbert", "modernbert")
+
+
 def _refuse_unsupported(architecture: str, cfg: dict) -> None:
     """What no kernel here computes is refused, not run wrong."""
+    if architecture.endswith(EMBEDDING_ARCHITECTURE_SUFFIXES) or cfg.get("model_type") in ENCODER_MODEL_TYPES:
+        raise ValueError(
+            f"{architecture} is an embedding (encoder or headless) architecture, which tokenloom does not serve: it "
+            "runs decoder language models (...ForCausalLM, docs/models.md) and makes embeddings from their final "
+            "hidden states (--runner pooling, /v1/embeddings, LLM.embed). A BERT-style encoder attends both ways "
+            "and our kernels are causal only; for a decoder exported without its LM head, serve the folder's "
+            "...ForCausalLM checkpoint instead")
     if cfg.get("attn_logit_softcapping"):
         raise ValueError(f"{architecture} with attn_logit_softcapping is not supported (the attention kernels "
                          "do not cap scores)")

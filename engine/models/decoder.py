@@ -202,6 +202,10 @@ class DecoderForCausalLM(nn.Module):
                     self._load_parts(param, tensor, parts)
             loaded.add(name)
         missing = set(params) - loaded
+        if missing == {"lm_head.weight"} and into is None:
+            raise ValueError("the checkpoint has no LM head (lm_head.weight), as an embedding-only export has; "
+                             "tokenloom serves decoders with their LM head and pools their hidden states itself "
+                             "(--runner pooling)")
         if missing and into is None:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
