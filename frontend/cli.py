@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from frontend.server_args import add_server_args
+from frontend.server_args import add_server_args, check_speculative_config
 from ipc.engine_config import DEFAULT_MODEL
 from ipc.sockets import check_bind_address
 
@@ -51,6 +51,12 @@ def run_engine(args: argparse.Namespace, extra: list[str], parser: argparse.Argu
         check_bind_address(args.listen, allow_remote="--allow-remote" in extra)
     except ValueError as e:
         parser.error(str(e).replace("allow_remote=True", "--allow-remote"))
+    speculative = argparse.ArgumentParser(add_help=False)
+    speculative.add_argument("--speculative-config")
+    try:
+        check_speculative_config(speculative.parse_known_args(extra)[0].speculative_config)
+    except ValueError as e:
+        parser.error(str(e))
     # Everything not parsed here (--max-num-seqs, --allow-remote, ...) is the core's to check.
     command = [sys.executable, "-m", ENGINE_MODULE, "--model", args.model, "--address", args.listen,
                "--engine-id", str(args.engine_id), *extra]

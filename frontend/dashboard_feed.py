@@ -9,7 +9,8 @@ small JSON object per tick.
 
     data: {"time": 12.5, "model": "smollm2", "num_in_flight": 3,
            "prompt_tokens_per_s": 410.0, "generation_tokens_per_s": 95.5,
-           "totals": {"num_running": 3, ...},
+           "totals": {"num_running": 3, ..., "spec_decode": {"ngram": {"num_proposed_tokens": 40,
+                      "num_accepted_tokens": 31, "acceptance_rate": 0.775, ...}}},
            "engines": [{"index": 0, "is_alive": true, "num_kv_blocks": 4096,
                         "num_running": 3, ..., "tokens_out_per_s": 95.5,
                         "steps": [[num_prefill, num_decode], ...], "num_steps_dropped": 0}]}
@@ -29,6 +30,7 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from frontend.engine_client import AsyncEngineClient
+from frontend.spec_decode_metrics import spec_decode_summary
 from ipc.messages import SchedulerStats
 
 EVENT_INTERVAL_S = 0.25  # four updates a second: smooth enough to watch, nothing to the server
@@ -98,4 +100,6 @@ class DashboardFeed:
 
 
 def _stats_dict(stats: SchedulerStats) -> dict:
-    return {name: getattr(stats, name) for name in stats.__struct_fields__}
+    """The stats as JSON: the counts as they are, speculative decoding as {method: summary}."""
+    fields = {name: getattr(stats, name) for name in stats.__struct_fields__ if name != "spec_decode"}
+    return {**fields, "spec_decode": spec_decode_summary(stats.spec_decode)}

@@ -38,6 +38,7 @@ from frontend.metrics import FrontendMetrics
 from frontend.model_folder import resolve_model_folder
 from frontend.prompt_tokenizer import PromptTokenizer
 from frontend.request_state import RequestState, RequestStream
+from frontend.spec_decode_metrics import sum_spec_decode
 from frontend.step_timeline import StepTimeline
 from ipc.codec import DecodeError
 from ipc.messages import (
@@ -49,7 +50,7 @@ from ipc.messages import (
     ResetPrefixCache,
     SchedulerStats,
 )
-from ipc.request_checks import check_request
+from ipc.request_checks import PREDICTION_WITH_N, check_request
 from ipc.sampling_params import MAX_BAD_WORDS, SamplingParams, tokenize_bad_words
 from ipc.sockets import serve_messages
 from ipc.text.output_processor import OutputProcessor
@@ -144,14 +145,16 @@ class AsyncEngineClient:
     # ------------------------------------------------------------ requests
 
     async def generate(self, prompt: str | None, params: SamplingParams, request_id: str, *,
-                       prompt_token_ids: list[int] | None = None, n: int = 1) -> RequestStream:
+                       prompt_token_ids: list[int] | None = None, n: int = 1,
+                       prediction: str | None = None) -> RequestStream:
         """Send one prompt (text, or token ids) as n choices and return its delta stream."""
         prompts = [prompt if prompt_token_ids is None else prompt_token_ids]
-        return await self.generate_batch(prompts, params, request_id, n=n)
+        return await self.generate_batch(prompts, params, request_id, n=n, prediction=prediction)
 
     async def generate_batch(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str, *,
-                             n: int = 1) -> RequestStream:
+                             n: int = 1, prediction: str | None = None) -> RequestStream:
         """Send each prompt as n choices (seeds seed, seed+1, ...); choice j of prompt p has index p*n + j.
+        `prediction`: OpenAI's predicted text, the draft of every prompt's answer (tokenized here).
 
         Every prompt is checked before any is sent, so InvalidRequestError or
         EngineDeadError raise here, before anything streams.
@@ -161,7 +164,7 @@ class AsyncEngineClient:
         if num_choices > MAX_CHOICES:
             raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), "
                                       f"this one asks for {num_choices}")
-        params = await self._resolve_params(params)
+        params = await self._resolve_params(params, prediction, n)
         prompt_ids_list = await self._tokenize(prompts)  # under one budget for all of them
         self._check_healthy()  # the core may have died while we tokenized
         # Per prompt: a missing max_tokens becomes "up to the context length" for that prompt.
@@ -190,9 +193,15 @@ class AsyncEngineClient:
             states.append(state)
         return RequestStream(states, queue, self._abort, prompt_ids_list)
 
-    async def _resolve_params(self, params: SamplingParams) -> SamplingParams:
-        """Bad words as token ids; a structured output checked by xgrammar (a 400 with its reason),
-        so that nothing the engine could not compile ever reaches a core."""
+    async def _resolve_params(self, params: SamplingParams, prediction: str | None = None,
+                              n: int = 1) -> SamplingParams:
+        """Bad words and the prediction as token ids; a structured output checked by xgrammar (a 400
+        with its reason), so that nothing the engine could not compile ever reaches a core."""
+        if prediction is not None:
+            if n != 1:  # before tokenizing; check_request says it again for params built elsewhere
+                raise InvalidRequestError(PREDICTION_WITH_N)
+            token_ids = await self.prompt_tokenizer.encode_prediction(prediction)
+            params = replace(params, prediction_token_ids=token_ids or None)
         if params.bad_words:
             if len(params.bad_words) > MAX_BAD_WORDS:  # before any tokenizing
                 raise InvalidRequestError(f"at most {MAX_BAD_WORDS} bad_words are allowed")
@@ -333,7 +342,9 @@ class AsyncEngineClient:
         total = SchedulerStats()
         for engine in self.engines:
             for name in total.__struct_fields__:
-                setattr(total, name, getattr(total, name) + getattr(engine.stats, name))
+                if name != "spec_decode":
+                    setattr(total, name, getattr(total, name) + getattr(engine.stats, name))
+        total.spec_decode = sum_spec_decode(engine.stats.spec_decode for engine in self.engines)
         return total
 
     @property

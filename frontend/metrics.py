@@ -12,7 +12,8 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
-from ipc.messages import FinishReason, SchedulerStats
+from frontend.spec_decode_metrics import acceptance_rate, method_name
+from ipc.messages import FinishReason, SchedulerStats, SpecDecodeStats, SpecMethod
 
 PREFIX = "tokenloom_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -89,12 +90,38 @@ class FrontendMetrics:
         lines += _header("requests_finished_total", "Finished requests by finish reason.", "counter")
         for reason, n in self.num_finished.items():
             lines.append(f'{PREFIX}requests_finished_total{{{labels},finish_reason="{reason.openai_name}"}} {n}')
+        lines += _spec_decode_lines(stats.spec_decode, labels)
         for name, help_text, histogram in (
             ("time_to_first_token_seconds", "Time from arrival to the first token.", self.time_to_first_token),
             ("inter_token_latency_seconds", "Time between token deltas of one request.", self.inter_token_latency),
         ):
             lines += _header(name, help_text, "histogram") + histogram.render(PREFIX + name, labels)
         return "\n".join(lines) + "\n"
+
+
+# Speculative decoding, per method (every method listed, so the series exist from the start).
+SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts_total", "Verification rows that carried proposed tokens.", "num_drafts"),
+    ("spec_decode_proposed_tokens_total", "Tokens proposed for verification.", "num_proposed_tokens"),
+    ("spec_decode_accepted_tokens_total", "Proposed tokens the model accepted.", "num_accepted_tokens"),
+    ("spec_decode_emitted_tokens_total", "Tokens out of verification rows: accepted plus one sampled each.",
+     "num_emitted_tokens"),
+)
+
+
+def _spec_decode_lines(spec_decode: list[SpecDecodeStats], labels: str) -> list[str]:
+    by_method = {stats.method: stats for stats in spec_decode}
+    all_stats = [by_method.get(method, SpecDecodeStats(method)) for method in SpecMethod]
+    lines: list[str] = []
+    for name, help_text, field_name in SPEC_DECODE_COUNTERS:
+        lines += _header(name, help_text, "counter")
+        lines += [f'{PREFIX}{name}{{{labels},method="{method_name(s.method)}"}} {getattr(s, field_name)}'
+                  for s in all_stats]
+    lines += _header("spec_decode_acceptance_rate", "Accepted over proposed tokens since the start (0: none proposed).",
+                     "gauge")
+    lines += [f'{PREFIX}spec_decode_acceptance_rate{{{labels},method="{method_name(s.method)}"}} '
+              f'{acceptance_rate(s):.6g}' for s in all_stats]
+    return lines
 
 
 def _header(name: str, help_text: str, kind: str) -> list[str]:

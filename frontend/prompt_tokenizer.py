@@ -79,6 +79,12 @@ class PromptTokenizer:
         self.check_size(text)
         return await self._run(self._encode_bounded, text, add_special_tokens)
 
+    async def encode_prediction(self, text: str) -> list[int]:
+        """OpenAI's `prediction` text as tokens of the answer (no special tokens), under the same
+        bounds as a prompt, refused naming the field."""
+        self.check_size(text, what="prediction")
+        return await self._run(self._encode_bounded, text, False, "prediction")
+
     async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """A request's prompts (texts or token ids) in one worker call, under one TokenBudget:
         a list of a thousand prompts costs one hop off the loop and stops at the budget."""
@@ -109,8 +115,8 @@ class PromptTokenizer:
         # The template writes the special tokens itself (Tokenizer.encode_chat).
         return await self._run(self._encode_bounded, text, False)
 
-    def check_size(self, *texts: Any) -> None:
-        """Refuse text that cannot fit the context: a cheap upper bound on its tokens."""
+    def check_size(self, *texts: Any, what: str = "prompt") -> None:
+        """Refuse text that cannot fit the context: a cheap upper bound on its tokens. `what` names it."""
         if not self.max_prompt_bytes:
             return
         num_chars = sum(len(t) for t in texts if isinstance(t, str))
@@ -121,17 +127,17 @@ class PromptTokenizer:
         num_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if isinstance(t, str))
         if num_bytes > self.max_prompt_bytes:
             raise InvalidRequestError(
-                f"the prompt is {num_bytes} bytes long, more than this model's context of tokens could hold "
+                f"the {what} is {num_bytes} bytes long, more than this model's context of tokens could hold "
                 f"({self.max_prompt_bytes} bytes); shorten it")
 
-    def _encode_bounded(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encode_bounded(self, text: str, add_special_tokens: bool, what: str = "prompt") -> list[int]:
         """On a worker: refuse a long text once its sliced count passes the context, else encode it whole."""
         if self.max_model_len and len(text) > SLICE_CHARS:
             num_tokens, num_cuts = count_tokens_until(self.tokenizer, text, self.max_model_len)
             if num_tokens >= self.max_model_len + SLACK_TOKENS_PER_CUT * num_cuts:
                 raise InvalidRequestError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, the prompt "
-                    f"holds more than {num_tokens} tokens (counting stopped there). Please shorten the prompt.")
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, the {what} "
+                    f"holds more than {num_tokens} tokens (counting stopped there). Please shorten the {what}.")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def _run(self, fn, *args):

@@ -137,6 +137,25 @@ class GenerateBody(SamplingFields):
     logprobs: int | None = None
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: the text the answer is expected to copy (the file being edited).
+    Its tokens draft the answer (speculative decoding): same answer, fewer engine steps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -167,9 +186,14 @@ class OpenAIFields(SamplingFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prediction: Prediction | None = None
 
     def check_supported(self) -> None:
         check_extra_fields(self.model_extra)
+
+    @property
+    def prediction_text(self) -> str | None:
+        return None if self.prediction is None else self.prediction.text
 
     @property
     def include_usage(self) -> bool:
@@ -220,11 +244,6 @@ class CompletionRequest(OpenAIFields):
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         return list(prompt)
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):

@@ -25,7 +25,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "audio": (None,),
     "modalities": (None, ["text"]),
-    "prediction": (None,),
     "web_search_options": (None,),
     "reasoning_effort": (None,),
     "verbosity": (None,),

@@ -16,6 +16,7 @@ from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
 from frontend.reasoning_parsers import REASONING_PARSER_NAMES
 from frontend.tool_parsers import TOOL_PARSER_NAMES
 from ipc.engine_config import DEFAULT_MODEL, add_engine_args, engine_argv
+from ipc.speculative_config import SpeculativeConfig
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_ENGINE_TIMEOUT_S = 60.0  # as vLLM's engine iteration timeout: a slow step on a loaded host is not a hang
@@ -115,6 +116,7 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         raise ValueError("--master-port would be shared by every local core's tensor-parallel group; leave it unset")
     if args.engine and args.restart_engine:
         raise ValueError("--restart-engine restarts the cores this server starts; it cannot be used with --engine")
+    check_speculative_config(args.speculative_config)
     first_start_args = []
     if args.inject_fault_at_step is not None:
         first_start_args = ["--inject-fault-at-step", str(args.inject_fault_at_step)]
@@ -133,6 +135,14 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         first_start_args=first_start_args,
         max_request_prompt_tokens=args.max_request_prompt_tokens,
     )
+
+
+def check_speculative_config(value: str | None) -> None:
+    """Refuse a bad --speculative-config here, naming its field, before any core starts loading a model."""
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
 
 
 def admission_config(args: argparse.Namespace) -> AdmissionConfig:

@@ -49,7 +49,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw_request: Reque
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.to_sampling_params(max_tokens, body.num_logprobs, structured_outputs)
     request_id = random_id("chatcmpl")
-    stream = await client.generate(None, params, request_id, prompt_token_ids=prompt_token_ids, n=body.n)
+    stream = await client.generate(None, params, request_id, prompt_token_ids=prompt_token_ids, n=body.n,
+                                   prediction=body.prediction_text)
     header = {"id": request_id, "created": now_s(), "model": client.model_name}
     if body.stream:
         new_reasoning_parser = (lambda: reasoning.new_parser(reasoning_state)) if reasoning is not None else None

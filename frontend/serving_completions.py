@@ -32,7 +32,7 @@ async def create_completion(body: CompletionRequest, raw_request: Request, clien
     if params.prompt_logprobs != body.num_prompt_logprobs:
         params = replace(params, prompt_logprobs=body.num_prompt_logprobs)
     request_id = random_id("cmpl")
-    stream = await client.generate_batch(prompts, params, request_id, n=body.n)
+    stream = await client.generate_batch(prompts, params, request_id, n=body.n, prediction=body.prediction_text)
     echo_texts = [_prompt_text(client, p) for p in prompts] if body.echo else None
     # echo with logprobs: the prompt's tokens lead the logprobs object, as in vLLM
     echo_first_ids = [ids[0] for ids in stream.prompt_token_ids] if body.echo and body.logprobs is not None else None

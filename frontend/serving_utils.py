@@ -81,13 +81,21 @@ class ChoiceResult:
 
 
 class Usage:
-    """Token counts for the `usage` object: each prompt counted once, every choice's output."""
+    """Token counts for the `usage` object: each prompt counted once, every choice's output.
+
+    With a `prediction`, completion_tokens counts as OpenAI bills it: the tokens written plus the
+    prediction's rejected tokens (the engine computed them too), so that
+    accepted_prediction_tokens + rejected_prediction_tokens + the rest = completion_tokens,
+    where the rest are the tokens written that no accepted prediction token supplied
+    (docs/request_fields.md)."""
 
     def __init__(self, n: int):
         self.n = n
         self.num_prompt_tokens_by_prompt: dict[int, int] = {}
         self.num_output_tokens_by_choice: dict[int, int] = {}
         self.num_cached_tokens_by_prompt: dict[int, int] = {}
+        self.num_accepted_prediction_tokens = 0  # summed over steps and choices
+        self.num_rejected_prediction_tokens = 0
 
     def add(self, delta: RequestDelta) -> None:
         self.num_prompt_tokens_by_prompt[delta.index // self.n] = delta.num_prompt_tokens
@@ -97,13 +105,18 @@ class Usage:
         self.num_cached_tokens_by_prompt[prompt_index] = max(
             self.num_cached_tokens_by_prompt.get(prompt_index, 0), delta.num_cached_tokens
         )
+        if delta.output is not None:  # the engine's per-step deltas
+            self.num_accepted_prediction_tokens += delta.output.num_accepted_prediction_tokens
+            self.num_rejected_prediction_tokens += delta.output.num_rejected_prediction_tokens
 
     def to_dict(self) -> dict:
         num_prompt_tokens = sum(self.num_prompt_tokens_by_prompt.values())
-        num_completion_tokens = sum(self.num_output_tokens_by_choice.values())
+        num_completion_tokens = sum(self.num_output_tokens_by_choice.values()) + self.num_rejected_prediction_tokens
         return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
                 "total_tokens": num_prompt_tokens + num_completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens_by_prompt.values())}}
+                "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens_by_prompt.values())},
+                "completion_tokens_details": {"accepted_prediction_tokens": self.num_accepted_prediction_tokens,
+                                              "rejected_prediction_tokens": self.num_rejected_prediction_tokens}}
 
 
 async def collect(stream: RequestStream, usage: Usage) -> list[ChoiceResult]:

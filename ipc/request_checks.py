@@ -15,6 +15,7 @@ from ipc.sampling_params import SamplingParams
 
 
 MAX_N = 128  # choices per prompt: each one is a full engine request
+PREDICTION_WITH_N = "prediction cannot be used with n > 1 (as OpenAI's Predicted Outputs)"
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
@@ -28,6 +29,12 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise ValueError(f"n must be between 1 and {MAX_N}, got {n!r}")
     params.validate(vocab_size=vocab_size)
+    if params.prediction_token_ids is not None:
+        if n > 1:
+            raise ValueError(PREDICTION_WITH_N)
+        if len(params.prediction_token_ids) > max_model_len:
+            raise ValueError(f"prediction is {len(params.prediction_token_ids)} tokens long, more than this "
+                             f"model's maximum context length of {max_model_len} tokens")
     if n > 1 and params.seed is not None:
         replace(params, seed=params.seed + n - 1).validate()  # the last choice's seed must be valid too
     num_prompt_tokens = len(prompt_token_ids)

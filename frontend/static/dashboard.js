@@ -29,6 +29,7 @@ function update(snapshot) {
   setText("tokens-in", Math.round(snapshot.prompt_tokens_per_s));
   setText("tokens-out", Math.round(snapshot.generation_tokens_per_s));
   setText("num-preemptions", totals.num_preemptions);
+  updateSpecDecode(totals.spec_decode || {});
   for (const engine of snapshot.engines) {
     const s = strip(engine.index);
     addColumns(s, engine.steps, engine.num_steps_dropped);
@@ -40,6 +41,25 @@ function update(snapshot) {
       + `${Math.round(engine.tokens_out_per_s)} tokens/s out; strip height ${s.maxRows} sequences`;
     drawStrip(s);
   }
+}
+
+// One row per method that has drafted (n-gram lookup, a draft model, requests' predictions).
+function updateSpecDecode(byMethod) {
+  const methods = Object.keys(byMethod);
+  el("spec-decode").hidden = methods.length === 0;
+  const rows = methods.map((method) => {
+    const s = byMethod[method];
+    const cells = [method, s.num_proposed_tokens, s.num_accepted_tokens,
+      `${(100 * s.acceptance_rate).toFixed(1)}%`, s.num_emitted_tokens, s.tokens_per_draft.toFixed(2)];
+    const row = document.createElement("tr");
+    for (const value of cells) {
+      const cell = document.createElement("td");
+      cell.textContent = String(value);
+      row.appendChild(cell);
+    }
+    return row;
+  });
+  el("spec-decode-rows").replaceChildren(...rows);
 }
 
 let isFollowing = false;  // one feed at a time, however often the key is entered

@@ -5,7 +5,10 @@ AbortRequests, Shutdown in; one EngineOutputs per step out) but "generates" by r
 a fixed script: the choice with seed s emits the script's token ids from offset s, so
 output text is readable and deterministic. Every running request gets one token per
 step; steps run back to back, or `--step-delay` seconds apart. Like the real core, it
-sends an empty EngineOutputs as a heartbeat every HEARTBEAT_S while idle.
+sends an empty EngineOutputs as a heartbeat every HEARTBEAT_S while idle. A request with
+a prediction has each step's token checked against the prediction's token at that
+position: counted accepted when they match, rejected when not (and in the core's
+`spec_decode` stats as the `prediction` method's one-token drafts).
 
     python -m scripts.lib.fake_engine --address tcp://127.0.0.1:PORT --model FOLDER
 
@@ -28,7 +31,7 @@ import zmq
 
 from ipc.messages import (
     AbortRequests, AddRequest, EngineError, EngineOutputs, EngineReady, FinishReason, Hello, RequestOutput,
-    ResetPrefixCache, SchedulerStats, Shutdown, TokenLogprobs,
+    ResetPrefixCache, SchedulerStats, Shutdown, SpecDecodeStats, SpecMethod, TokenLogprobs,
 )
 from ipc.sockets import bind_router, recv_routed_message, send_message
 
@@ -75,6 +78,7 @@ class FakeRequest:
         self.num_prompt_tokens = len(msg.prompt_token_ids)
         self.offset = (msg.sampling_params.seed or 0) % num_script_tokens
         self.num_output_tokens = 0
+        self.prediction_token_ids = msg.sampling_params.prediction_token_ids or []
 
 
 class FakeEngineCore:
@@ -91,6 +95,7 @@ class FakeEngineCore:
         self.ctx = zmq.Context()
         self.socket = bind_router(self.ctx, args.address, allow_remote=args.allow_remote)
         self.running: dict[str, FakeRequest] = {}
+        self.prediction_stats = SpecDecodeStats(SpecMethod.PREDICTION)
         self.frontend_identities: set[bytes] = set()  # every frontend that said Hello: heartbeats go to each
         self.is_shutdown = False
         self.event_log = open(args.event_log, "a", buffering=1) if args.event_log else None  # line-buffered
@@ -171,8 +176,18 @@ class FakeEngineCore:
             send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, stats), identity)
 
     def next_output(self, req: FakeRequest) -> RequestOutput:
-        token_id = self.script_ids[(req.offset + req.num_output_tokens) % len(self.script_ids)]
+        position = req.num_output_tokens
+        token_id = self.script_ids[(req.offset + position) % len(self.script_ids)]
         req.num_output_tokens += 1
+        num_accepted = num_rejected = 0
+        if position < len(req.prediction_token_ids):
+            is_accepted = req.prediction_token_ids[position] == token_id
+            num_accepted, num_rejected = int(is_accepted), int(not is_accepted)
+            stats = self.prediction_stats
+            stats.num_drafts += 1
+            stats.num_proposed_tokens += 1
+            stats.num_accepted_tokens += num_accepted
+            stats.num_emitted_tokens += 1
         params = req.params
         finish_reason, stop_token_id = None, None
         if token_id in params.stop_token_ids:
@@ -185,11 +200,14 @@ class FakeEngineCore:
             logprobs = [TokenLogprobs(token_id, -0.25, top_ids, [-0.25 - i for i in range(len(top_ids))])]
         if finish_reason is not None:
             del self.running[req.request_id]
-        return RequestOutput(req.request_id, [token_id], finish_reason, logprobs, stop_token_id)
+        return RequestOutput(req.request_id, [token_id], finish_reason, logprobs, stop_token_id,
+                             num_accepted_prediction_tokens=num_accepted,
+                             num_rejected_prediction_tokens=num_rejected)
 
     def stats(self) -> SchedulerStats:
         used = sum(math.ceil((r.num_prompt_tokens + r.num_output_tokens) / BLOCK_SIZE) for r in self.running.values())
-        return SchedulerStats(len(self.running), 0, used, NUM_KV_BLOCKS - used, 0)
+        spec_decode = [self.prediction_stats] if self.prediction_stats.num_drafts else []
+        return SchedulerStats(len(self.running), 0, used, NUM_KV_BLOCKS - used, 0, spec_decode=spec_decode)
 
 
 def _is_alive(pid: int) -> bool:

@@ -84,3 +84,33 @@ def test_every_engine_flag_reaches_the_core_as_given():
     # Nothing given: the core keeps every default of EngineConfig.
     unset = engine_client_config(make_parser().parse_args([]))
     assert engine_config_from_args(parse_args(["--address", "ipc:///tmp/x", *unset.engine_args])) == EngineConfig()
+
+
+@pytest.mark.parametrize("value, match", [
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": -1}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 17}', "num_speculative_tokens"),
+    ('{"method": "medusa", "num_speculative_tokens": 4}', "speculative_config.method"),
+    ('{"method": "draft", "num_speculative_tokens": 4}', "speculative_config.model"),
+    ("ngram", "must be a JSON object"),
+])
+def test_a_bad_speculative_config_stops_serve_and_engine_before_any_core_starts(monkeypatch, capsys, value, match):
+    import subprocess
+
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: pytest.fail("the core was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["engine", "--listen", "tcp://127.0.0.1:5555", "--speculative-config", value])
+    assert exit_info.value.code == 2 and "--speculative-config: " in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"--speculative-config: .*{match}"):
+        engine_client_config(make_parser().parse_args(["--speculative-config", value]))
+    # The whole command: one line naming the field, no traceback, exit 1, before any core starts.
+    done = subprocess.run([sys.executable, "-m", "frontend.cli", "serve", "--speculative-config", value, "--port", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and match in done.stderr and "Traceback" not in done.stderr
+    assert "starting engine core" not in done.stderr
+
+
+def test_a_good_speculative_config_reaches_the_core():
+    value = '{"method": "ngram", "num_speculative_tokens": 4}'
+    config = engine_client_config(make_parser().parse_args(["--speculative-config", value]))
+    assert config.engine_args[:2] == ["--speculative-config", value]

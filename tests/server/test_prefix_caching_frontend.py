@@ -31,6 +31,7 @@ def test_usage_reports_cached_tokens_once_per_prompt():
     assert usage.to_dict() == {
         "prompt_tokens": 80, "completion_tokens": 4, "total_tokens": 84,
         "prompt_tokens_details": {"cached_tokens": 48},
+        "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
     }
 
 
