@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.distributed.executor import TensorParallelExecutor, WorkerDeadError
+from engine.distributed.executor import WorkerDeadError, make_executor
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_kv_pool_dtype
 from engine.models.config import ModelConfig
@@ -84,7 +84,7 @@ class EngineCore:
         self.max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
         self.executor = None
         if tp_size > 1:
-            self.executor = TensorParallelExecutor(config, self.model_config, num_kv_blocks, self.max_model_len, device)
+            self.executor = make_executor(config, self.model_config, num_kv_blocks, self.max_model_len, device)
         try:
             self.model_runner = ModelRunner(config, self.model_config, num_kv_blocks, self.max_model_len,
                                             executor=self.executor)

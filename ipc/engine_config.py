@@ -21,6 +21,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static", "static-padded")
 QUANTIZATIONS = ("int8", "int4")
 RUNNERS = ("generate", "pooling")  # vLLM's --runner names
+EXECUTOR_BACKENDS = ("mp", "ray")
 # Field names whose flag is spelled differently (kept from before the flags were generated).
 FLAG_NAMES = {"kv_cache_memory_bytes": "--kv-cache-memory"}
 
@@ -94,6 +95,11 @@ class EngineConfig:
         "host of node 0, where the ranks meet (its TCP store); non-loopback needs --allow-remote"))
     master_port: int = field(default=0, metadata=_flag(
         "port of that store (0: any free port, one host only)"))
+    # mp: this host's ranks as our child processes (other hosts by hand, --node-rank); ray: a Ray
+    # cluster places every rank (engine.distributed.ray_executor). Each step travels our own channel.
+    distributed_executor_backend: str = field(default="mp", metadata=_flag(
+        "who starts the tensor-parallel ranks: mp (local processes) or ray (a Ray cluster's actors; "
+        "pip install tokenloom[ray])", choices=EXECUTOR_BACKENDS))
     grammar_compile_timeout_s: float = field(default=30.0, metadata=_flag(
         "structured outputs: a grammar still compiling after this many seconds fails its request"))
     # JSON text, in vLLM's names (ipc.speculative_config); a dict given in Python becomes its JSON.
@@ -140,6 +146,11 @@ class EngineConfig:
             raise ValueError("several nodes need a fixed master_port to meet at")
         if size > 1 and self.compile:
             raise ValueError("compile is not supported with tensor parallelism (the eager path is)")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and nnodes > 1:
+            raise ValueError("with the ray backend Ray places every rank: leave nnodes and node_rank unset")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -1,9 +1,21 @@
 """Rank 0's side of a tensor-parallel group: start the workers, send each step's inputs, watch them.
 
-The engine core stays the one scheduler, as rank 0. Start-up:
+The engine core stays the one scheduler, as rank 0. Who starts the other ranks is
+the one thing the two executors differ in (`--distributed-executor-backend`):
+
+    mp   `MultiprocExecutor`: this host's ranks as our child processes; other hosts'
+         by hand (`tokenloom engine --node-rank R`, torchrun's layout)
+    ray  `engine.distributed.ray_executor.RayExecutor`: one Ray actor per rank,
+         placed by a placement group anywhere in a Ray cluster
+
+Both run the same worker code (`engine.distributed.worker.run_worker`) and the same
+per-step channel, ours, not Ray's: a Ray actor call costs ~0.8 ms a round trip here
+against ~0.05 ms for a ZeroMQ send (docs/scale-out.md), and on a GPU a decode step is
+a few ms. Ray places and starts the workers and restarts what it lost; steps never
+go through it (vLLM does the same with its compiled graphs). Start-up:
 
     rank 0: TCP store at master_addr:master_port, a ROUTER for step inputs; publish its
-            address and the pool's size in the store; start this host's other ranks
+            address and the pool's size in the store; start (or place) the other ranks
     worker: read the store, connect a DEALER, send WorkerHello       (rank 0 waits for all)
     all:    form the process group (gloo / NCCL)
     all:    load this rank's shard and allocate the KV pool; workers send WorkerReady
@@ -17,8 +29,8 @@ is fatal (the ranks may no longer be in step): `run_step` raises `WorkerDeadErro
 which the core reports and exits on; the frontend answers 503 and, with
 --restart-engine, starts a fresh core, which starts fresh workers. A hung worker
 holds rank 0 in a collective until the collective timeout, or until the frontend's
---engine-timeout kills the core; workers die with the core (PDEATHSIG, and they exit
-when rank 0's socket drops).
+--engine-timeout kills the core; workers die with the core (PDEATHSIG, Ray's owner
+fate-sharing, and they exit when rank 0's socket drops).
 """
 
 from __future__ import annotations
@@ -54,36 +66,60 @@ class WorkerDeadError(RuntimeError):
     """A rank of the group is gone or the group fell out of step: the whole engine is dead."""
 
 
-class TensorParallelExecutor:
+class Workers:
+    """The other ranks, as one executor starts them. Kept apart from the executor so that its
+    finalizer can stop them without holding the executor alive."""
+
+    def master_addr(self, config: EngineConfig) -> str:
+        """Where the ranks meet (rank 0's host, as the workers reach it)."""
+        return config.master_addr
+
+    def start(self, config: EngineConfig, model_path: str) -> None:
+        raise NotImplementedError
+
+    def find_dead(self) -> str | None:
+        """Why a worker is gone, or None while all run."""
+        raise NotImplementedError
+
+    def stop(self, grace_s: float) -> None:
+        """Make sure every worker is gone, waiting up to `grace_s` for them to exit by themselves."""
+        raise NotImplementedError
+
+
+class Executor:
+    """Rank 0's channel to its workers; `make_workers` says how they are started."""
+
     def __init__(self, config: EngineConfig, model_config, num_kv_blocks: int, max_model_len: int, device) -> None:
         check_tensor_parallel(model_config, config.tensor_parallel_size)
         self.size = config.tensor_parallel_size
-        self.store = create_store(config.master_addr, config.master_port, self.size, is_master=True)
+        self.workers = self.make_workers(config, device)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker raises
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port(f"tcp://{config.master_addr}")
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.store.set(STEP_ADDRESS_KEY, f"tcp://{config.master_addr}:{port}")
-        self.store.set(NUM_KV_BLOCKS_KEY, str(num_kv_blocks))
-        self.store.set(MAX_MODEL_LEN_KEY, str(max_model_len))
-        self.processes: dict[int, subprocess.Popen] = {}  # this host's workers, by rank
         self.identities: dict[int, bytes] = {}
-        self._finalizer = weakref.finalize(self, _stop, self.ctx, self.sock, self.monitor, self.identities,
-                                           self.processes)
-        worker_config = dataclasses.replace(config, master_port=self.store.port)
-        for rank in range(1, num_local_ranks(self.size, config.nnodes)):
-            self.processes[rank] = start_worker(worker_config, model_config.path, rank)
+        self._finalizer = weakref.finalize(self, _stop, self.ctx, self.sock, self.identities, self.workers)
         try:
+            master_addr = self.workers.master_addr(config)
+            self.store = create_store(master_addr, config.master_port, self.size, is_master=True)
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker raises
+            self.sock.setsockopt(zmq.LINGER, 0)
+            port = self.sock.bind_to_random_port(f"tcp://{master_addr}")
+            self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self.store.set(STEP_ADDRESS_KEY, f"tcp://{master_addr}:{port}")
+            self.store.set(NUM_KV_BLOCKS_KEY, str(num_kv_blocks))
+            self.store.set(MAX_MODEL_LEN_KEY, str(max_model_len))
+            worker_config = dataclasses.replace(config, master_addr=master_addr, master_port=self.store.port)
+            self.workers.start(worker_config, model_config.path)
             for hello in self._wait_for(messages.WorkerHello, "connect"):
                 logger.info("tensor-parallel rank %d (pid %d) connected", hello.rank, hello.pid)
             self.group = create_group(self.store, 0, self.size, device)
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor-parallel group of %d ranks formed (master %s:%d)", self.size, config.master_addr,
-                    self.store.port)
+        logger.info("tensor-parallel group of %d ranks formed (%s, master %s:%d)", self.size,
+                    config.distributed_executor_backend, master_addr, self.store.port)
+
+    def make_workers(self, config: EngineConfig, device) -> Workers:
+        raise NotImplementedError
 
     def wait_until_ready(self) -> None:
         """Block until every worker has loaded its shard; raise if one dies first."""
@@ -107,9 +143,9 @@ class TensorParallelExecutor:
 
     def check_workers(self) -> None:
         """Raise WorkerDeadError if a worker has exited or dropped its connection."""
-        for rank, process in self.processes.items():
-            if process.poll() is not None:
-                raise WorkerDeadError(f"tensor-parallel worker rank {rank} exited with code {process.returncode}")
+        reason = self.workers.find_dead()
+        if reason is not None:
+            raise WorkerDeadError(reason)
         if self.monitor.poll(0):
             self.monitor.recv_multipart()
             raise WorkerDeadError("a tensor-parallel worker disconnected")
@@ -118,14 +154,13 @@ class TensorParallelExecutor:
         self._finalizer()
 
     def _wait_for(self, message_type: type, what: str):
-        """Yield one `message_type` from each worker, failing fast if a local one exits."""
+        """Yield one `message_type` from each worker, failing fast if one is gone."""
         waiting = set(range(1, self.size))
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
         while waiting:
-            for rank, process in self.processes.items():
-                if process.poll() is not None:
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited with code {process.returncode} "
-                                       f"before it could {what} (see its log above)")
+            reason = self.workers.find_dead()
+            if reason is not None:
+                raise RuntimeError(f"{reason} before it could {what} (see its log above)")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tensor-parallel ranks {sorted(waiting)} did not {what} within "
                                    f"{RENDEZVOUS_TIMEOUT_S:.0f} s")
@@ -139,6 +174,46 @@ class TensorParallelExecutor:
                 yield message
 
 
+class MultiprocExecutor(Executor):
+    """`--distributed-executor-backend mp`: this host's ranks as our children."""
+
+    def make_workers(self, config: EngineConfig, device) -> Workers:
+        return LocalProcesses()
+
+
+class LocalProcesses(Workers):
+    def __init__(self) -> None:
+        self.processes: dict[int, subprocess.Popen] = {}  # this host's workers, by rank
+
+    def start(self, config: EngineConfig, model_path: str) -> None:
+        for rank in range(1, num_local_ranks(config.tensor_parallel_size, config.nnodes)):
+            self.processes[rank] = start_worker(config, model_path, rank)
+
+    def find_dead(self) -> str | None:
+        for rank, process in self.processes.items():
+            if process.poll() is not None:
+                return f"tensor-parallel worker rank {rank} exited with code {process.returncode}"
+        return None
+
+    def stop(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def make_executor(config: EngineConfig, model_config, num_kv_blocks: int, max_model_len: int, device) -> Executor:
+    """The executor `config.distributed_executor_backend` names."""
+    if config.distributed_executor_backend == "ray":
+        from engine.distributed.ray_executor import RayExecutor  # Ray is an optional extra
+
+        return RayExecutor(config, model_config, num_kv_blocks, max_model_len, device)
+    return MultiprocExecutor(config, model_config, num_kv_blocks, max_model_len, device)
+
+
 def start_worker(config: EngineConfig, model_path: str, rank: int) -> subprocess.Popen:
     """A worker of this host as our child; it dies with us (PDEATHSIG, parent-pid check)."""
     flags = engine_argv(argparse.Namespace(**dataclasses.asdict(config)))
@@ -148,22 +223,18 @@ def start_worker(config: EngineConfig, model_path: str, rank: int) -> subprocess
     return subprocess.Popen(command, start_new_session=True)
 
 
-def _stop(ctx, sock, monitor, identities: dict, processes: dict) -> None:
-    """Tell every worker to stop, give this host's a moment, then make sure they are gone."""
+def _stop(ctx, sock, identities: dict, workers: Workers) -> None:
+    """Tell every worker to stop, give them a moment, then make sure they are gone."""
     for identity in identities.values():
         try:
             sock.send_multipart([identity, messages.encode(messages.StopWorker("engine shutting down"))],
                                 zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-    deadline = time.monotonic() + STOP_GRACE_S
-    for process in processes.values():
-        try:
-            process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    sock.disable_monitor()
-    monitor.close(linger=0)
+    workers.stop(STOP_GRACE_S)
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass  # never monitored: the start failed first
     sock.close(linger=200)  # the StopWorker records may still be leaving
-    ctx.term()
+    ctx.destroy(linger=0)  # closes the monitor socket too

@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500  # how often an idle worker checks that its parent is alive
 
 
-def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0) -> int:
+def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0, device_index: int | None = None) -> int:
+    """`device_index`: this rank's CUDA device (default: its place among its host's ranks; a Ray
+    actor sees only its own GPU, device 0)."""
     import torch
 
     from engine.core_process import _die_with_parent
@@ -60,7 +62,7 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0) -> int:
     sock.send(messages.encode(messages.WorkerHello(rank, os.getpid())))
     device, _ = resolve_device_and_dtype(config)
     if device.type == "cuda":
-        torch.cuda.set_device(rank % num_local_ranks(size, config.nnodes))
+        torch.cuda.set_device(rank % num_local_ranks(size, config.nnodes) if device_index is None else device_index)
     group = create_group(store, rank, size, device)
     model_config = ModelConfig.from_folder(resolve_model(config.model))
     runner = ModelRunner(config, model_config, num_kv_blocks, max_model_len, tp=group)

@@ -10,12 +10,16 @@ Runs, each on the same workload (--num-requests prompts of --prompt-len random t
   tp1_1thread   one process, one thread
   tp2_1thread   two ranks, one thread each (gloo all-reduce over loopback)
   tp1_2threads  one process, two threads: the same two cores used without TP
+  tp2_1thread_ray  tp2_1thread with --distributed-executor-backend ray (a local Ray instance
+                places the worker; the steps take the same channel as mp's)
 
 Per run: wall time, output tokens/s, mean prefill and decode step times, and on rank 0
 the all-reduces per step and their time per step (which includes waiting for the other
 rank). Separately, the all-reduce's own latency between two processes for a decode-sized
 and a prefill-sized tensor, with nothing else running: the communication cost per step
-that a GPU cost model would price (2 per layer + 1 for the embedding).
+that a GPU cost model would price (2 per layer + 1 for the embedding). And what a step's
+hand-off to one worker would cost as a Ray actor call (`ray.get(actor.method.remote(inputs))`)
+against our ZeroMQ send of the same `StepInputs`: why the ray executor keeps our channel.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from scripts.lib.make_model_config import model_config
 
 logger = logging.getLogger("bench_tp")
 
-RUNS = {"tp1_1thread": (1, 1), "tp2_1thread": (2, 1), "tp1_2threads": (1, 2)}  # (ranks, threads per rank)
+# (ranks, threads per rank, executor backend)
+RUNS = {"tp1_1thread": (1, 1, "mp"), "tp2_1thread": (2, 1, "mp"), "tp1_2threads": (1, 2, "mp"),
+        "tp2_1thread_ray": (2, 1, "ray")}
 
 
 def write_even_smollm2(folder: Path) -> str:
@@ -47,13 +53,14 @@ def write_even_smollm2(folder: Path) -> str:
     return str(folder)
 
 
-def run_engine(model: str, tensor_parallel_size: int, num_threads: int, args) -> dict:
+def run_engine(model: str, tensor_parallel_size: int, num_threads: int, backend: str, args) -> dict:
     from engine.engine_core import EngineCore
     from ipc.engine_config import EngineConfig
     from ipc.sampling_params import SamplingParams
 
     config = EngineConfig(model=model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tensor_parallel_size,
-                          num_threads=num_threads, num_kv_blocks=512, max_num_seqs=args.num_requests)
+                          num_threads=num_threads, num_kv_blocks=512, max_num_seqs=args.num_requests,
+                          distributed_executor_backend=backend)
     engine = EngineCore(config)
     engine.record_step_stats = True
     group = engine.model_runner.tp
@@ -90,6 +97,7 @@ def run_engine(model: str, tensor_parallel_size: int, num_threads: int, args) ->
     return {
         "tensor_parallel_size": tensor_parallel_size,
         "threads_per_rank": num_threads,
+        "executor_backend": backend,
         "wall_s": wall_s,
         "output_tokens_per_s": args.num_requests * args.output_len / wall_s,
         "num_steps": len(steps),
@@ -135,6 +143,52 @@ def all_reduce_latency_us(hidden_size: int, num_tokens: list[int], repeats: int 
     return json.loads(Path(out).read_text())
 
 
+class _Echo:
+    """A Ray actor that takes a step's record and answers, as a per-step Ray call would."""
+
+    def step(self, payload: bytes) -> int:
+        return len(payload)
+
+
+def step_handoff_us(num_requests: int, repeats: int = 300) -> dict:
+    """Microseconds to hand one decode step's `StepInputs` to a worker: a Ray actor call (sent
+    and answered) against a ZeroMQ send and receive over loopback TCP (our channel)."""
+    import ray
+    import zmq
+
+    from engine.distributed import messages
+
+    inputs = messages.StepInputs(list(range(num_requests)), [128] * num_requests, list(range(num_requests)),
+                                 list(range(num_requests + 1)), [129] * num_requests, [1] * num_requests,
+                                 [list(range(9))] * num_requests, list(range(num_requests)))
+    payload = messages.encode(inputs)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    actor = ray.remote(num_cpus=0)(_Echo).remote()
+    ray.get(actor.step.remote(payload))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        ray.get(actor.step.remote(payload))
+    ray_us = 1e6 * (time.perf_counter() - start) / repeats
+    ray.kill(actor)
+    if started:
+        ray.shutdown()
+    ctx = zmq.Context()
+    receiver, sender = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = receiver.bind_to_random_port("tcp://127.0.0.1")
+    sender.connect(f"tcp://127.0.0.1:{port}")
+    sender.send(payload)
+    receiver.recv()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        sender.send(messages.encode(inputs))
+        messages.decode(receiver.recv())
+    zmq_us = 1e6 * (time.perf_counter() - start) / repeats
+    ctx.destroy(linger=0)
+    return {"ray_actor_call_us": ray_us, "zmq_send_us": zmq_us, "step_inputs_bytes": len(payload)}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=8)
@@ -155,11 +209,20 @@ def main(argv: list[str] | None = None) -> dict:
                           "torch": torch.__version__, "load_average_before": os.getloadavg()},
               "config": vars(args), "runs": {}}
     for name in args.runs.split(","):
-        ranks, threads = RUNS[name]
-        report["runs"][name] = result = run_engine(model, ranks, threads, args)
-        logger.info("%s: %s", name, json.dumps({k: round(v, 3) for k, v in result.items()}))
+        ranks, threads, backend = RUNS[name]
+        report["runs"][name] = result = run_engine(model, ranks, threads, backend, args)
+        logger.info("%s: %s", name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
     report["all_reduce_latency_us"] = all_reduce_latency_us(512, [args.num_requests, args.num_requests * args.prompt_len])
     logger.info("all-reduce latency (us, fp32 [tokens x 512], 2 processes): %s", report["all_reduce_latency_us"])
+    runs = report["runs"]
+    if "tp2_1thread" in runs and "tp2_1thread_ray" in runs:
+        report["ray_over_mp_decode_step"] = runs["tp2_1thread_ray"]["decode_step_ms"] / runs["tp2_1thread"]["decode_step_ms"]
+        report["ray_over_mp_prefill_step"] = (runs["tp2_1thread_ray"]["prefill_step_ms"]
+                                              / runs["tp2_1thread"]["prefill_step_ms"])
+        logger.info("ray / mp per step: decode %.3fx, prefill %.3fx", report["ray_over_mp_decode_step"],
+                    report["ray_over_mp_prefill_step"])
+    report["step_handoff_us"] = step_handoff_us(args.num_requests)
+    logger.info("one step's hand-off to a worker (us): %s", report["step_handoff_us"])
     report["machine"]["load_average_after"] = os.getloadavg()
     write_report(args.json, report, logger=logger)
     return report

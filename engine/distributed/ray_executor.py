@@ -1,0 +1,184 @@
+"""`--distributed-executor-backend ray`: the tensor-parallel ranks as Ray actors, wherever a Ray
+cluster places them (vLLM's RayDistributedExecutor, without its per-step Ray calls).
+
+    ray.init          RAY_ADDRESS, or the cluster `ray start` made on this host; else a local one
+    placement group   one bundle per rank: {"CPU": 1}, or {"GPU": 1, "CPU": 1} on CUDA; bundle 0
+                      pinned to this node, whose rank 0 is this process (the engine core)
+    actors            one `RayWorker` in each other bundle; ranks 1.. ordered by node, this one first
+    rendezvous        rank 0's store on loopback when every rank is on this host, else on its IP
+    each actor        engine.distributed.worker.run_worker: mp's worker, mp's channel (executor.py)
+
+Ray starts, places and watches the workers; every step goes over our own ZeroMQ channel.
+A worker's actor is not restarted by Ray (a lost rank leaves the group out of step): the
+core fails at once, as under mp, and the frontend's --restart-engine makes a fresh group.
+The actors and the placement group are owned by this process, so Ray removes them
+if it dies; `stop` removes them at shutdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+from engine.distributed.executor import Executor, Workers
+from engine.distributed.parallel_state import RENDEZVOUS_TIMEOUT_S
+from ipc.engine_config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+RAY_INSTALL_HINT = "pip install tokenloom[ray]"
+ACTOR_NAMESPACE = "tokenloom"  # workers are named in it, so `ray.get_actor` (and ray.kill) can reach them
+PLACEMENT_TIMEOUT_S = 60.0  # a cluster without room for the group says so rather than hang
+CHECK_INTERVAL_S = 0.5  # Ray's own view of the actors, at most this often (the sockets see a death at once)
+LOOPBACK = "127.0.0.1"
+# The code the actors import: this checkout's, as the driver runs it (a host joining
+# the cluster needs tokenloom installed at the same path, docs/scale-out.md).
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def import_ray():
+    """Ray, or a RuntimeError that says how to install it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise RuntimeError(f"--distributed-executor-backend ray needs Ray, which is not installed: "
+                           f"{RAY_INSTALL_HINT}") from e
+    return ray
+
+
+def init_ray(min_num_cpus: int = 1) -> bool:
+    """Connect to a running cluster (RAY_ADDRESS, or the one `ray start` made here); without one,
+    start a local instance with at least `min_num_cpus` logical CPUs. True when it started one."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address="auto", logging_level=logging.WARNING)
+        return False
+    except ConnectionError:
+        logger.info("no running Ray cluster (RAY_ADDRESS, `ray start`): starting a local one")
+    # No dashboard: this instance lives and dies with the engine, and its agents cost CPU every step.
+    ray.init(num_cpus=max(os.cpu_count() or 1, min_num_cpus), include_dashboard=False, logging_level=logging.WARNING)
+    return True
+
+
+def actor_runtime_env() -> dict:
+    """Actors import this checkout's code and log at our level."""
+    python_path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+    env_vars = {"PYTHONPATH": python_path}
+    for name in ("TOKENLOOM_LOG_LEVEL", "TOKENLOOM_CACHE"):
+        if name in os.environ:
+            env_vars[name] = os.environ[name]
+    return {"env_vars": env_vars}
+
+
+class RayWorker:
+    """One tensor-parallel rank in a Ray actor (wrapped with ray.remote where used: Ray is optional)."""
+
+    def where(self) -> tuple[str, str, int]:
+        """(node id, node IP, CPUs this host has)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), len(os.sched_getaffinity(0))
+
+    def run(self, config: EngineConfig, rank: int, device_index: int | None) -> int:
+        """Serve steps until rank 0 says stop or goes away; the exit code."""
+        from engine.distributed.worker import run_worker
+
+        logging.basicConfig(level=os.environ.get("TOKENLOOM_LOG_LEVEL", "info").upper(),
+                            format=f"%(asctime)s %(levelname)s [tp-rank {rank}] %(name)s: %(message)s")
+        return run_worker(config, rank, device_index=device_index)
+
+
+class RayExecutor(Executor):
+    def make_workers(self, config: EngineConfig, device) -> Workers:
+        return RayActors(config.tensor_parallel_size, device.type == "cuda")
+
+
+class RayActors(Workers):
+    """Placed at construction, started by `start`."""
+
+    def __init__(self, size: int, is_cuda: bool) -> None:
+        self.is_started_ray = init_ray(size)
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ray = ray
+        self.is_cuda = is_cuda
+        self.run_refs: dict = {}  # ObjectRef of each rank's `run` -> rank
+        self.last_check_time = 0.0
+        node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        bundle = {"CPU": 1.0, "GPU": 1.0} if is_cuda else {"CPU": 1.0}
+        bundles = [{**bundle, f"node:{self.node_ip}": 0.001}] + [dict(bundle) for _ in range(size - 1)]
+        self.placement_group = placement_group(bundles, strategy="PACK")
+        if not ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
+            ray.util.remove_placement_group(self.placement_group)
+            raise RuntimeError(f"the Ray cluster has no room for {size} bundles of {bundle} within "
+                               f"{PLACEMENT_TIMEOUT_S:.0f} s (available: {ray.available_resources()})")
+        remote_worker = ray.remote(RayWorker)
+        group_name = self.placement_group.id.hex()[:12]
+        actors = [remote_worker.options(
+            name=f"tp-worker-{group_name}-{i}", namespace=ACTOR_NAMESPACE,
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+            runtime_env=actor_runtime_env(),
+        ).remote() for i in range(1, size)]
+        try:
+            places = ray.get([actor.where.remote() for actor in actors], timeout=RENDEZVOUS_TIMEOUT_S)
+        except BaseException:
+            self.actors = actors
+            self.stop(0.0)
+            raise
+        # Ranks by node, this node's first: a host's ranks are neighbours, as under torchrun.
+        order = sorted(range(len(actors)), key=lambda i: (places[i][0] != node_id, places[i][1], places[i][0]))
+        self.actors = [actors[i] for i in order]  # rank r is self.actors[r - 1]
+        self.places = [places[i] for i in order]
+        hosts = [self.node_ip] + [ip for _, ip, _ in self.places]
+        self.ranks_per_host = {ip: hosts.count(ip) for ip in hosts}
+        logger.info("Ray placed %d tensor-parallel ranks: %s", size,
+                    ", ".join(f"rank {r}: node {n[:8]} ({ip})" for r, (n, ip, _) in enumerate(self.places, 1)))
+
+    def master_addr(self, config: EngineConfig) -> str:
+        return LOOPBACK if set(self.ranks_per_host) == {self.node_ip} else self.node_ip
+
+    def start(self, config: EngineConfig, model_path: str) -> None:
+        for rank, (actor, (_, ip, num_cpus)) in enumerate(zip(self.actors, self.places), 1):
+            # The host's CPUs shared among its ranks, as mp's threads_per_rank does.
+            num_threads = config.num_threads or max(1, num_cpus // self.ranks_per_host[ip])
+            rank_config = dataclasses.replace(config, model=model_path, num_threads=num_threads)
+            self.run_refs[actor.run.remote(rank_config, rank, 0 if self.is_cuda else None)] = rank
+
+    def find_dead(self) -> str | None:
+        now = time.monotonic()
+        if not self.run_refs or now - self.last_check_time < CHECK_INTERVAL_S:
+            return None
+        self.last_check_time = now
+        done, _ = self.ray.wait(list(self.run_refs), num_returns=1, timeout=0)
+        if not done:
+            return None
+        rank = self.run_refs[done[0]]
+        try:
+            outcome = f"exited with code {self.ray.get(done[0])}"
+        except Exception as e:  # RayActorError: killed, or its node died
+            outcome = f"died ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        return f"tensor-parallel worker rank {rank} (Ray actor on {self.places[rank - 1][1]}) {outcome}"
+
+    def stop(self, grace_s: float) -> None:
+        try:
+            self._stop(grace_s)
+        except Exception as e:  # Ray already shut down (interpreter exit): its actors went with it
+            logger.warning("stopping the Ray workers: %s", e)
+
+    def _stop(self, grace_s: float) -> None:
+        if self.run_refs:
+            self.ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=grace_s)
+        for actor in self.actors:
+            self.ray.kill(actor)
+        self.ray.util.remove_placement_group(self.placement_group)
+        self.run_refs.clear()
+        if self.is_started_ray:
+            self.ray.shutdown()
