@@ -37,6 +37,7 @@ from frontend.grammar_checker import GrammarChecker
 from frontend.metrics import FrontendMetrics
 from frontend.model_folder import resolve_model_folder
 from frontend.prompt_tokenizer import PromptTokenizer
+from frontend.ray_engines import RayEngineCores
 from frontend.request_state import RequestState, RequestStream
 from frontend.spec_decode_metrics import sum_spec_decode
 from frontend.step_timeline import StepTimeline
@@ -75,6 +76,7 @@ class EngineClientConfig:
     engine_timeout_s: float = 60.0
     first_start_args: list[str] = field(default_factory=list)  # test hooks (fault injection): first start only
     max_request_prompt_tokens: int = 0  # all of a request's prompts together; 0: two contexts
+    on_ray: bool = False  # the local cores as Ray actors, placed and restarted by Ray (frontend.ray_engines)
 
 
 class AsyncEngineClient:
@@ -103,6 +105,7 @@ class AsyncEngineClient:
                                          config.engine_command, config.ready_timeout_s)
         self._is_shutting_down = False
         self._num_routed = 0  # rotates ties between equally loaded cores
+        self.ray_cores = RayEngineCores(config.engine_command, model_folder, config.engine_args) if config.on_ray else None
 
     @classmethod
     async def start(cls, config: EngineClientConfig) -> AsyncEngineClient:
@@ -120,8 +123,11 @@ class AsyncEngineClient:
 
     async def _connect_engines(self) -> None:
         config = self.config
-        if config.engine_addresses:
-            self.engines = [EngineConnection(i, addr, self.ctx) for i, addr in enumerate(config.engine_addresses)]
+        addresses = config.engine_addresses
+        if self.ray_cores is not None:
+            addresses = await self.ray_cores.start(config.num_local_engines)
+        if addresses:
+            self.engines = [EngineConnection(i, addr, self.ctx) for i, addr in enumerate(addresses)]
         else:
             for i in range(config.num_local_engines):
                 self.engines.append(await EngineConnection.start_local(
@@ -212,7 +218,8 @@ class AsyncEngineClient:
         return params
 
     def _check_healthy(self) -> None:
-        if not self.is_healthy:
+        # A core down while others serve (data parallel): new requests go to the live ones.
+        if not self.is_healthy and (self._is_shutting_down or not any(e.is_alive for e in self.engines)):
             raise EngineDeadError(f"the engine is not available: {self.dead_reason}")
 
     async def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -320,7 +327,10 @@ class AsyncEngineClient:
         logger.error("%s; failing its %d in-flight requests", reason, engine.num_in_flight)
         for request_id in list(engine.request_ids):
             self._fail(self._states[request_id], EngineDeadError(reason))
-        if self.config.restart_engine and engine.process is not None and not self._is_shutting_down:
+        if self.ray_cores is not None and not self._is_shutting_down:  # Ray restarts its actor
+            self.ray_cores.reconnect(engine, self.ctx, self.frontend_id, self.config.ready_timeout_s,
+                                     self._stop_engine_tasks, self._on_restarted)
+        elif self.config.restart_engine and engine.process is not None and not self._is_shutting_down:
             self.restarter.restart(engine, self._stop_engine_tasks, self._on_restarted)
 
     async def _stop_engine_tasks(self, index: int) -> None:
@@ -369,6 +379,8 @@ class AsyncEngineClient:
         await asyncio.gather(*tasks, return_exceptions=True)
         # Close first: a remote core's close aborts the requests still listed on it.
         await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)
+        if self.ray_cores is not None:
+            await self.ray_cores.shutdown()
         for state in list(self._states.values()):
             self._fail(state, EngineDeadError(self.dead_reason))
         self.prompt_tokenizer.shutdown()

@@ -28,7 +28,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", help="model name shown to clients (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--data-parallel", type=int, default=1, metavar="N", help="engine cores to start locally")
+    parser.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                        help="engine cores to start: locally, or with --distributed-executor-backend ray as Ray "
+                             "actors anywhere in the cluster")
     parser.add_argument("--engine", action="extend", nargs="+", default=[], metavar="ADDR",
                         help="connect to running cores (tcp://host:port or ipc://path) instead of starting any")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
@@ -134,6 +136,7 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         engine_timeout_s=args.engine_timeout,
         first_start_args=first_start_args,
         max_request_prompt_tokens=args.max_request_prompt_tokens,
+        on_ray=args.data_parallel > 1 and args.distributed_executor_backend == "ray",
     )
 
 

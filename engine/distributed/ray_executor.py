@@ -25,53 +25,14 @@ import time
 from engine.distributed.executor import Executor, Workers
 from engine.distributed.parallel_state import RENDEZVOUS_TIMEOUT_S
 from ipc.engine_config import EngineConfig
+from ipc.ray_cluster import actor_runtime_env, init_ray
 
 logger = logging.getLogger(__name__)
 
-RAY_INSTALL_HINT = "pip install tokenloom[ray]"
 ACTOR_NAMESPACE = "tokenloom"  # workers are named in it, so `ray.get_actor` (and ray.kill) can reach them
 PLACEMENT_TIMEOUT_S = 60.0  # a cluster without room for the group says so rather than hang
 CHECK_INTERVAL_S = 0.5  # Ray's own view of the actors, at most this often (the sockets see a death at once)
 LOOPBACK = "127.0.0.1"
-# The code the actors import: this checkout's, as the driver runs it (a host joining
-# the cluster needs tokenloom installed at the same path, docs/scale-out.md).
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def import_ray():
-    """Ray, or a RuntimeError that says how to install it."""
-    try:
-        import ray
-    except ImportError as e:
-        raise RuntimeError(f"--distributed-executor-backend ray needs Ray, which is not installed: "
-                           f"{RAY_INSTALL_HINT}") from e
-    return ray
-
-
-def init_ray(min_num_cpus: int = 1) -> bool:
-    """Connect to a running cluster (RAY_ADDRESS, or the one `ray start` made here); without one,
-    start a local instance with at least `min_num_cpus` logical CPUs. True when it started one."""
-    ray = import_ray()
-    if ray.is_initialized():
-        return False
-    try:
-        ray.init(address="auto", logging_level=logging.WARNING)
-        return False
-    except ConnectionError:
-        logger.info("no running Ray cluster (RAY_ADDRESS, `ray start`): starting a local one")
-    # No dashboard: this instance lives and dies with the engine, and its agents cost CPU every step.
-    ray.init(num_cpus=max(os.cpu_count() or 1, min_num_cpus), include_dashboard=False, logging_level=logging.WARNING)
-    return True
-
-
-def actor_runtime_env() -> dict:
-    """Actors import this checkout's code and log at our level."""
-    python_path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    env_vars = {"PYTHONPATH": python_path}
-    for name in ("TOKENLOOM_LOG_LEVEL", "TOKENLOOM_CACHE"):
-        if name in os.environ:
-            env_vars[name] = os.environ[name]
-    return {"env_vars": env_vars}
 
 
 class RayWorker:
