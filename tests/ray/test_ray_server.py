@@ -1,15 +1,20 @@
-"""Data-parallel engine cores as Ray actors (`serve --data-parallel 2 --distributed-executor-backend
-ray`) on a real two-node Ray cluster on this machine, one core per node: 48 concurrent requests
-all answered by both cores; a core's actor killed with ray.kill fails its own in-flight requests
-(503) while the other core keeps serving, and Ray restarts it, and the frontend reconnects.
+"""The server on a real two-node Ray cluster on this machine (one CPU per node).
 
-The cores are the fake core (scripts/lib/fake_engine.py: the real protocol, no model), so the
-test is about placement, routing and faults, and stays short.
+Data-parallel cores as Ray actors (`serve --data-parallel 2 --distributed-executor-backend ray`),
+one core per node: 48 concurrent requests all answered by both cores; a core's actor killed with
+ray.kill fails its own in-flight requests (503) while the other core keeps serving, and Ray
+restarts it, and the frontend reconnects. These cores are the fake core (scripts/lib/fake_engine.py:
+the real protocol, no model): the tests are about placement, routing and faults.
+
+Tensor parallelism over Ray behind the server (a real core, a tiny model): a worker actor killed
+with ray.kill mid-request fails the request with a 503 at once, /health says 503 until
+--restart-engine's fresh core (and fresh actors) is up, and a request after that succeeds.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +25,9 @@ import requests
 from scripts.lib.fake_engine import FrontendServer
 from tests.helpers.ray_cluster import alive_actors, local_cluster
 from tests.helpers.server import fake_core, health, wait_for
+from tests.server.test_tp_server import tiny_model_with_tokenizer  # noqa: F401 (a fixture)
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(180)]
 SERVER_ARGS = ("--data-parallel", "2", "--distributed-executor-backend", "ray")
 
 
@@ -107,3 +113,37 @@ def test_a_killed_ray_core_fails_its_requests_the_other_serves_and_ray_restarts_
         with ThreadPoolExecutor(8) as pool:
             assert [r.status_code for r in pool.map(lambda _: complete(server.url, 4), range(8))] == [200] * 8
     assert wait_for(lambda: not core_actors(), timeout_s=20), "a core's actor outlived the server"
+
+
+def test_a_killed_tp_worker_actor_gives_503_until_the_group_is_restarted(ray_cluster, tiny_model_with_tokenizer):
+    import ray
+
+    from engine.distributed.ray_executor import ACTOR_NAMESPACE
+
+    args = ("--engine-command", f"{sys.executable} -m engine.core_process", "--tensor-parallel-size", "2",
+            "--distributed-executor-backend", "ray", "--restart-engine", "--engine-timeout", "30",
+            "--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "8")
+    with FrontendServer(tiny_model_with_tokenizer, *args) as server:
+        (worker,) = [a for a in alive_actors() if a.class_name == "RayWorker"]
+        results = []
+        thread = threading.Thread(target=lambda: results.append(complete(server.url, 3000)), daemon=True)
+        thread.start()
+        time.sleep(1.0)  # mid-generation
+        assert thread.is_alive(), results[0].text
+        ray.kill(ray.get_actor(worker.name, namespace=ACTOR_NAMESPACE))
+        killed_at = time.monotonic()
+        thread.join(30)
+        (response,) = results
+        failed_after_s = time.monotonic() - killed_at
+        assert response.status_code == 503, response.text
+        assert "tensor-parallel" in response.json()["error"]["message"]
+        print(f"503 {failed_after_s:.2f} s after ray.kill: {response.json()['error']['message']}")
+        # Down until the fresh core is up (it takes seconds: torch, Ray placement, the model).
+        assert health(server.url) == 503
+        assert complete(server.url, 2).status_code == 503
+        assert wait_for(lambda: health(server.url) == 200, timeout_s=90), "the group never came back"
+        print(f"healthy again {time.monotonic() - killed_at:.1f} s after ray.kill")
+        ok = complete(server.url, 4)
+        assert ok.status_code == 200, ok.text
+        assert [a.name for a in alive_actors() if a.class_name == "RayWorker"] != [worker.name]  # fresh actors
+    assert wait_for(lambda: not alive_actors(), timeout_s=30), "an actor outlived the server"
