@@ -2,7 +2,8 @@
 
 A pure ASGI middleware, in this order, on the API routes (/v1/*, /generate, /tokenize, /detokenize):
 
-    API key        401  `Authorization: Bearer KEY`, compared in constant time
+    API key        401  `Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's header),
+                        compared in constant time
     draining       503  the server got SIGTERM and takes no new requests
     body size      413  --max-request-bytes: Content-Length is checked before reading, and a
                         streamed (chunked) body is read only up to the limit
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 from frontend.errors import (
     AuthenticationError, FrontendError, RequestTimeoutError, RequestTooLargeError, ServerBusyError,
-    ShuttingDownError,
+    ShuttingDownError, error_body,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,14 +66,16 @@ class Admission:
         self.config = config
         self.num_active = 0  # API requests admitted and not yet answered in full
         self.is_draining = False
-        self._expected_key = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._expected_key = config.api_key.encode() if config.api_key else None
 
     def check_key(self, headers: dict[bytes, bytes]) -> None:
         if self._expected_key is None:
             return
-        given = headers.get(b"authorization", b"")
-        if not hmac.compare_digest(given, self._expected_key):
-            raise AuthenticationError("invalid or missing API key: send 'Authorization: Bearer <key>'")
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self._expected_key)
+        x_api_key = hmac.compare_digest(headers.get(b"x-api-key", b""), self._expected_key)
+        if not (bearer or x_api_key):
+            raise AuthenticationError("invalid or missing API key: send 'Authorization: Bearer <key>' "
+                                      "or 'x-api-key: <key>'")
 
     def check_open(self) -> None:
         if self.is_draining:
@@ -115,9 +118,9 @@ class AdmissionMiddleware:
                 admission.check_open()
             admission.check_content_length(headers)
         except RequestTooLargeError as e:
-            return await send_error_and_drain(send, receive, e)
+            return await send_error_and_drain(send, receive, e, scope["path"])
         except FrontendError as e:
-            return await send_error(send, e)
+            return await send_error(send, e, path=scope["path"])
         if not is_api:
             return await self.app(scope, receive, send)
         try:
@@ -126,9 +129,9 @@ class AdmissionMiddleware:
                 return  # the client went away while sending
             admission.check_capacity()
         except RequestTooLargeError as e:
-            return await send_error_and_drain(send, receive, e)
+            return await send_error_and_drain(send, receive, e, scope["path"])
         except FrontendError as e:
-            return await send_error(send, e)
+            return await send_error(send, e, path=scope["path"])
         admission.num_active += 1
         try:
             await self.app(scope, _replay(body, receive), send)
@@ -170,22 +173,22 @@ def _replay(body: bytes, receive):
     return replay_receive
 
 
-async def send_error(send, error: FrontendError, is_last: bool = True) -> None:
-    body = json.dumps(error.to_dict()).encode()
+async def send_error(send, error: FrontendError, is_last: bool = True, path: str = "") -> None:
+    body = json.dumps(error_body(error, path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in (error.headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": not is_last})
 
 
-async def send_error_and_drain(send, receive, error: FrontendError) -> None:
+async def send_error_and_drain(send, receive, error: FrontendError, path: str = "") -> None:
     """Send the whole answer, read and drop what the client still sends (bounded), then close.
 
     The answer's bytes are all out (Content-Length) while uvicorn still counts the
     response as open, so the connection stays up for the drain; the final empty
     chunk completes it, and `connection: close` makes uvicorn close on it.
     """
-    await send_error(send, error, is_last=False)
+    await send_error(send, error, is_last=False, path=path)
     num_bytes = 0
     try:
         async with asyncio.timeout(DRAIN_MAX_S):

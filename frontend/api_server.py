@@ -3,6 +3,9 @@
     POST /generate               vLLM's simple API ({"text": [prompt + output]}, NUL-separated stream)
     POST /v1/completions         OpenAI completions (SSE when "stream": true)
     POST /v1/chat/completions    OpenAI chat completions (tools, response_format, structured outputs)
+    POST /v1/responses           OpenAI's Responses API (an adapter over chat: frontend.serving_responses)
+    GET  /v1/responses/{id}      a stored response
+    POST /v1/messages            Anthropic's Messages API (an adapter over chat: frontend.serving_messages)
     POST /tokenize, /detokenize  vLLM's: a prompt or messages to token ids, and back
     GET  /v1/models              the served model
     GET  /health                 200; 503 while an engine core is dead or the server is draining
@@ -11,7 +14,7 @@
     GET  /openapi.json           the schema
     GET  /, /dashboard           a chat page and the engine live, in the browser (frontend.web_pages)
 
-Errors are always `{"error": {"message", "type", "code"}}`: 400 bad input, 401 bad
+Errors are `{"error": {"message", "type", "code"}}` (Anthropic's shape on /v1/messages): 400 bad input, 401 bad
 key, 404 unknown model, 408 body too slow, 413 body too large, 431 headers too large,
 429 too many concurrent requests, 503 engine dead or shutting down (limits and
 flags: docs/reliability.md).
@@ -46,13 +49,18 @@ from frontend.reasoning_parsers import ReasoningPrompt, get_reasoning_parser
 from frontend.engine_client import AsyncEngineClient
 from frontend.engine_connection import EngineStartError
 from frontend.errors import (
-    EngineDeadError, FrontendError, InvalidRequestError, ModelNotFoundError, ShuttingDownError,
+    EngineDeadError, FrontendError, InvalidRequestError, ModelNotFoundError, ShuttingDownError, error_body,
 )
 from frontend.http_protocol import guarded_protocol, raise_open_file_limit
 from frontend.local_socket import LocalSocketServer
 from frontend.metrics import CONTENT_TYPE
 from frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerateBody
+from frontend.protocol_messages import MessagesRequest
+from frontend.protocol_responses import ResponsesRequest
+from frontend.response_store import ResponseStore
 from frontend.serving_chat import create_chat_completion
+from frontend.serving_messages import create_message
+from frontend.serving_responses import create_response, get_response
 from frontend.serving_completions import create_completion, generate
 from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.serving_utils import ClientDisconnected
@@ -74,6 +82,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
     reasoning = ReasoningPrompt(get_reasoning_parser(reasoning_parser), client.tokenizer) if reasoning_parser else None
     app.state.client = client
     app.state.admission = admission
+    response_store = ResponseStore()
     created = int(time.time())
 
     @app.get("/health")
@@ -117,6 +126,22 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
         body = await read_body(raw_request, ChatCompletionRequest)
         _check_model(client, body.model)
         return await create_chat_completion(body, raw_request, client, tools, reasoning)
+
+    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def responses(raw_request: Request) -> Response:
+        body = await read_body(raw_request, ResponsesRequest)
+        _check_model(client, body.model)
+        return await create_response(body, raw_request, client, tools, reasoning, response_store)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        return get_response(response_id, response_store)
+
+    @app.post("/v1/messages", openapi_extra=_body_schema(MessagesRequest))
+    async def messages(raw_request: Request) -> Response:
+        body = await read_body(raw_request, MessagesRequest)
+        _check_model(client, body.model)
+        return await create_message(body, raw_request, client, tools, reasoning)
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize_route(raw_request: Request) -> dict:
@@ -191,12 +216,12 @@ def _check_model(client: AsyncEngineClient, model: str | None) -> None:
         raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves `{client.model_name}`.")
 
 
-def _error_response(error: FrontendError) -> JSONResponse:
-    return JSONResponse(error.to_dict(), status_code=error.status_code, headers=error.headers)
+def _error_response(error: FrontendError, path: str = "") -> JSONResponse:
+    return JSONResponse(error_body(error, path), status_code=error.status_code, headers=error.headers)
 
 
 async def _on_frontend_error(request: Request, exc: FrontendError) -> JSONResponse:
-    return _error_response(exc)
+    return _error_response(exc, request.url.path)
 
 
 async def _on_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
@@ -209,13 +234,15 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     for error in exc.errors():
         where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
         problems.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
-    return _error_response(InvalidRequestError("; ".join(problems) or "invalid request"))
+    return _error_response(InvalidRequestError("; ".join(problems) or "invalid request"), request.url.path)
 
 
 async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    body = {"error": {"message": str(exc.detail), "type": error_type, "code": exc.status_code}}
-    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    error = FrontendError(str(exc.detail))
+    error.status_code = exc.status_code
+    error.error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(error, request.url.path), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
 
 
 class _DrainingServer(uvicorn.Server):

@@ -3,6 +3,8 @@
     {"error": {"message": "...", "type": "invalid_request_error", "code": 400}}
 
 `code` is the HTTP status, except where OpenAI names the error (`model_not_found`).
+Anthropic's Messages API (/v1/messages) gets the same errors in its own shape
+(`error_body`): {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}.
 """
 
 from __future__ import annotations
@@ -19,6 +21,25 @@ class FrontendError(Exception):
     def to_dict(self) -> dict:
         code = self.status_code if self.code is None else self.code
         return {"error": {"message": str(self), "type": self.error_type, "code": code}}
+
+
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors); the rest are api_error.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         529: "overloaded_error"}
+
+
+def anthropic_error(status_code: int, message: str) -> dict:
+    error_type = ANTHROPIC_ERROR_TYPES.get(status_code, "api_error")
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def error_body(error: FrontendError, path: str) -> dict:
+    """The error's body in the shape of the API `path` belongs to."""
+    if path.startswith(ANTHROPIC_PATH_PREFIX):
+        return anthropic_error(error.status_code, str(error))
+    return error.to_dict()
 
 
 class InvalidRequestError(FrontendError):
@@ -90,3 +111,10 @@ class RequestFailedError(FrontendError):
 
     status_code = 500
     error_type = "internal_server_error"
+
+
+class NotFoundError(FrontendError):
+    """A stored object (a response by id) that is not there."""
+
+    status_code = 404
+    error_type = "invalid_request_error"

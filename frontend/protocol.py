@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from frontend.chat_tools import ChatTool, ToolChoice
 from frontend.errors import InvalidRequestError
@@ -283,3 +283,13 @@ class ChatCompletionRequest(OpenAIFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def chat_request_from(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request an adapter (Responses, Messages) built; a field chat refuses is a 400 naming it."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        problem = e.errors()[0]
+        where = ".".join(str(part) for part in problem.get("loc", ()))
+        raise InvalidRequestError(f"{where}: {problem.get('msg')}") from None

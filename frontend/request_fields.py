@@ -56,11 +56,12 @@ NO_EFFECT = frozenset({
 _logged: set[str] = set()
 
 
-def check_extra_fields(extra: dict[str, Any] | None) -> None:
-    """`extra`: the body's fields that are not declared on it (pydantic's model_extra)."""
+def check_extra_fields(extra: dict[str, Any] | None, unsupported: dict[str, tuple[Any, ...]] = UNSUPPORTED) -> None:
+    """`extra`: the body's fields that are not declared on it (pydantic's model_extra); `unsupported`:
+    the API's table of refused fields (this module's for OpenAI's completions and chat)."""
     for name, value in (extra or {}).items():
-        if name in UNSUPPORTED:
-            if value not in UNSUPPORTED[name]:
+        if name in unsupported:
+            if value not in unsupported[name]:
                 raise InvalidRequestError(f"{name} is not supported")
             continue
         if name not in _logged:

@@ -14,7 +14,7 @@ from fastapi import Request
 
 from frontend.errors import FrontendError
 from frontend.request_state import RequestStream
-from ipc.messages import TokenLogprobs
+from ipc.messages import FinishReason, TokenLogprobs
 from ipc.text.output_processor import RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ class ChoiceResult:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    is_stop_string: bool = False  # finish_reason "stop" came from a stop string, not EOS or a stop token
+    token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when asked for
 
@@ -119,6 +121,12 @@ class Usage:
                                               "rejected_prediction_tokens": self.num_rejected_prediction_tokens}}
 
 
+def is_stop_string(delta: RequestDelta) -> bool:
+    """A final delta's "stop" is a stop string's: the engine itself had not stopped (it is still generating)."""
+    return delta.finish_reason == FinishReason.STOP and (delta.output is None
+                                                         or delta.output.finish_reason != FinishReason.STOP)
+
+
 async def collect(stream: RequestStream, usage: Usage) -> list[ChoiceResult]:
     """Read a whole request; choices come back in index order."""
     choices = {state.index: ChoiceResult(state.index) for state in stream.states}
@@ -127,12 +135,14 @@ async def collect(stream: RequestStream, usage: Usage) -> list[ChoiceResult]:
             usage.add(delta)
             choice = choices[delta.index]
             choice.text_parts.append(delta.text)
+            choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs or ())
             if delta.output is not None and delta.output.prompt_logprobs is not None:
                 choice.prompt_logprobs = delta.output.prompt_logprobs
             choice.num_output_tokens = delta.num_output_tokens
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason.openai_name
+                choice.is_stop_string = is_stop_string(delta)
     return [choices[i] for i in sorted(choices)]
 
 
