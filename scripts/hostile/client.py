@@ -77,6 +77,11 @@ def answer_problem(route: str, status: int, text: str) -> str | None:
         body = json.loads(text)
         if route == "/generate":
             is_sane = isinstance(body["text"], list) and all(isinstance(t, str) for t in body["text"])
+        elif route == "/v1/responses":
+            is_sane = isinstance(body["output"], list) and body["status"] in ("completed", "incomplete")
+        elif route == "/v1/messages":
+            is_sane = isinstance(body["content"], list) and body["stop_reason"] in (
+                "end_turn", "max_tokens", "stop_sequence", "tool_use")
         else:
             choices = body["choices"]
             key = "text" if route == "/v1/completions" else "message"

@@ -29,12 +29,14 @@ MAX_GRAMMAR_BYTES = 256 * 1024  # ipc.structured_outputs: a schema, regex or gra
 MAX_ALLOWED_TOKEN_IDS = 262_144  # ipc.sampling_params: allowed_token_ids on the wire
 OPENAI_FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter", "function_call", None}
 
-NO_CONTEXT_DEFAULT = ("max_tokens", "max_completion_tokens")  # null there means "up to the context": minutes
+NO_CONTEXT_DEFAULT = ("max_tokens", "max_completion_tokens", "max_output_tokens")  # null there means "up to the context": minutes
 HTTP_BASE = {
     "/generate": {"prompt": "Hello", "max_tokens": 2, "min_tokens": 1, "temperature": 0},
     "/v1/completions": {"prompt": "Hello", "max_tokens": 2, "min_tokens": 1, "temperature": 0},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "min_tokens": 1,
                              "temperature": 0},
+    "/v1/responses": {"input": "Hello", "max_output_tokens": 2, "temperature": 0, "store": False},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "temperature": 0},
 }
 SAMPLING_FIELDS = {"max_tokens": "int", "min_tokens": "int", "n": "int", "seed": "int", "top_k": "int",
                    "temperature": "float", "top_p": "float", "min_p": "float", "stop_token_ids": "id"}
@@ -54,6 +56,11 @@ HTTP_FIELDS = {
                         "prompt[[]]": "prompt_id", **NEW_SAMPLING_FIELDS, **STRUCTURED_FIELDS},
     "/v1/chat/completions": {**SAMPLING_FIELDS, "top_logprobs": "int", "max_completion_tokens": "int",
                              **NEW_SAMPLING_FIELDS, **CHAT_FIELDS},
+    # The adapters' own fields (their bad bodies: scripts/hostile/adapters.py).
+    "/v1/responses": {"max_output_tokens": "int", "temperature": "float", "top_p": "float", "seed": "int",
+                      "text.format": "format", "tools": "tools", "tool_choice": "tool_choice"},
+    "/v1/messages": {"max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
+                     "stop_sequences": "words", "tools": "tools", "tool_choice": "tool_choice"},
 }
 QUICK_COMPLETIONS_ONLY = {*SAMPLING_FIELDS, *NEW_SAMPLING_FIELDS, "structured_outputs.regex"}
 LOCAL_FIELDS = {"temperature": "float", "top_p": "float", "top_k": "int", "min_p": "float", "seed": "int",
@@ -67,6 +74,10 @@ NEW_WIRE_FIELDS = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("pr
                    ("prompt_logprobs", None), ("structured_outputs", None))
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "x": {"type": "integer"}}}}}
+# Each adapter's own tool shape and its "required" tool_choice.
+ROUTE_TOOLS = {"/v1/responses": ({"type": "function", "name": "f", "parameters": TOOL["function"]["parameters"]},
+                                 "required"),
+               "/v1/messages": ({"name": "f", "input_schema": TOOL["function"]["parameters"]}, {"type": "any"})}
 
 
 @dataclass(frozen=True)
@@ -190,9 +201,9 @@ def http_body(route: str, name: str, kind: str, value) -> dict:
         body.update(tools=[{"type": "function", "function": {"name": "f", "parameters": value}}],
                     tool_choice="required")
     elif name == "tools":
-        body.update(tools=value, tool_choice="required")
+        body.update(tools=value, tool_choice=ROUTE_TOOLS.get(route, (TOOL, "required"))[1])
     elif name == "tool_choice":
-        body.update(tools=[TOOL], tool_choice=value)
+        body.update(tools=[ROUTE_TOOLS.get(route, (TOOL,))[0]], tool_choice=value)
     elif "." in name:
         outer, inner = name.split(".", 1)
         body[outer] = {inner: value}
@@ -202,7 +213,8 @@ def http_body(route: str, name: str, kind: str, value) -> dict:
 
 
 # Words a 4xx message about the field may use instead of its own name.
-FIELD_WORDS = {"max_completion_tokens": ("max_tokens",), "top_logprobs": ("logprobs",), "prompt[[]]": ("prompt",),
+FIELD_WORDS = {"max_completion_tokens": ("max_tokens",), "max_output_tokens": ("max_tokens",),
+               "stop_sequences": ("stop",), "text.format": ("response_format", "text.format"), "top_logprobs": ("logprobs",), "prompt[[]]": ("prompt",),
                "prompt_token_ids": ("prompt",), "presence_penalty": ("presence",),
                "frequency_penalty": ("frequency",), "repetition_penalty": ("repetition",),
                "logit_bias{}": ("logit_bias",), "allowed_token_ids[]": ("allowed_token_ids",),
@@ -217,7 +229,7 @@ GENERAL_REASONS = ("context length", "not valid JSON")  # a message about the wh
 def misleading(name: str, message: str) -> str | None:
     """A rejection that does not say which field is wrong (e.g. max_tokens 2**64: 'cannot encode int')."""
     words = (name, *FIELD_WORDS.get(name, ()), *GENERAL_REASONS)
-    if name in STRUCTURED_FIELDS or name in CHAT_FIELDS:
+    if name in STRUCTURED_FIELDS or name in CHAT_FIELDS or name == "text.format":
         words += STRUCTURED_WORDS
     return None if any(w.lower() in message.lower() for w in words) else f"rejected without naming {name}: {message!r}"
 
@@ -259,7 +271,7 @@ def local_problem(local: LocalClient, request_id: str, name: str, kind: str, val
 
 def odd_finish(route: str, status: int, text: str) -> str | None:
     """A 200 whose finish_reason is none of OpenAI's (e.g. "error", with no message saying why)."""
-    if status != 200 or route == "/generate":
+    if status != 200 or route not in ("/v1/completions", "/v1/chat/completions"):
         return None
     reasons = {c.get("finish_reason") for c in json.loads(text)["choices"]}
     return None if reasons <= OPENAI_FINISH_REASONS else f"200 with finish_reason {sorted(map(str, reasons))}"
