@@ -123,12 +123,13 @@ def test_responses_forced_function_call_then_its_output_fed_back(oai):
     assert streamed == call.arguments == events[-1].response.output[0].arguments
     # The output fed back, whole (the call item in the input) ...
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 20 C"}
-    follow_up = oai.responses.create(model="smollm2", tools=tools, max_output_tokens=30, temperature=0,
-                                     input=[{"role": "user", "content": ASK_WEATHER}, call.model_dump(), output])
+    # (tool_choice "none": the answer is text, whatever the model would call next.)
+    follow_up = oai.responses.create(model="smollm2", tools=tools, tool_choice="none", max_output_tokens=30,
+                                     temperature=0, input=[{"role": "user", "content": ASK_WEATHER}, call.model_dump(), output])
     assert follow_up.output[0].type == "message" and follow_up.output_text
     # ... or through previous_response_id: the same conversation, the same greedy answer.
-    chained = oai.responses.create(model="smollm2", tools=tools, max_output_tokens=30, temperature=0,
-                                   input=[output], previous_response_id=response.id)
+    chained = oai.responses.create(model="smollm2", tools=tools, tool_choice="none", max_output_tokens=30,
+                                   temperature=0, input=[output], previous_response_id=response.id)
     assert chained.output_text == follow_up.output_text
     assert chained.usage.input_tokens == follow_up.usage.input_tokens
 
