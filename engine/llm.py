@@ -21,9 +21,8 @@ from msgspec.structs import replace
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine_core import EngineCore, StepError
-from engine.pooler import POOLING_SAMPLING_PARAMS
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
-from ipc.pooling_params import PoolingParams
+from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from ipc.sampling_params import SamplingParams, tokenize_bad_words
 from ipc.text.output_processor import OutputProcessor, RequestDelta
 from ipc.text.tokenizer import Tokenizer

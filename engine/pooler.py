@@ -28,12 +28,8 @@ import torch
 from engine.block_manager import num_blocks_for
 from engine.request import Request
 from ipc.engine_config import EngineConfig
-from ipc.pooling_params import PoolingParams, PoolingType
+from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams, PoolingType
 from ipc.sampling_params import SamplingParams
-
-# What an embedding request carries where a generation request has its sampling: nothing is
-# sampled, but the prompt must leave one position of context, as any request's must.
-POOLING_SAMPLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 @dataclass

@@ -6,6 +6,7 @@
     POST /v1/responses           OpenAI's Responses API (an adapter over chat: frontend.serving_responses)
     GET  /v1/responses/{id}      a stored response
     POST /v1/messages            Anthropic's Messages API (an adapter over chat: frontend.serving_messages)
+    POST /v1/embeddings          OpenAI embeddings: the served model's pooled final hidden states
     POST /tokenize, /detokenize  vLLM's: a prompt or messages to token ids, and back
     GET  /v1/models              the served model
     GET  /health                 200; 503 while an engine core is dead or the server is draining
@@ -62,6 +63,7 @@ from frontend.serving_chat import create_chat_completion
 from frontend.serving_messages import create_message
 from frontend.serving_responses import create_response, get_response
 from frontend.serving_completions import create_completion, generate
+from frontend.serving_embeddings import EmbeddingRequest, create_embedding
 from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.serving_utils import ClientDisconnected
 from frontend.server_args import admission_config, engine_client_config, make_parser, tool_options
@@ -142,6 +144,12 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
         body = await read_body(raw_request, MessagesRequest)
         _check_model(client, body.model)
         return await create_message(body, raw_request, client, tools, reasoning)
+
+    @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
+    async def embeddings(raw_request: Request) -> dict:
+        body = await read_body(raw_request, EmbeddingRequest)
+        _check_model(client, body.model)
+        return await create_embedding(body, raw_request, client)
 
     @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
     async def tokenize_route(raw_request: Request) -> dict:

@@ -51,6 +51,7 @@ from ipc.messages import (
     ResetPrefixCache,
     SchedulerStats,
 )
+from ipc.pooling_params import PoolingParams
 from ipc.request_checks import PREDICTION_WITH_N, check_request
 from ipc.sampling_params import MAX_BAD_WORDS, SamplingParams, tokenize_bad_words
 from ipc.sockets import serve_messages
@@ -95,6 +96,8 @@ class AsyncEngineClient:
         self.timeline = StepTimeline()  # the dashboard's occupancy strips, read off each step's outputs
         self.max_model_len = 0
         self.vocab_size = tokenizer.vocab_size
+        self.hidden_size = 0  # an embedding's length, from the cores' EngineReady
+        self.runner = "generate"  # "pooling": the cores serve embeddings only
         self.is_healthy = False
         self.dead_reason: str | None = "the engines are not ready yet"
         self._states: dict[str, RequestState] = {}
@@ -137,6 +140,8 @@ class AsyncEngineClient:
         self.max_model_len = min(r.max_model_len for r in readies)
         self.prompt_tokenizer.set_max_model_len(self.max_model_len)
         self.vocab_size = min([self.vocab_size, *(r.vocab_size for r in readies if r.vocab_size)])
+        self.hidden_size = readies[0].hidden_size
+        self.runner = "pooling" if any(r.runner == "pooling" for r in readies) else "generate"
         self.timeline.resize(len(self.engines))
         for engine in self.engines:
             self._start_engine_tasks(engine)
@@ -158,17 +163,21 @@ class AsyncEngineClient:
         return await self.generate_batch(prompts, params, request_id, n=n, prediction=prediction)
 
     async def generate_batch(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str, *,
-                             n: int = 1, prediction: str | None = None) -> RequestStream:
+                             n: int = 1, prediction: str | None = None, pooling_params: PoolingParams | None = None,
+                             max_choices: int = MAX_CHOICES) -> RequestStream:
         """Send each prompt as n choices (seeds seed, seed+1, ...); choice j of prompt p has index p*n + j.
         `prediction`: OpenAI's predicted text, the draft of every prompt's answer (tokenized here).
 
         Every prompt is checked before any is sent, so InvalidRequestError or
-        EngineDeadError raise here, before anything streams.
+        EngineDeadError raise here, before anything streams. With `pooling_params` each prompt
+        is an embedding request (frontend.serving_embeddings).
         """
         self._check_healthy()
+        if pooling_params is None and self.runner == "pooling":
+            raise InvalidRequestError("this server runs --runner pooling: it serves embeddings only (/v1/embeddings)")
         num_choices = len(prompts) * (n if isinstance(n, int) else 1)
-        if num_choices > MAX_CHOICES:
-            raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n), "
+        if num_choices > max_choices:
+            raise InvalidRequestError(f"a request may ask for at most {max_choices} choices (prompts x n), "
                                       f"this one asks for {num_choices}")
         params = await self._resolve_params(params, prediction, n)
         prompt_ids_list = await self._tokenize(prompts)  # under one budget for all of them
@@ -194,7 +203,7 @@ class AsyncEngineClient:
             self.output_processor.add_request(rid, prompt_token_ids, choice_params, index)
             self._states[rid] = state
             engine.request_ids.add(rid)
-            engine.send(AddRequest(rid, prompt_token_ids, choice_params, time.time()))
+            engine.send(AddRequest(rid, prompt_token_ids, choice_params, time.time(), pooling_params))
             self.metrics.num_prompt_tokens += len(prompt_token_ids)
             states.append(state)
         return RequestStream(states, queue, self._abort, prompt_ids_list)

@@ -13,6 +13,8 @@ import enum
 
 from msgspec import Struct
 
+from ipc.sampling_params import SamplingParams
+
 MAX_EMBEDDING_SIZE = 65_536  # an embedding is the model's hidden size: far below this in any model in use
 
 
@@ -32,3 +34,8 @@ class PoolingParams(Struct, array_like=True, forbid_unknown_fields=True):
                              f"got {self.pooling_type!r}")
         if type(self.normalize) is not bool:
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+
+
+# What an embedding request carries where a generation request has its sampling: nothing is
+# sampled, but the prompt must leave one position of context, as any request's must.
+POOLING_SAMPLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)

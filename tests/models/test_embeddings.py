@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, EngineCore, PoolingParams, SamplingParams
-from engine.pooler import POOLING_SAMPLING_PARAMS
-from ipc.pooling_params import PoolingType
+from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingType
 from tests.helpers.models import make_tiny_model
 
 VOCAB_SIZE = 512
