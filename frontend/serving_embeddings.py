@@ -22,7 +22,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
 from frontend.engine_client import AsyncEngineClient
-from frontend.errors import InvalidRequestError
+from frontend.errors import InvalidRequestError, RequestFailedError
 from frontend.request_fields import check_extra_fields
 from frontend.serving_utils import now_s, random_id, run_unless_disconnected
 from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams, PoolingType
@@ -84,6 +84,8 @@ async def create_embedding(body: EmbeddingRequest, raw_request: Request, client:
     stream = await client.generate_batch(prompts, POOLING_SAMPLING_PARAMS, request_id,
                                          pooling_params=body.pooling_params(), max_choices=MAX_EMBEDDING_INPUTS)
     vectors = await run_unless_disconnected(raw_request, _collect(stream))
+    if len(vectors) != len(prompts):  # a core that finished an input without pooling it (not one of ours)
+        raise RequestFailedError("the engine returned no embedding for an input")
     data = [{"object": "embedding", "index": i, "embedding": _encode(vectors[i], body.encoding_format)}
             for i in range(len(prompts))]
     num_prompt_tokens = sum(len(ids) for ids in stream.prompt_token_ids)

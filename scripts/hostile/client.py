@@ -82,6 +82,8 @@ def answer_problem(route: str, status: int, text: str) -> str | None:
         elif route == "/v1/messages":
             is_sane = isinstance(body["content"], list) and body["stop_reason"] in (
                 "end_turn", "max_tokens", "stop_sequence", "tool_use")
+        elif route == "/v1/embeddings":
+            is_sane = bool(body["data"]) and all(isinstance(d["embedding"], (list, str)) for d in body["data"])
         else:
             choices = body["choices"]
             key = "text" if route == "/v1/completions" else "message"

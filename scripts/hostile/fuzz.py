@@ -10,7 +10,8 @@ the other routes (a restart costs tens of seconds) and the run waits for /health
 The newer fields get values of their own kind: penalties, logit_bias keys, values and sizes,
 allowed_token_ids (ids, and one past the wire's length cap), bad_words, prompt_logprobs, and
 malformed, huge or contradictory schemas, regexes, grammars, choices, response_format, tools and
-tool_choice. A dotted name is a path into the body (see http_body).
+tool_choice; /v1/embeddings' input (empty, 10,000 items, over the context, mixed kinds), its
+token ids, dimensions and encoding_format. A dotted name is a path into the body (see http_body).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ HTTP_BASE = {
                              "temperature": 0},
     "/v1/responses": {"input": "Hello", "max_output_tokens": 2, "temperature": 0, "store": False},
     "/v1/messages": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "temperature": 0},
+    "/v1/embeddings": {"input": "Hello"},
 }
 SAMPLING_FIELDS = {"max_tokens": "int", "min_tokens": "int", "n": "int", "seed": "int", "top_k": "int",
                    "temperature": "float", "top_p": "float", "min_p": "float", "stop_token_ids": "id"}
@@ -61,6 +63,8 @@ HTTP_FIELDS = {
                       "text.format": "format", "tools": "tools", "tool_choice": "tool_choice"},
     "/v1/messages": {"max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
                      "stop_sequences": "words", "tools": "tools", "tool_choice": "tool_choice"},
+    "/v1/embeddings": {"input": "embedding_input", "input[]": "prompt_id", "input[[]]": "prompt_id", "dimensions": "int",
+                       "encoding_format": "encoding"},
 }
 QUICK_COMPLETIONS_ONLY = {*SAMPLING_FIELDS, *NEW_SAMPLING_FIELDS, "structured_outputs.regex"}
 LOCAL_FIELDS = {"temperature": "float", "top_p": "float", "top_k": "int", "min_p": "float", "seed": "int",
@@ -141,6 +145,12 @@ def new_field_values(kind: str, vocab: int, quick: bool) -> list:
     if kind == "tool_choice":
         values = ["nonsense", {"type": "function", "function": {"name": "nope"}}, {"type": "function"}, 5]
         return values + ([] if quick else ["auto", "none", "required", None])
+    if kind == "embedding_input":  # empty, too many, too long, mixed kinds, not text at all
+        return [[], "", [""], [[]], Big("10000 inputs", ["a"] * 10_000), Big("2049 inputs", ["a"] * 2049),
+                Big("a text over the context", "hello " * 9000), Big("token ids over the context", [5] * 9000),
+                ["a", 5], [5, "a"], [[5], "a"], [{"text": "a"}], [True], [None], 5, None, {"a": 1}]
+    if kind == "encoding":
+        return ["int8", "", None, 5, ["float"], "FLOAT"]
     if kind == "bias_pairs":
         return [[[vocab, 1.0]], [[5, float("nan")]], [[5, float("inf")]], [[5, 1.0], [5, 2.0]], [[5]],
                 Big("1025 pairs", [[i, 1.0] for i in range(1025)])]
@@ -184,6 +194,10 @@ def http_body(route: str, name: str, kind: str, value) -> dict:
         body["prompt"] = [1, value]
     elif name == "prompt[[]]":
         body["prompt"] = [[value]]
+    elif name == "input[]":
+        body["input"] = [1, value]
+    elif name == "input[[]]":
+        body["input"] = [[1], [value]]
     elif kind == "id":
         body[name] = [value]
     elif name == "top_logprobs":
@@ -220,7 +234,8 @@ FIELD_WORDS = {"max_completion_tokens": ("max_tokens",), "max_output_tokens": ("
                "logit_bias{}": ("logit_bias",), "allowed_token_ids[]": ("allowed_token_ids",),
                "bad_words": ("bad word",), "bad_words_token_ids": ("bad word", "bad_words"),
                "structured_outputs.choice": ("choice",), "guided_choice": ("choice",),
-               "tools[].parameters": ("parameters",), "tools": ("tool",), "tool_choice": ("tool choice",)}
+               "tools[].parameters": ("parameters",), "tools": ("tool",), "tool_choice": ("tool choice",),
+               "input[]": ("input", "prompt"), "input[[]]": ("input", "prompt")}
 # Every structured-output form may be named as such ("structured output (regex) is not usable: ...").
 STRUCTURED_WORDS = ("structured output", "structured_outputs", "response_format")
 GENERAL_REASONS = ("context length", "not valid JSON")  # a message about the whole request or body is fine
