@@ -62,9 +62,10 @@ def _sources_key(paths: list[Path]) -> str:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     digest.update(" ".join(CFLAGS).encode())
     # ninja's command lines name torch's headers: two venvs sharing the cache would rebuild over each other.
+    # Unresolved, as torch writes them: venvs that are links to one (a worktree each) are told apart too.
     import torch
 
-    digest.update(str(Path(torch.__file__).resolve().parent).encode() + torch.__version__.encode())
+    digest.update(str(Path(torch.__file__).parent).encode() + torch.__version__.encode())
     return digest.hexdigest()[:12]
 
 

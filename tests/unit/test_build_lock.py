@@ -124,3 +124,19 @@ def test_without_kernels_attention_fused_ops_and_sampling_fall_back_to_torch(mon
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["attention runs the torch backend: no CPU kernels (c++: command not found)",
                         "fused CPU ops off, the torch ops run: no CPU kernels (c++: command not found)"]
+
+
+def test_venvs_linked_to_one_get_builds_of_their_own(monkeypatch):
+    """ninja's command lines name torch's headers by the venv's own path (a worktree's .venv link):
+    two such venvs sharing one build folder would rebuild every kernel over each other, on every start."""
+    import torch
+
+    from engine.kernels import cpu_extension
+
+    sources = cpu_extension.SOURCES[:1]
+    keys = []
+    for venv in ("/work/a/.venv", "/work/b/.venv"):
+        monkeypatch.setattr(torch, "__file__", f"{venv}/lib/python3.11/site-packages/torch/__init__.py")
+        keys.append(cpu_extension._sources_key(sources))
+    assert keys[0] != keys[1]
+    assert cpu_extension._sources_key(sources) == keys[1]  # and the same venv keeps its key
