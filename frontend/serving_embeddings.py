@@ -59,17 +59,14 @@ def prompts_of(value: Any) -> list[str | list[int]]:
     kind = _kind(value[0])
     if kind is None:
         raise InvalidRequestError("input[0] must be a string, a token id or a list of token ids")
+    if kind != "a token id" and len(value) > MAX_EMBEDDING_INPUTS:
+        raise InvalidRequestError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, got {len(value)}")
     for i, item in enumerate(value):
         if _kind(item) != kind:
             raise InvalidRequestError(f"input[{i}] must be {kind}, as input[0] is ({_KINDS})")
-    if kind == "a token id":
-        return [value]
-    if len(value) > MAX_EMBEDDING_INPUTS:
-        raise InvalidRequestError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, got {len(value)}")
-    for i, item in enumerate(value):
-        if not item:
+        if not item and kind != "a token id":
             raise InvalidRequestError(f"input[{i}] is empty")
-    return value
+    return [value] if kind == "a token id" else value
 
 
 async def create_embedding(body: EmbeddingRequest, raw_request: Request, client: AsyncEngineClient) -> dict:
@@ -89,8 +86,7 @@ async def create_embedding(body: EmbeddingRequest, raw_request: Request, client:
     data = [{"object": "embedding", "index": i, "embedding": _encode(vectors[i], body.encoding_format)}
             for i in range(len(prompts))]
     num_prompt_tokens = sum(len(ids) for ids in stream.prompt_token_ids)
-    return {"id": request_id, "object": "list",
-            "created": now_s(), "model": client.model_name, "data": data,
+    return {"id": request_id, "object": "list", "created": now_s(), "model": client.model_name, "data": data,
             "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
 
 
