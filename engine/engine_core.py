@@ -83,7 +83,7 @@ class EngineCore:
         # Sliding windows do not cap it: the attention kernels compute them per layer.
         self.max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
         self.executor = None
-        if tp_size > 1:
+        if config.world_size > 1:
             self.executor = make_executor(config, self.model_config, num_kv_blocks, self.max_model_len, device)
         try:
             self.model_runner = ModelRunner(config, self.model_config, num_kv_blocks, self.max_model_len,

@@ -28,6 +28,7 @@ from engine.cuda_graphs import CudaGraphRunner
 from engine.distributed.messages import StepInputs
 from engine.distributed.parallel_layers import num_local_kv_heads
 from engine.distributed.parallel_state import TensorParallelGroup, threads_per_rank
+from engine.distributed.pipeline import WHOLE_MODEL, forward_stage
 from engine.dtype_policy import CpuFeatures, choose_dtype, choose_kv_cache_dtype, detect_cpu_features
 from engine.gguf_blocks import blocks_for_model
 from engine.huge_pages import zeros_on_huge_pages
@@ -141,7 +142,7 @@ class ModelRunner:
     def _set_num_threads(self) -> None:
         num_threads = self.config.num_threads
         if not num_threads and self.tp is not None:
-            num_threads = threads_per_rank(self.config.tensor_parallel_size, self.config.nnodes)
+            num_threads = threads_per_rank(self.config.world_size, self.config.nnodes)
         if num_threads and self.device.type == "cpu":
             torch.set_num_threads(num_threads)
 
@@ -178,17 +179,24 @@ class ModelRunner:
         """Decode-only steps' layers in one C++ call, where every layer can (engine.models.decode_stack)."""
         if not self.config.cpu_decode_stack or self.device.type != "cpu" or self.is_compiled:
             return None
+        if self.config.pipeline_parallel_size > 1:
+            logger.info("decode steps: eager (pipeline parallelism)")
+            return None
         stack, note = build_decode_stack(self.model, self.kv_caches, self.backend, fused_ops,
                                          fused_ops.kernels if fused_ops is not None else None)
         logger.info("decode steps: %s", f"one C++ call for {note}" if stack is not None else f"eager ({note})")
         return stack
 
     def _make_kv_pool(self, num_kv_blocks: int) -> list[KVCache]:
-        """One K and one V tensor per layer, in the backend's block layout."""
+        """One K and one V tensor per layer (this pipeline stage's layers; None for the others), in the
+        backend's block layout."""
         num_kv_heads = num_local_kv_heads(self.model_config.num_kv_heads, self.config.tensor_parallel_size)
         shape = self.backend.kv_cache_shape(num_kv_blocks, self.block_size, num_kv_heads, self.model_config.head_dim)
         logger.info("KV pool: %d blocks of %d tokens on %s", num_kv_blocks, self.block_size, self.device)
-        return [(self._new_cache(shape), self._new_cache(shape)) for _ in range(self.model_config.num_layers)]
+        num_layers = self.model_config.num_layers
+        stage = self.tp.stage if self.tp is not None else WHOLE_MODEL
+        return [(self._new_cache(shape), self._new_cache(shape)) if stage.holds(i, num_layers) else None
+                for i in range(num_layers)]
 
     def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":  # blocks are read scattered: fewer TLB misses on huge pages
@@ -248,6 +256,11 @@ class ModelRunner:
         and on a worker rank). The pooled rows' final hidden states go to `pooled_hidden`."""
         input_ids, positions, metadata, sample_rows = self._to_tensors(inputs)  # sample_rows: then pooled rows
         self.backend.prepare(metadata)  # the step's plan, made once for every layer
+        if self.tp is not None and self.tp.stage.is_pipelined:  # this stage's layers, between its neighbours
+            if inputs.pooling_rows:
+                raise ValueError("embeddings are not supported with pipeline parallelism")
+            return forward_stage(self.model, self.tp.stage, input_ids, positions, self.kv_caches, self.backend,
+                                 sample_rows, self.dtype)
         if self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)[sample_rows]  # [num_sampled, hidden_size]
         elif self.compiled_forward is not None:

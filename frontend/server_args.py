@@ -97,7 +97,8 @@ def _thread_share_args(args: argparse.Namespace) -> list[str]:
     --num-threads says otherwise): left alone, every core's torch would take all of them."""
     if args.data_parallel <= 1 or args.num_threads:
         return []
-    num_ranks = args.data_parallel * (args.tensor_parallel_size or 1)  # --master-port (multi-node) is refused with DP
+    # --master-port (multi-node) is refused with DP
+    num_ranks = args.data_parallel * (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
     return ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // num_ranks))]
 
 

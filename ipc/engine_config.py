@@ -88,6 +88,10 @@ class EngineConfig:
     # starts the other ranks of its host; other hosts run `tokenloom engine --node-rank R`.
     tensor_parallel_size: int = field(default=1, metadata=_flag(
         "ranks that split the model's heads and weights (gloo on CPU, NCCL on CUDA)"))
+    # Pipeline parallelism (engine.distributed.pipeline): consecutive layers per stage, each stage
+    # a tensor-parallel group; ranks = tensor_parallel_size x pipeline_parallel_size.
+    pipeline_parallel_size: int = field(default=1, metadata=_flag(
+        "stages the model's layers are split into, one step's activations passed stage to stage"))
     nnodes: int = field(default=1, metadata=_flag("hosts the tensor-parallel ranks are spread over"))
     node_rank: int = field(default=0, metadata=_flag(
         "this host's index among --nnodes; 0 runs the engine core, the others only workers"))
@@ -135,22 +139,27 @@ class EngineConfig:
         SpeculativeConfig.parse(self.speculative_config)  # raises, naming the bad field
 
     def _check_parallel(self) -> None:
-        size, nnodes = self.tensor_parallel_size, self.nnodes
-        if size < 1 or nnodes < 1:
-            raise ValueError("tensor_parallel_size and nnodes must be at least 1")
+        size, nnodes = self.world_size, self.nnodes
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1 or nnodes < 1:
+            raise ValueError("tensor_parallel_size, pipeline_parallel_size and nnodes must be at least 1")
         if size % nnodes:
-            raise ValueError(f"tensor_parallel_size {size} does not divide evenly over {nnodes} nodes")
+            raise ValueError(f"{size} ranks (tensor x pipeline parallel) do not divide evenly over {nnodes} nodes")
         if not 0 <= self.node_rank < nnodes:
             raise ValueError(f"node_rank must be in [0, {nnodes}), got {self.node_rank}")
         if nnodes > 1 and not self.master_port:
             raise ValueError("several nodes need a fixed master_port to meet at")
         if size > 1 and self.compile:
-            raise ValueError("compile is not supported with tensor parallelism (the eager path is)")
+            raise ValueError("compile is not supported with tensor or pipeline parallelism (the eager path is)")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
         if self.distributed_executor_backend == "ray" and nnodes > 1:
             raise ValueError("with the ray backend Ray places every rank: leave nnodes and node_rank unset")
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the engine: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -1,8 +1,10 @@
-"""Tensor parallelism over torch.distributed: one model's layers split across ranks.
+"""Tensor and pipeline parallelism over torch.distributed: one model split across ranks.
 
 - `parallel_state`: rendezvous (a TCP store, as torchrun), the process group, the collectives.
 - `parallel_layers`: row-parallel linears, the vocab-parallel embedding, checkpoint sharding.
 - `messages`: the records rank 0 sends its workers (msgpack, no pickle).
-- `executor`: rank 0's side: starts and watches the workers, sends each step's inputs.
+- `pipeline`: pipeline stages (consecutive layers), the hand-off between them.
+- `executor`: rank 0's side: starts and watches the workers, sends each step's inputs;
+  `ray_executor`: the same with the workers as Ray actors.
 - `worker`: a worker rank's process: receive a step, run it, repeat.
 """

@@ -48,6 +48,7 @@ import zmq
 
 from engine.distributed import messages
 from engine.distributed.parallel_layers import check_tensor_parallel
+from engine.distributed.pipeline import check_pipeline_parallel
 from engine.distributed.parallel_state import RENDEZVOUS_TIMEOUT_S, create_group, create_store, num_local_ranks
 from ipc.engine_config import EngineConfig, engine_argv
 
@@ -91,7 +92,8 @@ class Executor:
 
     def __init__(self, config: EngineConfig, model_config, num_kv_blocks: int, max_model_len: int, device) -> None:
         check_tensor_parallel(model_config, config.tensor_parallel_size)
-        self.size = config.tensor_parallel_size
+        check_pipeline_parallel(model_config.num_layers, config.pipeline_parallel_size)
+        self.size = config.world_size
         self.workers = self.make_workers(config, device)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -111,7 +113,7 @@ class Executor:
             self.workers.start(worker_config, model_config.path)
             for hello in self._wait_for(messages.WorkerHello, "connect"):
                 logger.info("tensor-parallel rank %d (pid %d) connected", hello.rank, hello.pid)
-            self.group = create_group(self.store, 0, self.size, device)
+            self.group = create_group(self.store, 0, config.tensor_parallel_size, device, config.pipeline_parallel_size)
         except BaseException:
             self.shutdown()
             raise
@@ -186,7 +188,7 @@ class LocalProcesses(Workers):
         self.processes: dict[int, subprocess.Popen] = {}  # this host's workers, by rank
 
     def start(self, config: EngineConfig, model_path: str) -> None:
-        for rank in range(1, num_local_ranks(config.tensor_parallel_size, config.nnodes)):
+        for rank in range(1, num_local_ranks(config.world_size, config.nnodes)):
             self.processes[rank] = start_worker(config, model_path, rank)
 
     def find_dead(self) -> str | None:

@@ -7,7 +7,9 @@ group is built straight from that store rather than through
 several engines (tests build one `LLM` after another) and each engine's group is
 the `TensorParallelGroup` it was given.
 
-At TP = 1 the model is built with `NO_TP`, and nothing here runs.
+At TP = 1 the model is built with `NO_TP`, and nothing here runs. With pipeline
+parallelism (engine.distributed.pipeline) each stage is a tensor-parallel group of its own,
+and the group carries this rank's `PipelineStage`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.distributed.pipeline import WHOLE_MODEL, PipelineStage
+
 # A rank that waits longer than this in a collective gives up (gloo raises). A killed
 # peer is noticed at once (its socket closes); this bounds a hung one.
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -29,10 +33,11 @@ RENDEZVOUS_TIMEOUT_S = 300.0
 class TensorParallelGroup:
     """This rank's place in its group and the group's collectives, with the time spent in them."""
 
-    def __init__(self, rank: int, size: int, process_group=None) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, size: int, process_group=None, stage: PipelineStage = WHOLE_MODEL) -> None:
+        self.rank = rank  # within this group (this stage's)
         self.size = size
         self.process_group = process_group
+        self.stage = stage
         self.num_all_reduces = 0
         self.all_reduce_seconds = 0.0  # includes waiting for the slowest rank
 
@@ -70,23 +75,38 @@ def create_store(master_addr: str, master_port: int, world_size: int, is_master:
                          wait_for_workers=False)
 
 
-def create_group(store: dist.Store, rank: int, size: int, device: torch.device) -> TensorParallelGroup:
-    """Join the group (blocks until every rank has); gloo on the CPU, NCCL on CUDA."""
+def create_group(store: dist.Store, rank: int, tensor_parallel_size: int, device: torch.device,
+                 pipeline_parallel_size: int = 1) -> TensorParallelGroup:
+    """Join this rank's groups (blocks until every rank has): its stage's tensor-parallel group
+    and, with several stages, every rank's group for the sends between them."""
+    stage_index, tp_rank = divmod(rank, tensor_parallel_size)
+    process_group = None
+    if tensor_parallel_size > 1:
+        # Stage 0's prefix is the one a plain TP group has always used.
+        prefix = "tp" if stage_index == 0 else f"tp{stage_index}"
+        process_group = _process_group(dist.PrefixStore(prefix, store), tp_rank, tensor_parallel_size, device)
+    stage = WHOLE_MODEL
+    if pipeline_parallel_size > 1:
+        world = _process_group(dist.PrefixStore("pp", store), rank, tensor_parallel_size * pipeline_parallel_size,
+                               device)
+        stage = PipelineStage(stage_index, pipeline_parallel_size, tp_rank, tensor_parallel_size, world)
+    return TensorParallelGroup(tp_rank, tensor_parallel_size, process_group, stage)
+
+
+def _process_group(store: dist.Store, rank: int, size: int, device: torch.device):
+    """gloo on the CPU, NCCL on CUDA."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    prefixed = dist.PrefixStore("tp", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        process_group = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    else:
-        process_group = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-    return TensorParallelGroup(rank, size, process_group)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def num_local_ranks(tensor_parallel_size: int, nnodes: int) -> int:
-    return tensor_parallel_size // nnodes
+def num_local_ranks(world_size: int, nnodes: int) -> int:
+    return world_size // nnodes
 
 
-def threads_per_rank(tensor_parallel_size: int, nnodes: int) -> int:
+def threads_per_rank(world_size: int, nnodes: int) -> int:
     """This host's cores shared among its ranks, so they do not oversubscribe the CPU."""
-    return max(1, len(os.sched_getaffinity(0)) // num_local_ranks(tensor_parallel_size, nnodes))
+    return max(1, len(os.sched_getaffinity(0)) // num_local_ranks(world_size, nnodes))

@@ -55,7 +55,7 @@ class RayWorker:
 
 class RayExecutor(Executor):
     def make_workers(self, config: EngineConfig, device) -> Workers:
-        return RayActors(config.tensor_parallel_size, device.type == "cuda")
+        return RayActors(config.world_size, device.type == "cuda")
 
 
 class RayActors(Workers):

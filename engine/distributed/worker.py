@@ -1,6 +1,6 @@
-"""A tensor-parallel worker rank: load this rank's shard, then run each step rank 0 sends.
+"""A worker rank (tensor- and/or pipeline-parallel): load this rank's shard, then run each step rank 0 sends.
 
-    python -m engine.distributed.worker --model PATH --tensor-parallel-size N \\
+    python -m engine.distributed.worker --model PATH --tensor-parallel-size N [--pipeline-parallel-size P] \\
         [--nnodes K --node-rank R] --master-addr HOST --master-port PORT [--rank r] [engine flags]
 
 Rank 0's executor starts its own host's workers with --rank. On another host,
@@ -49,7 +49,7 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0, device_inde
 
     if parent_pid:
         _die_with_parent()
-    size = config.tensor_parallel_size
+    size = config.world_size
     store = create_store(config.master_addr, config.master_port, size, is_master=False)
     address = store.get(STEP_ADDRESS_KEY).decode()
     num_kv_blocks = int(store.get(NUM_KV_BLOCKS_KEY))
@@ -63,7 +63,7 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0, device_inde
     device, _ = resolve_device_and_dtype(config)
     if device.type == "cuda":
         torch.cuda.set_device(rank % num_local_ranks(size, config.nnodes) if device_index is None else device_index)
-    group = create_group(store, rank, size, device)
+    group = create_group(store, rank, config.tensor_parallel_size, device, config.pipeline_parallel_size)
     model_config = ModelConfig.from_folder(resolve_model(config.model))
     runner = ModelRunner(config, model_config, num_kv_blocks, max_model_len, tp=group)
     sock.send(messages.encode(messages.WorkerReady(rank)))
@@ -101,7 +101,7 @@ def _serve_steps(runner, sock: zmq.Socket, monitor: zmq.Socket, parent_pid: int,
 
 def run_worker_node(config: EngineConfig, parent_pid: int = 0) -> int:
     """Host `node_rank`'s ranks: the first here, the others as children."""
-    num_local = num_local_ranks(config.tensor_parallel_size, config.nnodes)
+    num_local = num_local_ranks(config.world_size, config.nnodes)
     first_rank = config.node_rank * num_local
     children = [start_worker(config, config.model, rank) for rank in range(first_rank + 1, first_rank + num_local)]
     try:

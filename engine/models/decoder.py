@@ -10,7 +10,9 @@ paths are applied from outside (engine/models/fast_paths.py), to whatever blocks
 
 With tensor parallelism (`tp`, engine.distributed) each rank builds the same module with
 its share of the heads, the intermediate size and the vocabulary; at TP = 1 (`NO_TP`)
-every layer is the plain one.
+every layer is the plain one. Under pipeline parallelism (`tp.stage`,
+engine.distributed.pipeline) a rank builds, loads and runs only its stage's layers; the
+others are `MissingLayer`s.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def moe_or_dense_mlp(config: ModelConfig, layer_index: int, tp: TensorParallelGr
     return dense_mlp(config, tp)
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: no weights here, never run here."""
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, attention: Attention, mlp: nn.Module) -> None:
         super().__init__()
@@ -93,7 +99,8 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(self.make_layer(config, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i, tp) if tp.stage.holds(i, config.num_layers)
+                                    else MissingLayer() for i in range(config.num_layers))
         self.norm = self.make_norm(config)
         self.rotary = make_rotary(config)
         # The sliding-window layers' own rotary where the config gives one (Gemma 3); None: the same.
@@ -119,6 +126,8 @@ class DecoderForCausalLM(nn.Module):
         model's own dtype; None: all in the model's dtype (engine.models.attention)."""
         self.attention_dtype = dtype
         for layer in self.layers:
+            if isinstance(layer, MissingLayer):
+                continue
             attn = layer.self_attn
             attn.attention_dtype = dtype
             for norm in (attn.q_norm, attn.k_norm):  # they norm heads in attention's dtype, as a bf16 model's do
@@ -138,22 +147,27 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
         backend: AttentionBackend | None,  # prepared for the step; COMPILED (None): engine.compilation's op
         output_rows: torch.Tensor | None = None,  # [num_out] int64: the rows to return; None: all
-    ) -> torch.Tensor:
+        carried: tuple[torch.Tensor, torch.Tensor] | None = None,  # (hidden, residual) from the previous stage
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens] ids -> [num_tokens or num_out, hidden_size] final hidden states.
         Only the sampled rows' (a prompt's last) final states are ever used, so with
         `output_rows` the last layer runs its o_proj, MLP and post-attention norm on those
         rows alone: every row's K and V are in the cache by then. For a prompt that is 84%
-        of a layer's matmuls left out, 2.8% of the model's."""
-        hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
+        of a layer's matmuls left out, 2.8% of the model's.
+        A pipeline stage runs its own layers, from `carried` past the first stage; every stage
+        but the last returns (hidden, residual) [num_tokens, hidden_size] each, for the next."""
+        hidden, residual = carried if carried is not None else (self.embed(input_ids), None)  # [num_tokens, hidden]
         angle_dtype = self.attention_dtype or hidden.dtype  # rotary runs in attention's dtype
         cos_sin = self.rotary.cos_sin(positions, angle_dtype)
         local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, angle_dtype)
-        residual = None
         last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches or [None] * len(self.layers))):
+        for i in self.tp.stage.layers(len(self.layers)):
+            layer, kv_cache = self.layers[i], kv_caches[i] if kv_caches else None
             rows = output_rows if i == last else None
             angles = cos_sin if layer.self_attn.sliding_window == NO_WINDOW else local_cos_sin
             hidden, residual = layer(angles, hidden, residual, kv_cache, backend, rows)
+        if not self.tp.stage.is_last:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -191,13 +205,15 @@ class DecoderForCausalLM(nn.Module):
                     name, parts = pattern.sub(rule.ours, name, count=1), rule.parts
                     break
             if name not in params:
-                if into is not None:
+                if into is not None or self._is_elsewhere(name):
                     continue
                 raise KeyError(f"unexpected weight {hf_name!r}")
             param = params[name]
             with torch.no_grad():
                 if not parts:
-                    param.copy_(tensor if self.tp.size == 1 else shard_checkpoint_tensor(name, tensor, self.config, self.tp))
+                    # tensor may be a safetensors slice (under TP or PP): [:] reads it
+                    whole = self.tp.size == 1
+                    param.copy_(tensor[:] if whole else shard_checkpoint_tensor(name, tensor, self.config, self.tp))
                 else:
                     self._load_parts(param, tensor, parts)
             loaded.add(name)
@@ -208,6 +224,11 @@ class DecoderForCausalLM(nn.Module):
                              "(--runner pooling)")
         if missing and into is None:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+    def _is_elsewhere(self, name: str) -> bool:
+        """Whether `name` (ours) is a weight of a layer another pipeline stage holds."""
+        match = re.match(r"layers\.(\d+)\.", name)
+        return match is not None and not self.tp.stage.holds(int(match.group(1)), len(self.layers))
 
     def _load_parts(self, param: torch.Tensor, tensor, parts: tuple[str, ...]) -> None:
         """Each part's rows of `tensor` (this rank's share) into its place in `param`

@@ -114,7 +114,7 @@ def _all_reduce_latency_rank(rank: int, port: int, shapes: list[tuple[int, int]]
 
     torch.set_num_threads(1)
     store = create_store("127.0.0.1", port, 2, is_master=rank == 0)
-    group = create_group(store, rank, 2, torch.device("cpu"))
+    group = create_group(store, rank, 2, torch.device("cpu"))  # two TP ranks, one stage
     result = {}
     for shape in shapes:
         x = torch.randn(shape)

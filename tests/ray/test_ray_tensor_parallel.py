@@ -1,7 +1,8 @@
-"""Tensor parallelism over Ray (`distributed_executor_backend="ray"`) on a real three-node Ray
-cluster on this machine: fp32 greedy tokens equal TP = 1's (tiny Qwen3 and Mixtral at TP = 2,
-SmolLM2 at TP = 3: 9 heads and 3 KV heads, one rank per node), a worker actor killed with
-ray.kill fails the engine at once with a clear error, and no actor or KV block is left behind.
+"""Tensor and pipeline parallelism over Ray (`distributed_executor_backend="ray"`) on a real
+three-node Ray cluster on this machine: fp32 greedy tokens equal one process's (tiny Qwen3 and
+Mixtral at TP = 2, SmolLM2 at TP = 3: 9 heads and 3 KV heads, one rank per node; a tiny Llama
+at PP = 2), a worker actor killed with ray.kill fails the engine at once with a clear error,
+and no actor or KV block is left behind.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ def test_tiny_models_tp2_over_ray_match_tp1(architecture, overrides, tmp_path):
     max_diff = assert_same_greedy_tokens(reference, outputs)
     print(f"{architecture}: TP=2 over Ray equals TP=1; max |logprob difference| {max_diff:.2e}")
     assert max_diff < 1e-3
+
+
+def test_pp2_over_ray_matches_one_process(tmp_path):
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **TINY | dict(num_hidden_layers=3))
+    prompts = [[5, 6, 7], list(range(40, 70))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    reference = generate(path, prompts, params, 1, "mp")
+    outputs = generate(path, prompts, params, 1, "ray", pipeline_parallel_size=2)
+    assert assert_same_greedy_tokens(reference, outputs) == 0.0  # the stages hand on exact activations
 
 
 @pytest.mark.slow

@@ -1,0 +1,75 @@
+"""Pipeline parallelism gives the single-process tokens: fp32 greedy, PP = 2 and PP = 3 (one
+layer a stage) vs PP = 1, and TP = 2 x PP = 2 (four ranks, each stage a TP group), on a tiny
+Llama, with chunked prefill and mixed batches; over the mp executor (tests/ray runs the same
+over Ray). A stage's hand-off is exact, so PP alone moves no bit; TP's all-reduce moves the
+last ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from ipc.engine_config import EngineConfig
+from tests.helpers.models import make_tiny_model
+from tests.models.test_tp_equivalence import assert_same_greedy_tokens
+
+ENGINE_KWARGS = dict(skip_tokenizer_init=True, dtype="float32", block_size=4, num_kv_blocks=256, device="cpu",
+                     max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    path, _ = make_tiny_model(tmp_path_factory.mktemp("pp"), "LlamaForCausalLM", num_hidden_layers=3)
+    return path
+
+
+def generate(path: str, **kwargs):
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (1, 7, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    llm = LLM(path, **ENGINE_KWARGS | kwargs)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.block_manager.num_used_blocks == 0
+        return outputs
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return generate(tiny_llama)
+
+
+@pytest.mark.parametrize("kwargs", [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=3),
+                                    dict(tensor_parallel_size=2, pipeline_parallel_size=2)],
+                         ids=["pp2", "pp3", "tp2xpp2"])
+def test_pipeline_parallel_matches_one_process(tiny_llama, reference, kwargs):
+    max_diff = assert_same_greedy_tokens(reference, generate(tiny_llama, **kwargs))
+    print(f"{kwargs}: tokens equal PP=1; max |logprob difference| {max_diff:.2e}")
+    assert max_diff < 1e-3
+    if "tensor_parallel_size" not in kwargs:
+        assert max_diff == 0.0  # stages hand the exact activations on
+
+
+def test_a_stage_holds_only_its_layers_and_their_kv_cache(tiny_llama):
+    from engine.distributed.pipeline import PipelineStage
+    from engine.models.decoder import MissingLayer
+
+    llm = LLM(tiny_llama, pipeline_parallel_size=2, **ENGINE_KWARGS)
+    try:
+        runner = llm.engine.model_runner  # rank 0: stage 0 of 2, layer 0 of 3
+        assert runner.tp.stage == PipelineStage(0, 2, 0, 1, runner.tp.stage.process_group)
+        assert [isinstance(layer, MissingLayer) for layer in runner.model.layers] == [False, True, True]
+        assert [cache is None for cache in runner.kv_caches] == [False, True, True]
+    finally:
+        llm.shutdown()
+
+
+def test_more_stages_than_layers_are_refused(tiny_llama):
+    with pytest.raises(ValueError, match="3 layers cannot make 4 stages"):
+        LLM(tiny_llama, pipeline_parallel_size=4, **ENGINE_KWARGS)
+    with pytest.raises(ValueError, match="compile is not supported with tensor or pipeline"):
+        EngineConfig(pipeline_parallel_size=2, compile=True)
