@@ -93,7 +93,7 @@ def test_a_model_that_does_not_split_is_refused_before_anything_starts(tmp_path)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tensor_parallel_size=3, nnodes=2, master_port=1), "does not divide evenly over 2 nodes"),
+    (dict(tensor_parallel_size=3, nnodes=2, master_port=1), "do not divide evenly over 2 nodes"),
     (dict(tensor_parallel_size=2, nnodes=2), "fixed master_port"),
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1), "node_rank must be in"),
     (dict(tensor_parallel_size=2, compile=True), "compile is not supported"),
