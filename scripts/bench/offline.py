@@ -48,6 +48,7 @@ import threading
 import time
 from pathlib import Path
 
+from frontend.spec_decode_metrics import format_spec_decode, spec_decode_summary, subtract_spec_decode
 from ipc.engine_config import QUANTIZATIONS
 from scripts.bench.offline_hf import run_hf
 from scripts.lib.bench_report import cpu_steal_s, machine_info, steal_share, write_report
@@ -131,6 +132,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         enable_prefix_caching=prefix_caching,
         load_format=args.load_format,
         skip_tokenizer_init=args.load_format == "dummy",  # a config-only folder: token ids in and out
+        speculative_config=args.speculative_config,
     )
     startup_s = time.perf_counter() - startup
     runner = llm.engine.model_runner
@@ -178,6 +180,7 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         num_prefix_cache_queries=stats.num_prefix_cache_queries - stats_before.num_prefix_cache_queries,
         num_prefix_cache_hits=stats.num_prefix_cache_hits - stats_before.num_prefix_cache_hits,
         num_preemptions=stats.num_preemptions - stats_before.num_preemptions,
+        spec_decode=spec_decode_summary(subtract_spec_decode(stats.spec_decode, stats_before.spec_decode)),
         steal_share=stolen,
         **step_counts(step_stats),
     )
@@ -212,6 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights of the folder's config.json (a published shape without its checkpoint)")
     p.add_argument("--compile", action="store_true", help="our engine: torch.compile the forward (CPU)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='our engine: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--no-cpu-prepack", action="store_true", help="our engine: plain F.linear, not oneDNN-prepacked weights")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads for every mode")
     add_prefix_workload_args(p)
@@ -318,6 +323,9 @@ def main(argv: list[str] | None = None) -> dict:
     for s in summaries.values():
         s["total_tokens_per_s_vs_continuous"] = s["total_tokens_per_s"] / baseline if baseline else None
     print_table(summaries)
+    for mode, s in summaries.items():
+        if s.get("spec_decode"):
+            print(f"{mode}:\n{format_spec_decode(s['spec_decode'])}")
     if live is not None:
         linger_live_view(live, args.live_linger)
 

@@ -27,7 +27,8 @@ from tqdm import tqdm
 from scripts.bench.serving_multi_turn import cached_share_by_turn, run_conversations
 from scripts.lib.bench_metrics import RequestTrace, summarize_traces
 from scripts.lib.bench_report import write_report
-from scripts.lib.local_server import reset_prefix_cache, scrape_metrics, start_server, stop_server
+from frontend.spec_decode_metrics import format_spec_decode
+from scripts.lib.local_server import reset_prefix_cache, scrape_metrics, spec_decode_delta, start_server, stop_server
 from scripts.lib.sse_client import StreamStatusError, stream_chunks
 from scripts.lib.workload import (
     DISTRIBUTIONS,
@@ -78,7 +79,9 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, req
         return trace
     # The server's usage is the truth; a chunk may carry several tokens (or none).
     if usage is not None:
-        trace.num_output_tokens = usage.get("completion_tokens", num_chunk_tokens)
+        # completion_tokens bills a prediction's rejected tokens too (docs/request_fields.md): not written
+        rejected = (usage.get("completion_tokens_details") or {}).get("rejected_prediction_tokens") or 0
+        trace.num_output_tokens = usage.get("completion_tokens", num_chunk_tokens) - rejected
         trace.num_prompt_tokens = usage.get("prompt_tokens", trace.num_prompt_tokens)
         trace.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     else:
@@ -224,10 +227,16 @@ def run_once(args, base_url: str, workload: list[WorkloadRequest], conversations
     traces, duration, by_conversation = asyncio.run(benchmark(args, base_url, workload, conversations))
     time.sleep(1.5)
     summary = summarize_traces(traces, duration)
-    summary["prefix_cache"] = {**prefix_cache_delta(before, try_scrape(base_url)), "reset_before_run": is_reset}
+    after = try_scrape(base_url)
+    summary["prefix_cache"] = {**prefix_cache_delta(before, after), "reset_before_run": is_reset}
+    spec_decode = spec_decode_delta(before, after)
+    if spec_decode:  # speculation ran
+        summary["spec_decode"] = spec_decode
     if by_conversation is not None:
         summary["cached_share_by_turn"] = cached_share_by_turn(by_conversation)
     print_summary(summary)
+    if spec_decode:
+        print(format_spec_decode(spec_decode))
     errors = [t.error for t in traces if not t.is_success]
     if errors:
         print(f"first error: {errors[0]}")

@@ -258,3 +258,30 @@ def unsatisfiable_grammar(target: Target) -> dict:
             status == 200 and set(finish_reasons) <= {"stop", "length"})
         answers[name] = {"status": status, "finish_reasons": finish_reasons, "body": text[:200], "sane": is_sane}
     return {"passed": all(a["sane"] for a in answers.values()), "answers": answers}
+
+
+def bad_predictions(target: Target) -> dict:
+    """OpenAI's `prediction` that cannot be used: longer than the context, not text, with n > 1.
+    Each must be a 400 naming `prediction`, on both routes, and never reach (or kill) a core."""
+    pids = target.core_pids()
+    too_long = " hello" * (target.max_model_len + 64)  # one token per word in any BPE vocabulary: past the context
+    predictions = {
+        "over_the_context": ({"type": "content", "content": too_long}, 1),
+        "not_text_parts": ({"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, 1),
+        "not_text_number": ({"type": "content", "content": 5}, 1),
+        "not_content_type": ({"type": "text", "content": "hello"}, 1),
+        "with_n_2": ({"type": "content", "content": "hello"}, 2),
+    }
+    answers = {}
+    for name, (prediction, n) in predictions.items():
+        for route, fields in (("/v1/completions", {"prompt": "Hello"}),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})):
+            body = {**fields, "max_tokens": 4, "temperature": 0, "n": n, "prediction": prediction}
+            status, text, _ = target.post(route, body)
+            problem = error_problem(status, text) if status == 400 else f"status {status}: {text[:200]!r}"
+            if problem is None and "prediction" not in json.loads(text)["error"]["message"]:
+                problem = f"the message does not name prediction: {text[:200]!r}"
+            answers[f"{name} {route}"] = {"status": status, "body": text[:200], "problem": problem}
+    is_alive = target.health()[0] == 200 and target.core_pids() == pids
+    return {"passed": is_alive and all(a["problem"] is None for a in answers.values()), "core_alive": is_alive,
+            "answers": answers}

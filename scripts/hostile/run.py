@@ -34,8 +34,8 @@ import requests
 
 from scripts.hostile.adapters import adapter_bad_input
 from scripts.hostile.cases import (
-    big_prompt_does_not_freeze, duplicate_local_id, local_abort_race, oov_stop_token, sigstop_core, slow_grammar_compile,
-    socket_takeover, tiny_temperature, unsatisfiable_grammar,
+    bad_predictions, big_prompt_does_not_freeze, duplicate_local_id, local_abort_race, oov_stop_token, sigstop_core,
+    slow_grammar_compile, socket_takeover, tiny_temperature, unsatisfiable_grammar,
 )
 from scripts.hostile.client import Target
 from scripts.hostile.conn import big_header, oversized_bodies, slowloris
@@ -121,6 +121,7 @@ def hostile_run(args: argparse.Namespace, target: Target, engine_timeout: float 
         ("slow_grammar_compile", slow_grammar_compile, target, 20000 if quick else 30000),
         ("unsatisfiable_grammar", unsatisfiable_grammar, target),
         ("adapter_bad_input", adapter_bad_input, target),
+        ("bad_predictions", bad_predictions, target),
         ("socket_takeover", socket_takeover, target,
          server_command(args, free_port(), engine_timeout is not None), tmp / "second-server.log"),
         ("sigstop_core", sigstop_core, target, engine_timeout or args.engine_timeout),

@@ -86,7 +86,8 @@ def stop_server(process: subprocess.Popen, timeout_s: float = 120) -> int:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Sample values by name, summed over label sets (engines, models); tokenloom's
-    requests_finished_total is kept per reason as `requests_finished_total:REASON`."""
+    requests_finished_total is kept per reason as `requests_finished_total:REASON`, and its
+    speculative decoding series per method as `spec_decode_accepted_tokens_total:ngram`."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         prefix = next((p for p in METRIC_PREFIXES if line.startswith(p)), None)
@@ -96,8 +97,9 @@ def parse_metrics(text: str) -> dict[str, float]:
         name = name_and_labels.split("{", 1)[0][len(prefix):]
         if name.endswith(("_bucket", "_sum", "_count", "_created")):
             continue
-        if 'finish_reason="' in name_and_labels and prefix == "tokenloom_":
-            name += ":" + name_and_labels.split('finish_reason="', 1)[1].split('"', 1)[0]
+        for label in ("finish_reason", "method"):
+            if f'{label}="' in name_and_labels and prefix == "tokenloom_":
+                name += ":" + name_and_labels.split(f'{label}="', 1)[1].split('"', 1)[0]
         try:
             values[name] = values.get(name, 0.0) + float(value)
         except ValueError:
@@ -108,6 +110,27 @@ def parse_metrics(text: str) -> dict[str, float]:
 def scrape_metrics(url: str, timeout_s: float = 30) -> dict[str, float]:
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout_s) as response:
         return parse_metrics(response.read().decode())
+
+
+def spec_decode_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, dict]:
+    """Speculative decoding over a run, per method that drafted in it, from two scrape_metrics:
+    {method: {num_drafts, num_proposed_tokens, num_accepted_tokens, num_emitted_tokens,
+    acceptance_rate, tokens_per_draft}}; {} when none did (or a scrape failed)."""
+    if not before or not after:
+        return {}
+    fields = {"num_drafts": "spec_decode_num_drafts_total", "num_proposed_tokens": "spec_decode_proposed_tokens_total",
+              "num_accepted_tokens": "spec_decode_accepted_tokens_total",
+              "num_emitted_tokens": "spec_decode_emitted_tokens_total"}
+    methods = {name.split(":", 1)[1] for name in after if name.startswith(fields["num_drafts"] + ":")}
+    result = {}
+    for method in sorted(methods):
+        counts = {key: int(after.get(f"{name}:{method}", 0) - before.get(f"{name}:{method}", 0))
+                  for key, name in fields.items()}
+        if counts["num_drafts"] > 0:
+            rate = counts["num_accepted_tokens"] / max(1, counts["num_proposed_tokens"])
+            result[method] = {**counts, "acceptance_rate": round(rate, 4),
+                              "tokens_per_draft": round(counts["num_emitted_tokens"] / counts["num_drafts"], 3)}
+    return result
 
 
 def reset_prefix_cache(url: str) -> bool:

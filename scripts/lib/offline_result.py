@@ -34,6 +34,7 @@ class ModeResult:
     max_batch_rows: int = 0  # most rows in one step: running sequences, finished padded rows included
     mean_batch_rows: float = 0.0  # time-weighted over the steps
     num_preemptions: int = 0
+    spec_decode: dict = field(default_factory=dict)  # frontend.spec_decode_metrics.spec_decode_summary of the run
     steal_share: float | None = None  # CPU time stolen by the hypervisor over wall x cores
 
     def summary(self) -> dict:
@@ -65,6 +66,7 @@ class ModeResult:
             "mean_batch_rows": self.mean_batch_rows,
             "num_preemptions": self.num_preemptions,
             "steal_share": self.steal_share,
+            **({"spec_decode": self.spec_decode} if self.spec_decode else {}),  # when speculation ran
         }
 
 

@@ -268,3 +268,14 @@ def test_slowloris_of_2000_connections_does_not_starve_requests(server):
             for conn in partial + half:
                 conn.close()
         assert post_good(server).status_code == 200
+
+
+def test_bad_predictions_are_400s_naming_the_field_and_leave_the_core_alone(server):
+    from scripts.hostile.cases import bad_predictions
+    from scripts.hostile.client import Target
+    from scripts.lib.fake_engine import MAX_MODEL_LEN
+
+    core_pids = server.child_pids()
+    result = bad_predictions(Target(server.url, max_model_len=MAX_MODEL_LEN))
+    assert result["passed"], json.dumps(result["answers"], indent=1)
+    assert len(result["answers"]) == 10 and server.child_pids() == core_pids

@@ -22,6 +22,7 @@ from ipc.request_checks import check_request
 from ipc.sampling_params import SamplingParams
 from ipc.text.output_processor import RequestDelta
 from scripts.lib.fake_engine import SCRIPT, FrontendServer, expected_text
+from scripts.lib.local_server import parse_metrics, spec_decode_delta
 from tests.helpers.server import metric
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,6 +106,11 @@ def test_metrics_list_every_method():
     assert 'tokenloom_spec_decode_acceptance_rate{model_name="m",method="ngram"} 0.75' in text
     assert 'tokenloom_spec_decode_proposed_tokens_total{model_name="m",method="draft"} 0' in text
     assert 'tokenloom_spec_decode_acceptance_rate{model_name="m",method="prediction"} 0' in text
+    # What the benchmarks read of it: per method, over a run.
+    before = parse_metrics(FrontendMetrics("m").render(SchedulerStats(), is_healthy=True))
+    assert spec_decode_delta(before, parse_metrics(text)) == {"ngram": {
+        "num_drafts": 3, "num_proposed_tokens": 12, "num_accepted_tokens": 9, "num_emitted_tokens": 12,
+        "acceptance_rate": 0.75, "tokens_per_draft": 4.0}}
 
 
 # ---------------------------------------------------------------- through the server
