@@ -48,6 +48,7 @@ class SimulatorConfig:
     max_num_batched_tokens: int = 1024
     block_size: int = 16
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # each device holds 1/PP of the layers; stages run one after another
     num_kv_blocks: int | None = None  # None: from the profile's KV memory
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -90,12 +91,12 @@ class Simulator:
         self.shape = shape
         self.profile = profile
         self.config = config
-        tp = config.tensor_parallel_size
-        self.cost_model = StepCostModel(shape, profile, tp)
-        # Each device holds 1/TP of every block (its share of the KV heads).
-        bytes_per_block = shape.kv_bytes_per_token * config.block_size // tp
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.cost_model = StepCostModel(shape, profile, tp, pp)
+        # Each device holds 1/TP of every block (its share of the KV heads) of 1/PP of the layers.
+        bytes_per_block = shape.kv_bytes_per_token * config.block_size // (tp * pp)
         self.num_kv_blocks = config.num_kv_blocks or max(
-            1, profile.kv_pool_bytes(shape.cost.weight_bytes // tp) // bytes_per_block)
+            1, profile.kv_pool_bytes(shape.cost.weight_bytes // (tp * pp)) // bytes_per_block)
         # As the engine: sliding windows are computed per layer and do not cap the context.
         limit = min(shape.max_position_embeddings, self.num_kv_blocks * config.block_size)
         self.max_model_len = min(config.max_model_len or limit, limit)

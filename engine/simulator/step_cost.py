@@ -1,6 +1,6 @@
 """The price of one engine step, from what it contains.
 
-    step = overhead + combine(weights, matmuls) + KV reads + attention + all-reduce
+    step = overhead + combine(weights, matmuls) + KV reads + attention + all-reduce + pipeline
 
     overhead    step_overhead + seq_overhead · num_seqs       (the engine's own work)
     weights     weight bytes / TP / (bandwidth · eff)          (every weight read once)
@@ -8,6 +8,12 @@
     KV reads    (context tokens read + tokens written) · KV bytes per token / TP / (bandwidth · eff)
     attention   (query, key) pairs · 4·layers·heads·head_dim / TP / (peak · eff)
     all-reduce  2 per layer + 1 (the embedding), ring: 2·(TP-1)/TP · tokens · hidden bytes / link + latency
+    pipeline    (PP-1) stage hand-offs of (hidden, residual): 2 · tokens · hidden bytes / link + latency,
+                and the sampled rows' logits back to rank 0: sampled · vocab bytes / link + latency
+
+Pipeline stages run one after another within a step (engine.distributed.pipeline: no
+overlap), so their compute adds up to the whole model's: PP divides the memory, not the
+time, and adds its hand-offs; TP divides the compute and adds its all-reduces.
 
 `combine` is max (a roofline: the weight stream and the arithmetic overlap, as on a
 GPU, and as this CPU's oneDNN matmuls measure: a decode step of 1 to 8 sequences costs
@@ -69,21 +75,24 @@ class StepCost:
     linear_s: float  # weights and matmuls, combined
     attention_s: float  # KV reads and attention FLOPs
     allreduce_s: float
+    pipeline_s: float = 0.0  # the hand-offs between pipeline stages
 
     @property
     def total_s(self) -> float:
-        return self.overhead_s + self.linear_s + self.attention_s + self.allreduce_s
+        return self.overhead_s + self.linear_s + self.attention_s + self.allreduce_s + self.pipeline_s
 
 
 class StepCostModel:
-    def __init__(self, shape: ModelShape, profile: HardwareProfile, tensor_parallel_size: int = 1) -> None:
-        if tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be at least 1")
-        if tensor_parallel_size > 1 and profile.link_bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"profile {profile.name!r} has no link bandwidth for tensor parallelism")
+    def __init__(self, shape: ModelShape, profile: HardwareProfile, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1) -> None:
+        if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
+        if tensor_parallel_size * pipeline_parallel_size > 1 and profile.link_bandwidth_bytes_per_s <= 0:
+            raise ValueError(f"profile {profile.name!r} has no link bandwidth for tensor or pipeline parallelism")
         self.shape = shape
         self.profile = profile
         self.tp = tensor_parallel_size
+        self.pp = pipeline_parallel_size
         self.peak_flops = profile.peak_flops(shape.dtype)
 
     def peak_times(self, step: StepShape) -> PeakTimes:
@@ -108,7 +117,18 @@ class StepCostModel:
             linear_s=combine(peak.weights_s / p.bandwidth_efficiency, peak.matmuls_s / p.matmul_efficiency),
             attention_s=peak.kv_s / p.kv_read_efficiency + peak.attention_s / p.attention_efficiency,
             allreduce_s=self.allreduce_s(step.num_tokens),
+            pipeline_s=self.pipeline_s(step.num_tokens, step.num_sampled),
         )
+
+    def pipeline_s(self, num_tokens: int, num_sampled: int) -> float:
+        """The step's hand-offs between stages and its logits' trip back to rank 0."""
+        if self.pp == 1:
+            return 0.0
+        p, shape = self.profile, self.shape
+        handoff_bytes = 2 * num_tokens * shape.hidden_size * shape.element_size  # hidden and residual
+        logits_bytes = num_sampled * shape.vocab_size * shape.element_size
+        num_messages = (self.pp - 1) + (1 if num_sampled else 0)
+        return ((self.pp - 1) * handoff_bytes + logits_bytes) / p.link_bandwidth_bytes_per_s + num_messages * p.link_latency_s
 
     def allreduce_s(self, num_tokens: int) -> float:
         """Ring all-reduce: each device sends and receives 2·(TP-1)/TP of the buffer."""

@@ -50,6 +50,22 @@ SHAPES: dict[str, dict] = {
         "sliding_window": None,  # v0.2 and later attend over the whole context
         "tie_word_embeddings": False,
     },
+    # Llama 3's 70B shape: 141 GB of bf16 weights, more than one 80 GB GPU holds (docs/scale-out.md).
+    "llama-3-70b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 28672,
+        "vocab_size": 128256,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
     "smollm2": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

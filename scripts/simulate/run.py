@@ -127,6 +127,7 @@ def simulator_config(args) -> SimulatorConfig:
     return SimulatorConfig(batching=args.batching, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                            tensor_parallel_size=args.tensor_parallel_size, num_kv_blocks=args.num_kv_blocks,
+                           pipeline_parallel_size=args.pipeline_parallel_size,
                            enable_prefix_caching=args.enable_prefix_caching, is_served=args.server)
 
 
@@ -173,6 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: from the profile's KV memory")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--server", action=argparse.BooleanOptionalAction, default=None,

@@ -78,6 +78,18 @@ def test_tensor_parallel_splits_the_work_and_adds_a_ring_all_reduce(smollm2):
     assert two.allreduce_s == pytest.approx(2 * 1 / 2 * num_bytes / 100e9 + 61 * 1e-5)
 
 
+def test_pipeline_parallel_keeps_the_compute_and_adds_its_hand_offs(smollm2):
+    p = profile(link_bandwidth_bytes_per_s=1e9, link_latency_s=1e-5)
+    step = StepShape(num_seqs=4, num_tokens=100, num_sampled=4, num_context_tokens=400, num_attention_pairs=5000)
+    one, three = StepCostModel(smollm2, p).price(step), StepCostModel(smollm2, p, pipeline_parallel_size=3).price(step)
+    # Stages run one after another: the same compute as one device, plus 2 hand-offs of
+    # (hidden, residual) and the 4 sampled rows' logits back to rank 0.
+    assert (three.linear_s, three.attention_s, three.allreduce_s) == (one.linear_s, one.attention_s, 0.0)
+    num_bytes = 2 * (2 * 100 * 576 * 2) + 4 * 49152 * 2
+    assert three.pipeline_s == pytest.approx(num_bytes / 1e9 + 3 * 1e-5)
+    assert one.pipeline_s == 0.0
+
+
 def test_shipped_profiles_cite_their_spec_sheets():
     names = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
     assert names == ["a100-80gb", "h100-sxm", "h200"]
