@@ -177,3 +177,17 @@ def test_a_decoder_without_its_lm_head_is_refused_with_a_reason(tmp_path):
     save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, f"{path}/model.safetensors")
     with pytest.raises(ValueError, match="no LM head"):
         EngineCore(EngineConfig(model=path, dtype="float32"))
+
+
+@pytest.mark.parametrize("pooling", [PoolingType.LAST, PoolingType.MEAN])
+def test_tensor_parallel_embeddings_equal_one_process(tiny, pooling):
+    """Under TP every rank must pick the same pooled rows out of the last layer (they travel in
+    StepInputs), or the ranks' all-reduces would not meet."""
+    path, hf_model = tiny
+    llm = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=16, num_kv_blocks=256, device="cpu")
+    try:
+        outputs = llm.embed(PROMPTS, PoolingParams(pooling))
+    finally:
+        llm.shutdown()
+    for prompt, output in zip(PROMPTS, outputs):
+        assert cosine(output.embedding, reference(hf_model, prompt, pooling)) > 1 - 1e-4
