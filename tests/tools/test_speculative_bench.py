@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from scripts.bench.speculative import CONFIGS, parse_args, ratios, server_command
