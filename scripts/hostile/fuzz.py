@@ -55,9 +55,10 @@ CHAT_FIELDS = {"response_format": "format", "response_format.json_schema.schema"
 HTTP_FIELDS = {
     "/generate": {**SAMPLING_FIELDS, "logprobs": "int", **NEW_SAMPLING_FIELDS, "structured_outputs.regex": "regex"},
     "/v1/completions": {**SAMPLING_FIELDS, "logprobs": "int", "best_of": "int", "prompt": "prompt_id",
-                        "prompt[[]]": "prompt_id", **NEW_SAMPLING_FIELDS, **STRUCTURED_FIELDS},
+                        "prompt[[]]": "prompt_id", **NEW_SAMPLING_FIELDS, **STRUCTURED_FIELDS,
+                        "prediction": "prediction"},
     "/v1/chat/completions": {**SAMPLING_FIELDS, "top_logprobs": "int", "max_completion_tokens": "int",
-                             **NEW_SAMPLING_FIELDS, **CHAT_FIELDS},
+                             **NEW_SAMPLING_FIELDS, **CHAT_FIELDS, "prediction": "prediction"},
     # The adapters' own fields (their bad bodies: scripts/hostile/adapters.py).
     "/v1/responses": {"max_output_tokens": "int", "temperature": "float", "top_p": "float", "seed": "int",
                       "text.format": "format", "tools": "tools", "tool_choice": "tool_choice"},
@@ -71,11 +72,11 @@ LOCAL_FIELDS = {"temperature": "float", "top_p": "float", "top_k": "int", "min_p
                 "max_tokens": "int", "min_tokens": "int", "stop_token_ids": "id", "logprobs": "int",
                 "prompt_token_ids": "prompt_id", "repetition_penalty": "float", "presence_penalty": "float",
                 "logit_bias": "bias_pairs", "allowed_token_ids": "id", "bad_words_token_ids": "id_lists",
-                "prompt_logprobs": "int", "structured_outputs": "wire_structured"}
+                "prompt_logprobs": "int", "structured_outputs": "wire_structured", "prediction_token_ids": "id"}
 # SamplingParams' fields appended after hostile_client.WIRE_FIELDS, in wire order, with their defaults.
 NEW_WIRE_FIELDS = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
                    ("logit_bias", []), ("allowed_token_ids", None), ("bad_words", []), ("bad_words_token_ids", []),
-                   ("prompt_logprobs", None), ("structured_outputs", None))
+                   ("prompt_logprobs", None), ("structured_outputs", None), ("prediction_token_ids", None))
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "x": {"type": "integer"}}}}}
 # Each adapter's own tool shape and its "required" tool_choice.
@@ -149,6 +150,11 @@ def new_field_values(kind: str, vocab: int, quick: bool) -> list:
         return [[], "", [""], [[]], Big("10000 inputs", ["a"] * 10_000), Big("2049 inputs", ["a"] * 2049),
                 Big("a text over the context", "hello " * 9000), Big("token ids over the context", [5] * 9000),
                 ["a", 5], [5, "a"], [[5], "a"], [{"text": "a"}], [True], [None], 5, None, {"a": 1}]
+    if kind == "prediction":  # OpenAI's Predicted Outputs: not text, the wrong type, over the context
+        return [{"type": "content", "content": 5}, {"type": "text", "content": "a"}, {"type": "content"}, "abc", 5,
+                {"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                {"type": "content", "content": [5]}, {"type": "content", "content": "a", "extra": 1}, [], {},
+                Big("a prediction over the context", {"type": "content", "content": "hello " * 9000})]
     if kind == "encoding":
         return ["int8", "", None, 5, ["float"], "FLOAT"]
     if kind == "bias_pairs":
@@ -235,7 +241,8 @@ FIELD_WORDS = {"max_completion_tokens": ("max_tokens",), "max_output_tokens": ("
                "bad_words": ("bad word",), "bad_words_token_ids": ("bad word", "bad_words"),
                "structured_outputs.choice": ("choice",), "guided_choice": ("choice",),
                "tools[].parameters": ("parameters",), "tools": ("tool",), "tool_choice": ("tool choice",),
-               "input[]": ("input", "prompt"), "input[[]]": ("input", "prompt")}
+               "input[]": ("input", "prompt"), "input[[]]": ("input", "prompt"),
+               "prediction_token_ids": ("prediction",)}
 # Every structured-output form may be named as such ("structured output (regex) is not usable: ...").
 STRUCTURED_WORDS = ("structured output", "structured_outputs", "response_format")
 GENERAL_REASONS = ("context length", "not valid JSON")  # a message about the whole request or body is fine
