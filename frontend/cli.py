@@ -10,7 +10,9 @@
 with `serve --engine tcp://...`; it stays up when that frontend goes away. With
 tensor parallelism over several hosts (torchrun's flags), node 0 runs the core
 (with --listen) and every other node runs only its workers
-(`python -m engine.distributed.worker`), no --listen.
+(`python -m engine.distributed.worker`), no --listen. On a Ray cluster one `serve` command does
+it all: `--distributed-executor-backend ray` places the ranks, and `--data-parallel N` cores, as
+Ray actors (docs/scale-out.md).
 """
 
 from __future__ import annotations

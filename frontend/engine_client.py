@@ -108,7 +108,8 @@ class AsyncEngineClient:
                                          config.engine_command, config.ready_timeout_s)
         self._is_shutting_down = False
         self._num_routed = 0  # rotates ties between equally loaded cores
-        self.ray_cores = RayEngineCores(config.engine_command, model_folder, config.engine_args) if config.on_ray else None
+        self.ray_cores = (RayEngineCores(config.engine_command, model_folder, config.engine_args)
+                          if config.on_ray else None)
 
     @classmethod
     async def start(cls, config: EngineClientConfig) -> AsyncEngineClient:

@@ -128,7 +128,8 @@ class StepCostModel:
         handoff_bytes = 2 * num_tokens * shape.hidden_size * shape.element_size  # hidden and residual
         logits_bytes = num_sampled * shape.vocab_size * shape.element_size
         num_messages = (self.pp - 1) + (1 if num_sampled else 0)
-        return ((self.pp - 1) * handoff_bytes + logits_bytes) / p.link_bandwidth_bytes_per_s + num_messages * p.link_latency_s
+        num_bytes = (self.pp - 1) * handoff_bytes + logits_bytes
+        return num_bytes / p.link_bandwidth_bytes_per_s + num_messages * p.link_latency_s
 
     def allreduce_s(self, num_tokens: int) -> float:
         """Ring all-reduce: each device sends and receives 2·(TP-1)/TP of the buffer."""

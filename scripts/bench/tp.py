@@ -211,14 +211,15 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.runs.split(","):
         ranks, threads, backend = RUNS[name]
         report["runs"][name] = result = run_engine(model, ranks, threads, backend, args)
-        logger.info("%s: %s", name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+        rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+        logger.info("%s: %s", name, json.dumps(rounded))
     report["all_reduce_latency_us"] = all_reduce_latency_us(512, [args.num_requests, args.num_requests * args.prompt_len])
     logger.info("all-reduce latency (us, fp32 [tokens x 512], 2 processes): %s", report["all_reduce_latency_us"])
     runs = report["runs"]
     if "tp2_1thread" in runs and "tp2_1thread_ray" in runs:
-        report["ray_over_mp_decode_step"] = runs["tp2_1thread_ray"]["decode_step_ms"] / runs["tp2_1thread"]["decode_step_ms"]
-        report["ray_over_mp_prefill_step"] = (runs["tp2_1thread_ray"]["prefill_step_ms"]
-                                              / runs["tp2_1thread"]["prefill_step_ms"])
+        mp, ray = runs["tp2_1thread"], runs["tp2_1thread_ray"]
+        report["ray_over_mp_decode_step"] = ray["decode_step_ms"] / mp["decode_step_ms"]
+        report["ray_over_mp_prefill_step"] = ray["prefill_step_ms"] / mp["prefill_step_ms"]
         logger.info("ray / mp per step: decode %.3fx, prefill %.3fx", report["ray_over_mp_decode_step"],
                     report["ray_over_mp_prefill_step"])
     report["step_handoff_us"] = step_handoff_us(args.num_requests)

@@ -51,9 +51,10 @@ def price_all(model: str, hardware: str, dtype: str, step_shapes: dict[str, Step
                 if pp > shape.num_layers or shape.num_heads % tp:
                     continue
                 model_cost = StepCostModel(shape, profile, tp, pp)
+                weight_bytes = shape.cost.weight_bytes / num_hosts
                 row = {"link": link, "hosts": num_hosts, "mode": mode if num_hosts > 1 else "one host",
-                       "weight_gb_per_host": round(shape.cost.weight_bytes / num_hosts / 1e9, 1),
-                       "fits_in_memory": shape.cost.weight_bytes / num_hosts < profile.memory_bytes * profile.memory_utilization}
+                       "weight_gb_per_host": round(weight_bytes / 1e9, 1),
+                       "fits_in_memory": weight_bytes < profile.memory_bytes * profile.memory_utilization}
                 for name, step in step_shapes.items():
                     cost = model_cost.price(step)
                     row[name] = {"step_ms": round(1e3 * cost.total_s, 2),
