@@ -1,10 +1,12 @@
 """The server on a real two-node Ray cluster on this machine (one CPU per node).
 
 Data-parallel cores as Ray actors (`serve --data-parallel 2 --distributed-executor-backend ray`),
-one core per node: 48 concurrent requests all answered by both cores; a core's actor killed with
-ray.kill fails its own in-flight requests (503) while the other core keeps serving, and Ray
-restarts it, and the frontend reconnects. These cores are the fake core (scripts/lib/fake_engine.py:
-the real protocol, no model): the tests are about placement, routing and faults.
+one core per node: 48 concurrent requests all answered by both (real) cores; a core's actor killed
+with ray.kill fails its own in-flight requests (503) while the other core keeps serving, and Ray
+restarts it, and the frontend reconnects (fake cores there, scripts/lib/fake_engine.py: the real
+protocol, no model, so the fault's timing is the frontend's and Ray's alone).
+
+The real cores run a tiny random Llama (4 heads, 2 KV heads) carrying SmolLM2's tokenizer.
 
 Tensor parallelism over Ray behind the server (a real core, a tiny model): a worker actor killed
 with ray.kill mid-request fails the request with a 503 at once, /health says 503 until
@@ -65,8 +67,12 @@ def complete(url: str, max_tokens: int) -> requests.Response:
                                                        "ignore_eos": True}, timeout=60)
 
 
-def test_two_ray_cores_answer_48_concurrent_requests(ray_cluster, model_folder):
-    with FrontendServer(model_folder, *SERVER_ARGS, *fake_core("--step-delay", "0.01")) as server:
+REAL_CORE_ARGS = ("--engine-command", f"{sys.executable} -m engine.core_process", "--dtype", "float32",
+                  "--num-kv-blocks", "512", "--max-num-seqs", "16")
+
+
+def test_two_ray_cores_answer_48_concurrent_requests(ray_cluster, tiny_model_with_tokenizer):
+    with FrontendServer(tiny_model_with_tokenizer, *SERVER_ARGS, *REAL_CORE_ARGS) as server:
         actors = core_actors()
         assert len(actors) == 2 and len({a.node_id for a in actors}) == 2  # Ray put one on each node
         with ThreadPoolExecutor(49) as pool:
@@ -120,9 +126,8 @@ def test_a_killed_tp_worker_actor_gives_503_until_the_group_is_restarted(ray_clu
 
     from engine.distributed.ray_executor import ACTOR_NAMESPACE
 
-    args = ("--engine-command", f"{sys.executable} -m engine.core_process", "--tensor-parallel-size", "2",
-            "--distributed-executor-backend", "ray", "--restart-engine", "--engine-timeout", "30",
-            "--dtype", "float32", "--num-kv-blocks", "512", "--max-num-seqs", "8")
+    args = (*REAL_CORE_ARGS, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
+            "--restart-engine", "--engine-timeout", "30")
     with FrontendServer(tiny_model_with_tokenizer, *args) as server:
         (worker,) = [a for a in alive_actors() if a.class_name == "RayWorker"]
         results = []
