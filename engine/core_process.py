@@ -265,7 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_master_addr(config, allow_remote: bool):
     """The ranks' store and step socket have no authentication: loopback unless --allow-remote."""
-    if config.tensor_parallel_size > 1 and not allow_remote and not is_loopback_host(config.master_addr):
+    if config.world_size > 1 and not allow_remote and not is_loopback_host(config.master_addr):
         raise ValueError(f"--master-addr {config.master_addr} is not loopback; the tensor-parallel rendezvous "
                          "has no authentication: pass --allow-remote to serve it on a trusted network")
     return config
