@@ -3,7 +3,9 @@ cluster places them (vLLM's RayDistributedExecutor, without its per-step Ray cal
 
     ray.init          RAY_ADDRESS, or the cluster `ray start` made on this host; else a local one
     placement group   one bundle per rank: {"CPU": 1}, or {"GPU": 1, "CPU": 1} on CUDA; bundle 0
-                      pinned to this node, whose rank 0 is this process (the engine core)
+                      pinned to this node, whose rank 0 is this process (the engine core); on
+                      CUDA a placeholder actor holds bundle 0's GPU, and rank 0 runs on that GPU
+                      (Ray gives the other actors other GPUs), as vLLM's driver does
     actors            one `RayWorker` in each other bundle; ranks 1.. ordered by node, this one first
     rendezvous        rank 0's store on loopback when every rank is on this host, else on its IP
     each actor        engine.distributed.worker.run_worker: mp's worker, mp's channel (executor.py)
@@ -44,6 +46,12 @@ class RayWorker:
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), len(os.sched_getaffinity(0))
 
+    def gpu_ids(self) -> list:
+        """The GPUs Ray gave this actor (as the host numbers them)."""
+        import ray
+
+        return ray.get_gpu_ids()
+
     def run(self, config: EngineConfig, rank: int, device_index: int | None) -> int:
         """Serve steps until rank 0 says stop or goes away; the exit code."""
         from engine.distributed.worker import run_worker
@@ -70,6 +78,7 @@ class RayActors(Workers):
         self.ray = ray
         self.is_cuda = is_cuda
         self.run_refs: dict = {}  # ObjectRef of each rank's `run` -> rank
+        self.actors: list = []
         self.last_check_time = 0.0
         node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
@@ -82,6 +91,16 @@ class RayActors(Workers):
                                f"{PLACEMENT_TIMEOUT_S:.0f} s (available: {ray.available_resources()})")
         remote_worker = ray.remote(RayWorker)
         group_name = self.placement_group.id.hex()[:12]
+        self.seat = None  # bundle 0's placeholder (CUDA): it holds the GPU rank 0 uses
+        if is_cuda:
+            self.seat = remote_worker.options(
+                num_cpus=0, num_gpus=1, max_restarts=0, runtime_env=actor_runtime_env(),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group,
+                                                                     placement_group_bundle_index=0),
+            ).remote()
+            import torch
+
+            torch.cuda.set_device(int(ray.get(self.seat.gpu_ids.remote(), timeout=RENDEZVOUS_TIMEOUT_S)[0]))
         actors = [remote_worker.options(
             name=f"tp-worker-{group_name}-{i}", namespace=ACTOR_NAMESPACE,
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
@@ -137,7 +156,7 @@ class RayActors(Workers):
     def _stop(self, grace_s: float) -> None:
         if self.run_refs:
             self.ray.wait(list(self.run_refs), num_returns=len(self.run_refs), timeout=grace_s)
-        for actor in self.actors:
+        for actor in [*self.actors, *([self.seat] if self.seat is not None else [])]:
             self.ray.kill(actor)
         self.ray.util.remove_placement_group(self.placement_group)
         self.run_refs.clear()
