@@ -117,6 +117,8 @@ def check_pooling_request(config: EngineConfig, pooling_params: PoolingParams | 
         return sampling_params
     if config.batching == "static-padded":
         raise ValueError("embeddings are not served with batching static-padded (the padded baseline)")
+    if config.pipeline_parallel_size > 1:  # the last stage holds the hidden states; pooling reads them on rank 0
+        raise ValueError("embeddings are not served with --pipeline-parallel-size > 1")
     pooling_params.validate()
     return POOLING_SAMPLING_PARAMS
 

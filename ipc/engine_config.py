@@ -120,6 +120,8 @@ class EngineConfig:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.runner == "pooling" and self.pipeline_parallel_size > 1:
+            raise ValueError("runner pooling is not supported with pipeline_parallel_size > 1")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

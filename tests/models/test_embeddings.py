@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, EngineCore, PoolingParams, SamplingParams
+from engine.pooler import check_pooling_request
 from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingType
 from tests.helpers.models import make_tiny_model
 
@@ -191,3 +192,12 @@ def test_tensor_parallel_embeddings_equal_one_process(tiny, pooling):
         llm.shutdown()
     for prompt, output in zip(PROMPTS, outputs):
         assert cosine(output.embedding, reference(hf_model, prompt, pooling)) > 1 - 1e-4
+
+
+def test_embeddings_under_pipeline_parallelism_are_refused_not_fatal():
+    """Under PP a failed step is fatal to the core, so an embedding request must be refused at the door."""
+    config = EngineConfig(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline"):
+        check_pooling_request(config, PoolingParams(), SamplingParams())
+    with pytest.raises(ValueError, match="pipeline"):
+        EngineConfig(runner="pooling", pipeline_parallel_size=2)
