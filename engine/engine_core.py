@@ -22,6 +22,7 @@ from engine.request import Request
 from engine.padded_static_scheduler import PaddedStaticScheduler
 from engine.pooler import check_pooling_request, pooling_num_kv_blocks
 from engine.scheduler import Scheduler
+from engine.spec_decode.proposer import SpecProposer
 from engine.static_scheduler import StaticScheduler
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
 from ipc.messages import RequestOutput, SchedulerStats
@@ -102,6 +103,9 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        # Speculative decoding (engine.spec_decode): proposals for --speculative-config and for requests'
+        # predictions; the static baselines keep one token per step.
+        self.proposer = SpecProposer(config.speculative, self.max_model_len) if config.batching == "continuous" else None
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
         # (request id, reason) for requests failed by their own parameters outside a step's model run
@@ -202,6 +206,8 @@ class EngineCore:
         for output in outputs:
             if output.finish_reason is not None:
                 self.model_runner.release(output.request_id)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)  # the next step's proposed tokens
         if self.record_step_stats:
             self._record(scheduler_output, start_time, sampled)
         return outputs

@@ -45,6 +45,7 @@ from engine.pooler import Pooler, plan_pooling
 from engine.prompt_logprobs import PromptLogprobRows, PromptLogprobsCollector
 from engine.sampler import Sampler, SamplingBatch, sampling_kernels
 from engine.scheduler import SampledToken, SchedulerOutput
+from engine.spec_decode.verifier import verify
 
 logger = logging.getLogger(__name__)
 
@@ -245,10 +246,35 @@ class ModelRunner:
             logits = logits[sampled_rows]  # [num_sampled, vocab_size]
         if not sampled_requests:
             return {}
-        tokens = self.sampler.sample(logits, self._prepare_sampling(sampled_requests))
+        drafts = [s.spec_token_ids for s in scheduler_output.scheduled if s.is_sampling]
+        if any(drafts):
+            tokens = self._verify(logits, sampled_requests, drafts)
+        else:
+            tokens = self.sampler.sample(logits, self._prepare_sampling(sampled_requests))
         for request, token in zip(sampled_requests, tokens):
             token.prompt_logprobs = self.prompt_logprobs.take(request)
         return {request.request_id: token for request, token in zip(sampled_requests, tokens)}
+
+    def _verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> list[SampledToken]:
+        """A step with proposed tokens: the rows without any are sampled as usual, the others verified
+        (engine.spec_decode.verifier). logits: each request's 1 + len(draft) rows, in order."""
+        starts = [0]
+        for draft in drafts:
+            starts.append(starts[-1] + 1 + len(draft))
+        plain = [i for i, draft in enumerate(drafts) if not draft]
+        speculated = [i for i, draft in enumerate(drafts) if draft]
+        tokens: list[SampledToken | None] = [None] * len(requests)
+        if plain:
+            plain_rows = [starts[i] for i in plain]
+            for i, token in zip(plain, self.sampler.sample(logits[plain_rows], self._prepare_sampling(
+                    [requests[i] for i in plain]))):
+                tokens[i] = token
+        rows = [row for i in speculated for row in range(starts[i], starts[i + 1])]
+        expanded = [requests[i] for i in speculated for _ in range(1 + len(drafts[i]))]  # a row per position
+        verified = verify(self.sampler, logits[rows], self._prepare_sampling(expanded), [drafts[i] for i in speculated])
+        for i, token in zip(speculated, verified):
+            tokens[i] = token
+        return tokens
 
     @torch.inference_mode()
     def forward_step(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -307,7 +333,9 @@ class ModelRunner:
             request = scheduled.request
             start = request.num_computed_tokens
             end = start + scheduled.num_new_tokens
-            input_ids.extend(request.all_token_ids[start:end])
+            spec_token_ids = scheduled.spec_token_ids  # proposed tokens, after the request's last one
+            input_ids.extend(request.all_token_ids[start : end - len(spec_token_ids)])
+            input_ids.extend(spec_token_ids)
             positions.extend(range(start, end))
             block_ids = request.block_ids
             slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -320,9 +348,10 @@ class ModelRunner:
                                                       len(prompt_positions)))
                 first_row = query_start_loc[-2] - start
                 logits_rows.extend(first_row + p for p in prompt_positions)
-            if scheduled.is_sampling:
-                sampled_rows.append(len(logits_rows))
-                logits_rows.append(len(input_ids) - 1)
+            if scheduled.is_sampling:  # its last token's row, and one per proposed token
+                num_rows = 1 + len(spec_token_ids)
+                sampled_rows.extend(range(len(logits_rows), len(logits_rows) + num_rows))
+                logits_rows.extend(range(len(input_ids) - num_rows, len(input_ids)))
                 sampled_requests.append(request)
         # A padded static batch's pad tokens, after the real rows: each row its own sequence,
         # so no real token attends to them.

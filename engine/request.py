@@ -9,6 +9,7 @@ from engine.block_manager import ROOT_HASH, hash_block
 from ipc.messages import FinishReason, TokenLogprobs
 from ipc.pooling_params import PoolingParams
 from ipc.sampling_params import SamplingParams
+from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,6 +72,11 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., once computed
         # Structured outputs: the matcher that follows the accepted tokens (engine.structured_output)
         self.grammar = None
+        # Speculative decoding (engine.spec_decode): tokens proposed for the next step, and by what
+        self.spec_token_ids: list[int] = []
+        self.spec_method = None  # ipc.messages.SpecMethod of spec_token_ids
+        self.spec_ema = float(MAX_SPECULATIVE_TOKENS)  # average accepted tokens per draft: starts high, adapts
+        self.prediction_state = None  # engine.spec_decode.prediction_proposer.PredictionState
         self.num_preemptions = 0
         # Embeddings (engine.pooler): set, the request pools its prompt's states and never samples;
         # `embedding` is its vector once the last prompt chunk has run.

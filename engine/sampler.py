@@ -62,6 +62,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         # logits: [num_rows, vocab_size]
+        logits, raw_logprobs = self.process(logits, batch)
+        token_ids = self.draw(logits, batch)
+        if self.logits_state is not None:
+            self.logits_state.record(batch.processing, token_ids)
+        return self._collect(token_ids.tolist(), raw_logprobs, batch)
+
+    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(fp32 logits after bans and the logits pipeline, the raw log-probs when a row asks for them)."""
         logits = logits.float()
         raw_logprobs = None
         if any(n is not None for n in batch.num_logprobs):
@@ -71,17 +79,21 @@ class Sampler:
                 logits[row, banned] = float("-inf")
         if batch.processing is not None:
             apply_logits_processing(logits, batch.processing, self.logits_state)
+        return logits, raw_logprobs
+
+    def draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token per row of processed logits: argmax for greedy rows, else a draw. [num_rows] int64."""
         filtered = batch.needs_top_k or batch.needs_top_p or batch.needs_min_p
         if self._kernels is not None and logits.device.type == "cpu" and not filtered:
             uniforms = torch.zeros(logits.shape[0]) if batch.is_all_greedy else self._draw_uniforms(batch)
-            token_ids = self._kernels.sample_rows(logits, batch.temperatures.float(), uniforms)
-        elif batch.is_all_greedy:
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = self._sample_random(logits, batch)
-        if self.logits_state is not None:
-            self.logits_state.record(batch.processing, token_ids)
-        return self._collect(token_ids.tolist(), raw_logprobs, batch)
+            return self._kernels.sample_rows(logits, batch.temperatures.float(), uniforms)
+        if batch.is_all_greedy:
+            return logits.argmax(dim=-1)
+        return self._sample_random(logits, batch)
+
+    def generator_of(self, batch: SamplingBatch, row: int) -> torch.Generator:
+        """The generator a row draws from: its request's seeded one, else the shared one."""
+        return batch.generators[row] or self.generator
 
     def _draw_uniforms(self, batch: SamplingBatch) -> torch.Tensor:
         """One draw in [0, 1) per row, on the CPU, where the generators live, so a seed
@@ -98,6 +110,18 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         greedy = batch.temperatures == 0
+        probs = self.probabilities(logits, batch)  # [num_rows, vocab_size]
+        # 1 - u in (0, 1], scaled by the row's mass (below 1 after min-p), picks the first
+        # token whose cumulative mass reaches it: never a token of probability 0.
+        sampled = sample_from(probs, self._draw_uniforms(batch))
+        if not bool(greedy.any()):
+            return sampled
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution each row draws from: temperature, top-k / top-p, min-p applied to processed
+        logits (greedy rows at temperature 1). Unnormalized after min-p. [num_rows, vocab_size]"""
+        greedy = batch.temperatures == 0
         temperatures = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)
         if not bool((temperatures == 1).all()):  # a vocabulary-wide pass per row, skipped when it changes nothing
             logits = logits / temperatures.unsqueeze(1)
@@ -107,15 +131,7 @@ class Sampler:
         if batch.needs_min_p:
             threshold = probs.amax(dim=-1, keepdim=True) * batch.min_ps.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # 1 - u in (0, 1], scaled by the row's mass (below 1 after min-p), picks the first
-        # token whose cumulative mass reaches it: never a token of probability 0.
-        uniforms = self._draw_uniforms(batch)
-        cdf = probs.cumsum(dim=-1)  # [num_rows, vocab_size]
-        targets = (1.0 - uniforms.to(probs.device)) * cdf[:, -1]  # [num_rows]
-        sampled = torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[1] - 1)
-        if not bool(greedy.any()):
-            return sampled
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return probs
 
     @staticmethod
     def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -138,14 +154,25 @@ class Sampler:
     def _collect(token_ids: list[int], raw_logprobs, batch: SamplingBatch) -> list[SampledToken]:
         results = []
         for row, token_id in enumerate(token_ids):
-            num = batch.num_logprobs[row]
-            logprobs = None
-            if num is not None:
-                row_logprobs = raw_logprobs[row]
-                top_ids, top_values = [], []
-                if num > 0:
-                    values, ids = row_logprobs.topk(num)
-                    top_ids, top_values = ids.tolist(), values.tolist()
-                logprobs = TokenLogprobs(token_id, float(row_logprobs[token_id]), top_ids, top_values)
-            results.append(SampledToken(token_id, logprobs))
+            results.append(SampledToken(token_id, token_logprobs(raw_logprobs, row, token_id, batch.num_logprobs[row])))
         return results
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: per row, the first token whose cumulative mass reaches (1 - u) * the row's mass.
+    probs: [num_rows, vocab_size] (need not sum to 1), uniforms: [num_rows] in [0, 1) -> [num_rows] int64."""
+    cdf = probs.cumsum(dim=-1)  # [num_rows, vocab_size]
+    targets = (1.0 - uniforms.to(probs.device)) * cdf[:, -1]  # [num_rows]
+    return torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def token_logprobs(raw_logprobs: torch.Tensor | None, row: int, token_id: int, num: int | None) -> TokenLogprobs | None:
+    """Row `row`'s log-prob of `token_id` and its top `num` (None: the row did not ask)."""
+    if num is None:
+        return None
+    row_logprobs = raw_logprobs[row]
+    top_ids, top_values = [], []
+    if num > 0:
+        values, ids = row_logprobs.topk(num)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    return TokenLogprobs(token_id, float(row_logprobs[token_id]), top_ids, top_values)

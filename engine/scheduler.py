@@ -42,6 +42,9 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.pooler import needs_every_position
 from engine.request import Request, RequestStatus
+from engine.spec_decode.proposer import record_acceptance
+from engine.spec_decode.scheduling import add_proposals, emitted_tokens, make_output, roll_back
+from engine.spec_decode.spec_stats import SpecStats
 from ipc.messages import RequestOutput, SchedulerStats, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -53,13 +56,15 @@ CONTRADICTION_MESSAGE = ("no token satisfies the request's constraints together:
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # proposed tokens included
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens computed after the last one
 
     @property
     def is_sampling(self) -> bool:
         """True when this step computes the request's last token, so it yields a new one
         (an embedding request's last chunk yields its vector instead: engine.pooler)."""
-        return (self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_real_tokens = self.num_new_tokens - len(self.spec_token_ids)  # proposed tokens come after it
+        return (self.request.num_computed_tokens + num_real_tokens == self.request.num_tokens
                 and self.request.pooling_params is None)
 
 
@@ -95,6 +100,8 @@ class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # with a request's first token, if it asked
+    # Speculative decoding: the proposed tokens accepted before this one (which ends the step's tokens)
+    accepted: list[SampledToken] = field(default_factory=list)
 
 
 class Scheduler:
@@ -123,6 +130,7 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_prefix_cache_queries = 0  # tokens looked up at admission, cumulative
         self.num_prefix_cache_hits = 0  # of those, tokens found cached
+        self.spec_stats = SpecStats()
 
     # ---- requests in and out ----
 
@@ -188,6 +196,7 @@ class Scheduler:
             num_prefix_cache_queries=self.num_prefix_cache_queries,
             num_prefix_cache_hits=self.num_prefix_cache_hits,
             num_cached_blocks=self.block_manager.num_cached_blocks,
+            spec_decode=self.spec_stats.to_wire(),
         )
 
     def reset_prefix_cache(self) -> int:
@@ -202,6 +211,9 @@ class Scheduler:
         budget = self._schedule_running(output, budget)
         if output.num_preempted == 0:
             self._admit_waiting(output, budget)
+        # Proposed tokens last, from what the budget and the pool have left: optional work never
+        # preempts a request nor keeps one waiting.
+        add_proposals(output, self.block_manager, self.max_num_batched_tokens - output.num_tokens, self.max_model_len)
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -303,6 +315,7 @@ class Scheduler:
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -315,33 +328,37 @@ class Scheduler:
         outputs = []
         for scheduled in output.scheduled:
             request = scheduled.request
-            request.num_computed_tokens += scheduled.num_new_tokens
-            self._register_computed_blocks(request)
+            num_proposed = len(scheduled.spec_token_ids)
+            request.num_computed_tokens += scheduled.num_new_tokens - num_proposed
             token = sampled.get(request.request_id)
             if token is None:
+                self._register_computed_blocks(request)
                 if request.embedding is not None:  # an embedding request's last chunk: pooled, done
                     outputs.append(self._finish_pooled(request))
                 continue  # a prefill chunk that did not reach the end of the sequence
-            request.append_token(token.token_id)
-            if token.logprobs is not None:
-                request.logprobs.append(token.logprobs)
             if token.prompt_logprobs is not None:
                 request.prompt_logprobs = token.prompt_logprobs
-            status = self._check_stop(request, token.token_id)
+            new_tokens, status = [], None
+            for new_token in emitted_tokens(token):  # one, or the accepted proposed tokens and one
+                new_tokens.append(new_token)
+                request.append_token(new_token.token_id)
+                if new_token.logprobs is not None:
+                    request.logprobs.append(new_token.logprobs)
+                status = self._check_stop(request, new_token.token_id)
+                if status is not None:
+                    break  # tokens after a stop are dropped
+            num_accepted = 0
+            if num_proposed:  # the accepted tokens' KV is computed; the rejected tail's blocks go back
+                num_accepted = min(len(token.accepted), len(new_tokens))
+                request.num_computed_tokens += num_accepted
+                roll_back(self.block_manager, request)
+                record_acceptance(request, num_proposed, num_accepted)
+                self.spec_stats.record(request.spec_method, num_proposed, num_accepted, len(new_tokens))
+            self._register_computed_blocks(request)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
-            outputs.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[token.token_id],
-                    finish_reason=request.status.finish_reason,
-                    new_logprobs=[token.logprobs] if token.logprobs is not None else None,
-                    stop_token_id=request.stop_token_id,
-                    num_cached_tokens=request.num_cached_tokens,
-                    prompt_logprobs=token.prompt_logprobs,
-                )
-            )
+            outputs.append(make_output(request, new_tokens, token.prompt_logprobs, num_proposed, num_accepted))
         return outputs
 
     def _finish_pooled(self, request: Request) -> RequestOutput:
