@@ -11,7 +11,7 @@ little CPU. A configuration is a server and a workload (scripts/lib/editing_work
     prediction   ours (the `off` server), each request's `prediction` = the text it edits   editing
     off-chat     ours, no speculation                      free chat, nothing to copy
     self-int4    ours, --speculative-config draft self-int4   free chat
-    llama-ngram  llama-server --spec-type ngram-simple, its defaults otherwise   editing
+    llama-ngram  llama-server --spec-type ngram-mod, its defaults otherwise      editing
     llama-draft  llama-server -md (the Q4_1 GGUF as draft), its defaults otherwise   free chat
 
 After one warm-up request each, --rounds rounds: in round i every configuration gets request i
@@ -107,7 +107,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
         command = [str(args.llama_server), "-m", str(gguf), "-t", str(args.threads), "-np", "1",
                    "--host", "127.0.0.1", "--port", str(port)]
         if name == "llama-ngram":
-            command += ["--spec-type", "ngram-simple"]
+            command += ["--spec-type", "ngram-mod"]  # its n-gram lookup of choice (drafts up to 64 tokens)
         else:
             command += ["-md", str(Path(args.gguf_dir) / args.llama_draft_gguf)]
         return command, {"cache_prompt": False}
