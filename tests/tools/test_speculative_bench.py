@@ -47,7 +47,7 @@ def test_free_requests_copy_nothing():
 
 def test_flags_drop_llama_without_its_binary(tmp_path):
     args = parse_args(["--llama-server", str(tmp_path / "nothing"), "--batched", "none"])
-    assert args.configs == ["off", "ngram", "prediction", "off-chat", "self-int4"] and args.batched == []
+    assert args.configs == ["off", "ngram", "prediction"] and args.batched == []
     with pytest.raises(SystemExit):
         parse_args(["--configs", "off,turbo"])
     command, extra = server_command("ours-ngram", args, 1234)
@@ -56,7 +56,7 @@ def test_flags_drop_llama_without_its_binary(tmp_path):
     binary.write_text("")
     args = parse_args(["--llama-server", str(binary), "--configs", "off,llama-ngram,llama-draft"])
     command, extra = server_command("llama-ngram", args, 1234)
-    assert command[:2] == [str(binary), "-m"] and "ngram-simple" in command and extra == {"cache_prompt": False}
+    assert command[:2] == [str(binary), "-m"] and "ngram-mod" in command and extra == {"cache_prompt": False}
     assert "-md" in server_command("llama-draft", args, 1234)[0]
     assert set(CONFIGS) >= set(args.configs)
 
