@@ -10,6 +10,7 @@ As for the Responses API, the adapter owns no sampling, template, tool or gramma
     thinking, redacted_thinking (assistant)    dropped (chat templates drop old reasoning)
     tool_choice auto / any / tool / none       chat's auto / required / named / none
     stop_sequences, top_k                      stop, top_k
+    output_config.format (json_schema)         response_format json_schema (the grammar)
 
 Reference: https://docs.anthropic.com/en/api/messages
 """
@@ -50,6 +51,7 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         check_extra_fields(self.model_extra, UNSUPPORTED)
@@ -86,6 +88,8 @@ class MessagesRequest(BaseModel):
             fields["tool_choice"] = _chat_tool_choice(self.tool_choice)
             if self.tool_choice.get("disable_parallel_tool_use") is True:
                 fields["parallel_tool_calls"] = False
+        if self.output_config is not None:
+            fields["response_format"] = _response_format(self.output_config)
         return chat_request_from(fields)
 
 
@@ -163,6 +167,19 @@ def _chat_tool(tool: dict, i: int) -> dict:
         raise InvalidRequestError(f"tools[{i}].name must be a string")
     function = {"name": tool["name"], "description": tool.get("description"), "parameters": tool.get("input_schema")}
     return {"type": "function", "function": function}
+
+
+def _response_format(config: dict) -> dict | None:
+    """`output_config`: a JSON schema `format` is honoured through the grammar; `effort` is not done."""
+    for key, value in config.items():
+        if key not in ("format", "effort") or (key == "effort" and value is not None):
+            raise InvalidRequestError(f"output_config.{key} is not supported (output_config.format only)")
+    form = config.get("format")
+    if form is None:
+        return None
+    if not isinstance(form, dict) or form.get("type") != "json_schema" or not isinstance(form.get("schema"), dict):
+        raise InvalidRequestError('output_config.format must be {"type": "json_schema", "schema": {...}}')
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": form["schema"]}}
 
 
 def _chat_tool_choice(choice: dict) -> str | dict:

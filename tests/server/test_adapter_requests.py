@@ -117,6 +117,8 @@ def test_messages_blocks_become_chat_messages():
     assert (chat.max_tokens, chat.top_k, chat.stop, chat.tool_choice, chat.parallel_tool_calls) == (
         16, 5, ["\n"], "required", False)
     assert chat.tools[0].function.parameters == PARAMS
+    schema = messages_body(output_config={"format": {"type": "json_schema", "schema": PARAMS}}).to_chat_request()
+    assert schema.response_format.json_schema.schema_ == PARAMS
     named = messages_body(tools=[{"name": "f", "input_schema": PARAMS}], tool_choice={"type": "tool", "name": "f"})
     assert named.to_chat_request().tool_choice.function.name == "f"
 
@@ -136,6 +138,8 @@ def test_messages_blocks_become_chat_messages():
     ({"tools": [{"name": "f"}], "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
     ({"tools": [{"name": "f"}], "tool_choice": {"type": ["any"]}}, "tool_choice.type"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format"),
 ])
 def test_messages_bad_input_is_a_400_naming_what(fields, words):
     with pytest.raises(InvalidRequestError, match=words):
