@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,7 +49,15 @@ def local_cluster(num_nodes: int):
 
 
 def alive_actors() -> list:
-    """Every actor the cluster still holds alive (what a test must not leave behind)."""
+    """Every actor the cluster still holds alive (what a test must not leave behind), each with
+    `class_name` and `name`. Through ray.util.state, which asks the head's dashboard; on a loaded
+    machine the dashboard can be late or gone, so then from the GCS's own actor table."""
     from ray.util.state import list_actors
 
-    return list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    try:
+        return list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    except ConnectionError:
+        import ray
+
+        return [SimpleNamespace(class_name=actor["ActorClassName"], name=actor["Name"])
+                for actor in ray._private.state.actors().values() if actor["State"] == "ALIVE"]
