@@ -47,6 +47,7 @@ from pathlib import Path
 
 import aiohttp
 
+from scripts.bench.single_user import Server, free_port  # one server record and port probe for both
 from scripts.lib.bench_report import machine_info, require_at_least_one, write_report
 from scripts.lib.editing_workload import ChatRequest, make_editing_requests, make_free_requests
 from scripts.lib.local_server import REPO_ROOT, launch_server, scrape_metrics, spec_decode_delta, stop_server
@@ -73,18 +74,6 @@ DEFAULT_CONFIGS = "off,ngram,prediction,llama-ngram"  # self-int4 and its off-ch
 RATIOS = {"ngram_vs_off": ("ngram", "off"), "prediction_vs_off": ("prediction", "off"),
           "self_int4_vs_off_chat": ("self-int4", "off-chat"), "ngram_vs_llama_ngram": ("ngram", "llama-ngram"),
           "self_int4_vs_llama_draft": ("self-int4", "llama-draft")}
-
-
-@dataclass
-class Server:
-    name: str
-    command: list[str]
-    payload_extra: dict  # fields only this server's API takes
-    url: str = ""
-    process: subprocess.Popen | None = None
-    log_path: Path | None = None
-    model: str = ""
-    metrics_before: dict | None = None
 
 
 @dataclass
@@ -118,14 +107,6 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
     command = [sys.executable, "-m", "frontend.cli", "serve", "--model", args.model, "--port", str(port),
                "--log-level", "warning", *flags, *shlex.split(args.ours_extra)]
     return command, {}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_servers(names: list[str], args: argparse.Namespace) -> dict[str, Server]:
