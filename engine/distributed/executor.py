@@ -9,9 +9,8 @@ the one thing the two executors differ in (`--distributed-executor-backend`):
          placed by a placement group anywhere in a Ray cluster
 
 Both run the same worker code (`engine.distributed.worker.run_worker`) and the same
-per-step channel, ours, not Ray's: a Ray actor call costs ~0.8 ms a round trip here
-against ~0.05 ms for a ZeroMQ send (docs/scale-out.md), and on a GPU a decode step is
-a few ms. Ray places and starts the workers and restarts what it lost; steps never
+per-step channel, ours, not Ray's: a Ray actor call costs an order of magnitude more than
+a ZeroMQ send (figures in docs/scale-out.md), a sizeable share of a GPU's decode step. Ray places and starts the workers and restarts what it lost; steps never
 go through it (vLLM does the same with its compiled graphs). Start-up:
 
     rank 0: TCP store at master_addr:master_port, a ROUTER for step inputs; publish its
