@@ -69,28 +69,48 @@ class _RequestText:
 
     def make_delta(self, output: RequestOutput) -> RequestDelta:
         token_ids = output.new_token_ids
-        self.num_output_tokens += len(token_ids)
+        logprobs = output.new_logprobs
         # Kept from the first output on: a later one (an abort) may not carry it.
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         finish_reason = output.finish_reason
         text = ""
         if self.text_stream is not None:
-            text, hit_stop = self.text_stream.add_tokens(token_ids, is_last=finish_reason is not None,
-                                                         stop_token_id=output.stop_token_id)
+            text, num_kept, hit_stop = self._add_tokens(token_ids, output)
             if hit_stop:
                 finish_reason = FinishReason.STOP
+                token_ids = token_ids[:num_kept]
+                logprobs = logprobs[:num_kept] if logprobs is not None else None
+        self.num_output_tokens += len(token_ids)
         return RequestDelta(
             index=self.index,
             text=text,
             token_ids=token_ids,
             finish_reason=finish_reason,
-            logprobs=output.new_logprobs,
+            logprobs=logprobs,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
             num_cached_tokens=self.num_cached_tokens,
             request_id=self.request_id,
             output=output,
         )
+
+    def _add_tokens(self, token_ids: list[int], output: RequestOutput) -> tuple[str, int, bool]:
+        """(the text that became final, how many of the step's tokens stand, whether a stop string
+        was hit). A step may bring several tokens (speculative decoding): they go in one at a time,
+        so a stop string found at one of them drops those after it, as if each had come alone."""
+        is_last = output.finish_reason is not None
+        text = ""
+        for i, token_id in enumerate(token_ids):
+            is_final = i == len(token_ids) - 1
+            piece, hit_stop = self.text_stream.add_tokens([token_id], is_last=is_last and is_final,
+                                                          stop_token_id=output.stop_token_id if is_final else None)
+            text += piece
+            if hit_stop:
+                return text, i + 1, True
+        if not token_ids:  # a finish without tokens (an abort) still flushes what was held back
+            text, hit_stop = self.text_stream.add_tokens([], is_last=is_last, stop_token_id=output.stop_token_id)
+            return text, 0, hit_stop
+        return text, len(token_ids), False
 
 
 class OutputProcessor:

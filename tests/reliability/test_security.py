@@ -85,7 +85,9 @@ def test_api_key_is_compared_in_constant_time(monkeypatch):
     admission.check_key({b"authorization": f"Bearer {KEY}".encode()})
     with pytest.raises(AuthenticationError):
         admission.check_key({b"authorization": b"Bearer nope"})
-    assert compared == [(f"Bearer {KEY}".encode(),) * 2, (b"Bearer nope", f"Bearer {KEY}".encode())]
+    # Both headers (Authorization and Anthropic's x-api-key) are compared every time: no early exit.
+    bearer, key = f"Bearer {KEY}".encode(), KEY.encode()
+    assert compared == [(bearer, bearer), (b"", key), (b"Bearer nope", bearer), (b"", key)]
 
 
 def test_engine_socket_is_private(model_folder):
