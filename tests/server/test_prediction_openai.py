@@ -71,8 +71,6 @@ def test_completions_prediction_returns_the_same_text(oai):
     check_usage_adds_up(predicted.usage, plain.usage.completion_tokens)
 
 
-@pytest.mark.xfail(strict=False, reason="the engine's prediction proposer (issue #46, branch `spec`) has not "
-                                        "landed: until it does, nothing is drafted and accepted stays 0")
 def test_a_copy_task_accepts_prediction_tokens(answers):
     plain, predicted, chunks = answers
     accepted, _ = details(predicted.usage)
