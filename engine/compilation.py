@@ -34,8 +34,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend, KVCache
 from engine.attention.metadata import AttentionMetadata
-from engine.kernels.cpu_extension import _cpu_key
-from engine.model_files import cache_dir
+from engine.cpu.host import cache_dir, cpu_key
 from engine.models.attention import COMPILED
 
 logger = logging.getLogger(__name__)
@@ -91,7 +90,7 @@ def _(query, key, value, layer_index, scale, window):
 
 def inductor_cache_dir() -> str:
     """Where compiled code goes: $TORCHINDUCTOR_CACHE_DIR if the user set it, else per CPU in tokenloom's cache."""
-    return _user_cache_dir or str(cache_dir() / "inductor" / _cpu_key())
+    return _user_cache_dir or str(cache_dir() / "inductor" / cpu_key())
 
 
 def compile_forward(model: torch.nn.Module):

@@ -18,7 +18,6 @@ Run: python -m engine.core_process --model smollm2 --address ipc:///tmp/x --engi
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import logging
 import os
@@ -30,6 +29,7 @@ import zmq
 
 from engine.config import DEFAULT_MODEL
 from engine.distributed.executor import WorkerDeadError
+from engine.distributed.process_checks import check_master_addr, die_with_parent
 from engine.engine_core import StepError
 from engine.thread_governor import ThreadGovernor
 from ipc.codec import DecodeError
@@ -44,7 +44,7 @@ from ipc.messages import (
     ResetPrefixCache,
     Shutdown,
 )
-from ipc.sockets import bind_router, drain_messages, is_loopback_host, parse_address, send_message
+from ipc.sockets import bind_router, drain_messages, parse_address, send_message
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class EngineCoreProcess:
     def inject_fault(self, at_step: int, is_persistent: bool = False) -> None:
         """Test hook: the model raises on its `at_step`-th step (and on every later one if
         `is_persistent`), as a real model bug would. The hook sits on the embedding, which every
-        step runs from Python, the decode stack's (engine/models/decode_stack.py) too."""
+        step runs from Python, the decode stack's (engine/cpu/decode_stack.py) too."""
         num_calls = 0
 
         def raise_at_step(module, args):
@@ -237,16 +237,6 @@ class EngineCoreProcess:
             self.should_exit = True
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent dies (covers SIGKILL of the parent)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the parent-pid check in the loop still catches it
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="tokenloom engine core")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"known model name or local folder (default: {DEFAULT_MODEL})")
@@ -261,14 +251,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inject-fault-at-step", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--inject-fault-persistent", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-def check_master_addr(config, allow_remote: bool):
-    """The ranks' store and step socket have no authentication: loopback unless --allow-remote."""
-    if config.world_size > 1 and not allow_remote and not is_loopback_host(config.master_addr):
-        raise ValueError(f"--master-addr {config.master_addr} is not loopback; the tensor-parallel rendezvous "
-                         "has no authentication: pass --allow-remote to serve it on a trusted network")
-    return config
 
 
 def _remove_ipc_socket(address: str, parent_pid: int) -> None:
@@ -289,7 +271,7 @@ def _remove_ipc_socket(address: str, parent_pid: int) -> None:
 def run_engine_core(args: argparse.Namespace) -> int:
     from engine.engine_core import EngineCore
 
-    _die_with_parent()
+    die_with_parent()
     process: EngineCoreProcess | None = None
 
     def request_exit(signum, frame):

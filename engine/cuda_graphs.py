@@ -40,6 +40,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 
@@ -224,7 +225,9 @@ class CudaGraphRunner:
     def is_enabled(self) -> bool:
         return bool(self.graphs)
 
-    def capture(self) -> None:
+    def capture(self, check_replays: Callable[[CudaGraphRunner], None]) -> None:
+        """Capture every decode batch size, then `check_replays(self)` (engine/cuda_graph_check.py,
+        handed in: it builds on this module's inputs) before any graph serves a step."""
         if self.disabled_reason is not None:
             # Only news on CUDA; on the CPU graphs never apply.
             log = logger.info if self.device.type == "cuda" else logger.debug
@@ -232,8 +235,6 @@ class CudaGraphRunner:
             return
         start = time.perf_counter()
         try:
-            from engine.cuda_graph_check import check_replays  # it builds on this module's inputs
-
             with torch.inference_mode():
                 self._capture_all()
                 check_replays(self)

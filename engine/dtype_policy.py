@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
+from engine.cpu.host import cpu_flags
 from ipc.engine_config import AUTO_DTYPE as AUTO, DTYPE_NAMES  # declared with the engine flags
 
 
@@ -83,12 +83,6 @@ def detect_cpu_features() -> CpuFeatures:
         )
     except (AttributeError, RuntimeError):  # an older torch without the probe
         pass
-    try:
-        flags = set()
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags.update(line.split(":", 1)[1].split())
-    except OSError:
-        return CpuFeatures()
+    flags = cpu_flags()
     return CpuFeatures(has_amx_bf16="amx_bf16" in flags, has_avx512_bf16="avx512_bf16" in flags,
                        has_avx512_vnni="avx512_vnni" in flags)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.distributed.executor import WorkerDeadError, make_executor
+from engine.distributed.backends import make_executor
+from engine.distributed.executor import WorkerDeadError
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_kv_pool_dtype
 from engine.models.config import ModelConfig

@@ -4,8 +4,8 @@ The converted folder (engine/gguf_convert.py) holds the GGUF's weights dequantiz
 quantizing those again would round a second time. Where the file's blocks are a format our
 kernels run, the quantized linears take the blocks themselves instead:
 
-    Q8_0 (d fp16, 32 int8)            -> int8, groups of 32 (engine/models/int8_linear.py)
-    Q4_1 (d, m fp16, 32 4-bit codes)  -> int4 (engine/models/int4_linear.py): w = d q + m
+    Q8_0 (d fp16, 32 int8)            -> int8, groups of 32 (engine/cpu/int8_linear.py)
+    Q4_1 (d, m fp16, 32 4-bit codes)  -> int4 (engine/cpu/int4_linear.py): w = d q + m
     Q4_0 (d fp16, 32 4-bit codes)     -> int4 with m = -8 d: d (q - 8) = d q - 8 d, exact
 
 What a weight's rows are called, and in which order, is transformers' GGUF loader's business

@@ -1,5 +1,5 @@
-"""KV-cache tensors (and the CPU's weight slabs and int8 or int4 panels, engine.models.cpu_packing
-and engine.models.int8_linear) on
+"""KV-cache tensors (and the CPU's weight slabs and int8 or int4 panels, engine.cpu.packing
+and engine.cpu.int8_linear) on
 transparent huge pages, where Linux offers them on request.
 
 Decode attention reads each sequence's blocks wherever they lie in the pool: a few

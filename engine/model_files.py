@@ -38,6 +38,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.cpu.host import cache_dir
 from engine.gguf_convert import convert_gguf
 from ipc.engine_config import DEFAULT_MODEL
 
@@ -65,10 +66,6 @@ REQUIRED_FILES = ("config.json", "model.safetensors")
 GGUF_MAGIC = b"GGUF"
 # llama.cpp's shard names: model-00001-of-00003.gguf
 SPLIT_GGUF_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TOKENLOOM_CACHE") or Path.home() / ".cache" / "tokenloom")
 
 
 def is_model_folder(path: Path) -> bool:

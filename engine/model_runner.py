@@ -24,6 +24,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.block_manager import num_blocks_for
 from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
+from engine.cuda_graph_check import check_replays
 from engine.cuda_graphs import CudaGraphRunner
 from engine.distributed.messages import StepInputs
 from engine.distributed.parallel_layers import num_local_kv_heads
@@ -34,11 +35,11 @@ from engine.gguf_blocks import blocks_for_model
 from engine.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
 from engine.models.config import ModelConfig
-from engine.models.cpu_packing import bound_primitive_caches, can_prepack, plan_slabs
-from engine.models.decode_stack import DecodeStack, build_decode_stack
-from engine.models.fast_paths import apply_fast_paths
-from engine.models.fused import CpuFusedOps, select_fused_ops
-from engine.models.int8_linear import Int8Plan, plan_int8
+from engine.cpu.packing import bound_primitive_caches, can_prepack, plan_slabs
+from engine.cpu.decode_stack import DecodeStack, build_decode_stack
+from engine.cpu.fast_paths import apply_fast_paths
+from engine.cpu.fused import CpuFusedOps, select_fused_ops
+from engine.cpu.quantized_plan import QuantizedPlan, plan_quantization
 from engine.request import Request
 from engine.logits_processing import LogitsProcessingState, bad_word_bans
 from engine.pooler import Pooler, plan_pooling
@@ -118,7 +119,7 @@ class ModelRunner:
         # Compiled, inductor prepacks the weights itself (freezing).
         self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
         # int8 is checked before the weights load: a CPU without VNNI is refused at once.
-        int8 = plan_int8(self.device.type, cpu.has_avx512_vnni, config.quantization) if config.quantization else None
+        int8 = plan_quantization(self.device.type, cpu.has_avx512_vnni, config.quantization) if config.quantization else None
         is_prepacked = (config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
                         and int8 is None)
         self.model = self._load_model(bound_caches=is_prepacked or self.is_compiled)
@@ -166,7 +167,7 @@ class ModelRunner:
         return make_attention_backend(name, self.block_size, windows, kernels), fused_ops
 
     def _prepare_model(self, fused_ops: CpuFusedOps | None, cpu: CpuFeatures, is_prepacked: bool,
-                       int8: Int8Plan | None) -> None:
+                       int8: QuantizedPlan | None) -> None:
         """int8, prepacked (or slab) matmuls and the fused element-wise ops, on whatever blocks the model has."""
         slabs = plan_slabs(self.dtype, self.num_weight_bytes, cpu) if is_prepacked else None
         gguf_blocks = None
@@ -177,7 +178,7 @@ class ModelRunner:
                          gguf_blocks=gguf_blocks)
 
     def _make_decode_stack(self, fused_ops: CpuFusedOps | None) -> DecodeStack | None:
-        """Decode-only steps' layers in one C++ call, where every layer can (engine.models.decode_stack)."""
+        """Decode-only steps' layers in one C++ call, where every layer can (engine.cpu.decode_stack)."""
         if not self.config.cpu_decode_stack or self.device.type != "cpu" or self.is_compiled:
             return None
         if self.config.pipeline_parallel_size > 1:
@@ -216,7 +217,7 @@ class ModelRunner:
             max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
             enforce_eager=self.config.enforce_eager or self.tp is not None,  # graphs would capture the collectives
         )
-        cuda_graphs.capture()
+        cuda_graphs.capture(check_replays)
         return cuda_graphs
 
     def _compile(self) -> None:

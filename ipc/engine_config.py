@@ -60,7 +60,7 @@ class EngineConfig:
         "KV cache and attention: auto (the activations' dtype, except bfloat16 beside --quantization's float32 "
         "activations on CPUs with native bf16; see engine.dtype_policy), float32, bfloat16, float16",
         choices=(AUTO_DTYPE, *DTYPE_NAMES)))
-    # Weight bytes bound a decode step: int8 halves them (engine.models.int8_linear).
+    # Weight bytes bound a decode step: int8 halves them (engine.cpu.int8_linear).
     quantization: str | None = field(default=None, metadata=_flag(
         "CPU: int8 (W8A8 on AVX512_VNNI, weights and activations with a scale per group of 64 inputs), "
         "int4 (W4A8, llama.cpp's Q4_1 blocks of 32); default: none, weights in --dtype", choices=QUANTIZATIONS))
@@ -76,9 +76,9 @@ class EngineConfig:
     load_format: str = field(default="auto", metadata=_flag(
         "dummy: random weights of the checkpoint's shape, for timing", choices=("auto", "dummy")))
     # ~2x faster steps here; the primitive caches that would grow with the variety of step
-    # sizes are capped (engine.models.cpu_packing).
+    # sizes are capped (engine.cpu.packing).
     cpu_prepack: bool = field(default=True, metadata=_flag("CPU: oneDNN-prepacked matmul weights"))
-    # Decode steps' layers in one C++ loop, not ~15 Python calls a layer (engine.models.decode_stack).
+    # Decode steps' layers in one C++ loop, not ~15 Python calls a layer (engine.cpu.decode_stack).
     cpu_decode_stack: bool = field(default=True, metadata=_flag(
         "CPU: run decode-only steps' decoder layers in one C++ call"))
     # Off recomputes every prompt, for comparison.

@@ -99,7 +99,7 @@ class CpuAttentionBackend:
 
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(block_tables, seq_lens) of a prepared decode-only step whose decodes all take the plain
-        decode kernel (row i: sequence i), else None. engine/models/decode_stack.py runs such steps."""
+        decode kernel (row i: sequence i), else None. engine/cpu/decode_stack.py runs such steps."""
         decode = self._decode
         if self._prefill_seq_indices is not None or self._shared is not None or decode is None or decode.rows is not None:
             return None

@@ -206,15 +206,6 @@ class LocalProcesses(Workers):
                 process.wait()
 
 
-def make_executor(config: EngineConfig, model_config, num_kv_blocks: int, max_model_len: int, device) -> Executor:
-    """The executor `config.distributed_executor_backend` names."""
-    if config.distributed_executor_backend == "ray":
-        from engine.distributed.ray_executor import RayExecutor  # Ray is an optional extra
-
-        return RayExecutor(config, model_config, num_kv_blocks, max_model_len, device)
-    return MultiprocExecutor(config, model_config, num_kv_blocks, max_model_len, device)
-
-
 def start_worker(config: EngineConfig, model_path: str, rank: int) -> subprocess.Popen:
     """A worker of this host as our child; it dies with us (PDEATHSIG, parent-pid check)."""
     flags = engine_argv(argparse.Namespace(**dataclasses.asdict(config)))

@@ -98,19 +98,14 @@ class VocabParallelEmbedding(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x_local @ W_local^T, summed over the ranks; no bias (o_proj and down_proj have none).
 
-    Not an `nn.Linear`, so that CPU prepacking leaves the all-reduce in place: `prepack`
-    packs the matmul alone."""
+    Not an `nn.Linear`, so that CPU prepacking leaves the all-reduce in place: engine/cpu/
+    packs the matmul alone (into `packed`)."""
 
     def __init__(self, local_in_features: int, out_features: int, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, local_in_features))  # [out_features, in_features / N]
-        self.packed = None  # engine.models.cpu_packing.PackedLinear, after prepack
-
-    def prepack(self, batch_size_hint: int, slabs=None) -> None:
-        from engine.models.cpu_packing import PackedLinear
-
-        self.packed = PackedLinear(self.weight, None, batch_size_hint, slabs)
+        self.packed = None  # a packed or quantized matmul set by engine/cpu/fast_paths.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features / N] -> [num_tokens, out_features]

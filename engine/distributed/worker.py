@@ -30,6 +30,7 @@ from engine.distributed.executor import (
     MAX_MODEL_LEN_KEY, NUM_KV_BLOCKS_KEY, STEP_ADDRESS_KEY, start_worker,
 )
 from engine.distributed.parallel_state import create_group, create_store, num_local_ranks
+from engine.distributed.process_checks import check_master_addr, die_with_parent
 from ipc.engine_config import DEFAULT_MODEL, EngineConfig, add_engine_args, engine_config_from_args
 
 logger = logging.getLogger(__name__)
@@ -42,13 +43,12 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0, device_inde
     actor sees only its own GPU, device 0)."""
     import torch
 
-    from engine.core_process import _die_with_parent
     from engine.model_files import resolve_model
     from engine.model_runner import ModelRunner, resolve_device_and_dtype
     from engine.models.config import ModelConfig
 
     if parent_pid:
-        _die_with_parent()
+        die_with_parent()
     size = config.world_size
     store = create_store(config.master_addr, config.master_port, size, is_master=False)
     address = store.get(STEP_ADDRESS_KEY).decode()
@@ -129,8 +129,6 @@ def main(argv: list[str] | None = None) -> None:
     rank_name = "node" if args.rank is None else f"rank {args.rank}"
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [tp-{rank_name}] %(name)s: %(message)s")
-    from engine.core_process import check_master_addr
-
     config = check_master_addr(engine_config_from_args(args), args.allow_remote)
     try:
         if args.rank is None:

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import platform
 from pathlib import Path
 from types import ModuleType
 
+from engine.cpu.host import cache_dir, cpu_key
 from engine.kernels.build_lock import exclusive_build
-from engine.model_files import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +42,6 @@ HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_capability.h",
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _module: ModuleType | None = None
-
-
-def _cpu_key() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        description = "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-    except OSError:
-        description = platform.processor()
-    return platform.machine() + "-" + hashlib.sha256(description.encode()).hexdigest()[:12]
 
 
 def _sources_key(paths: list[Path]) -> str:
@@ -91,7 +81,7 @@ def load_extension(name: str, sources: list[Path], headers: list[Path]) -> Modul
 
     # Resolved: ninja's command lines name the sources by path, so a cache reached through a link
     # (the tests' throwaway caches link this folder) would otherwise rebuild everything, twice.
-    build_dir = (cache_dir() / "torch_extensions").resolve() / f"{_cpu_key()}-{_sources_key(sources + headers)}"
+    build_dir = (cache_dir() / "torch_extensions").resolve() / f"{cpu_key()}-{_sources_key(sources + headers)}"
     logger.info("loading %s (built on first use) from %s", name, build_dir)
     with exclusive_build(build_dir):
         copies = copy_sources(sources + headers, build_dir / "src")[:len(sources)]

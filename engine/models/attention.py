@@ -14,7 +14,7 @@ is the KV cache's one writer:
   torch ops for inductor to fuse, attention (the KV store with it) as the opaque op
   `tokenloom::paged_attention`;
 - eager with rotary fused into the KV store (`is_rotary_fused`, set by
-  engine/models/fast_paths.py where it applies: full rotary, and q/k norm if any an
+  engine/cpu/fast_paths.py where it applies: full rotary, and q/k norm if any an
   RMSNorm, written back into qkv first): the backend's rotary_store_kv, one C++ pass;
 - otherwise the torch ops, then the backend's store_kv: the reference, and the path for
   Gemma's (1 + w) q/k norm and partial rotary, which the fused kernel cannot apply.
@@ -53,7 +53,7 @@ class Attention(nn.Module):
         self.q_norm = norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = norm(config.head_dim, config.rms_norm_eps) if qk_norm else None
         self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, tp)
-        # Rotary inside the backend's KV store (rotary_store_kv): set by engine.models.fast_paths where it applies.
+        # Rotary inside the backend's KV store (rotary_store_kv): set by engine.cpu.fast_paths where it applies.
         self.is_rotary_fused = False
         # The KV cache's dtype where it is not the activations' (DecoderForCausalLM.set_attention_dtype); None: theirs.
         self.attention_dtype: torch.dtype | None = None

@@ -6,7 +6,7 @@ batch dimension and no padding. Attention reads and writes the paged cache throu
 attention backend, so the same module runs the torch path on the CPU and Triton kernels
 on a GPU. A family (llama.py, qwen3.py, phi3.py, mixtral.py) says how to build its
 attention and MLP and how its checkpoint names map onto these modules; the CPU fast
-paths are applied from outside (engine/models/fast_paths.py), to whatever blocks it has.
+paths are applied from outside (engine/cpu/fast_paths.py), to whatever blocks it has.
 
 With tensor parallelism (`tp`, engine.distributed) each rank builds the same module with
 its share of the heads, the intermediate size and the vocabulary; at TP = 1 (`NO_TP`)

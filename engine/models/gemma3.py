@@ -13,7 +13,7 @@ gated MLP with Gemma's differences, each a shared block or a config field:
   attn_logit_softcapping is refused (engine/models/config.py).
 
 No fused CPU kernel computes the (1 + w) norm or GELU-tanh, so those run the torch ops
-(engine/models/fast_paths.py logs it), as do rotary and the KV store (the q/k norm comes first).
+(engine/cpu/fast_paths.py logs it), as do rotary and the KV store (the q/k norm comes first).
 
 Reference: transformers' models/gemma3/modeling_gemma3.py.
 """

@@ -3,8 +3,8 @@ gated MLP, SiLU (SwiGLU) or GELU-tanh (GeGLU) (rotary lives
 in engine/models/rotary.py, attention in attention.py, the MoE block in moe.py).
 
 The torch code here is the reference and the path everywhere the fused C++ kernels do
-not apply. On the eager CPU path engine/models/fast_paths.py hands each block the
-kernels (its `fused` attribute, engine/models/fused.py), which give the same bits; there
+not apply. On the eager CPU path engine/cpu/fast_paths.py hands each block the
+kernels (its `fused` attribute, engine/cpu/fused.py), which give the same bits; there
 are none for the (1 + w) norm and GELU-tanh, which always run the torch code here."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fused = None  # engine.models.fused.CpuFusedOps, set by engine.models.fast_paths
+        self.fused = None  # engine.cpu.fused.CpuFusedOps, set by engine.cpu.fast_paths
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -97,7 +97,7 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         # Tensor parallelism passes its row-parallel down_proj (engine.distributed.parallel_layers).
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False) if down_proj is None else down_proj
-        self.fused = None  # engine.models.fused.CpuFusedOps, set by engine.models.fast_paths
+        self.fused = None  # engine.cpu.fused.CpuFusedOps, set by engine.cpu.fast_paths
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]

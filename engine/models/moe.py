@@ -11,7 +11,7 @@ E SwiGLU experts, and the token's output is their outputs weighted by the router
 Each expert runs its matmuls on its own tokens only (a decode step of 64 sequences with
 top-2 of 128 experts gives each chosen expert about one token): never a dense loop of
 every expert over every token. The experts are plain SwiGLUMLP blocks, so the CPU set-up
-(engine/models/fast_paths.py) prepacks (or slabs) their linears and fuses their SiLU×up
+(engine/cpu/fast_paths.py) prepacks (or slabs) their linears and fuses their SiLU×up
 like any other MLP's. The grouping reads the per-expert counts on the host (one sync a
 layer), so a MoE model's steps are not captured in CUDA graphs; compiled, the grouped
 experts are one opaque op (`tokenloom::moe_experts`) for the same reason.

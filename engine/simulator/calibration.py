@@ -29,11 +29,11 @@ overheads by least squares on measured engine steps.
 from __future__ import annotations
 
 import logging
-import platform
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.cpu.host import cpu_name
 from engine.simulator.hardware_profile import CALIBRATED, HardwareProfile
 from engine.simulator.model_shape import ModelShape
 from engine.simulator.step_cost import PeakTimes, StepCostModel, StepShape
@@ -66,17 +66,6 @@ class MeasuredRun:
         return [b - a for a, b in zip(starts, starts[1:])] + [self.step_ends_s[-1] - starts[-1]]
 
 
-def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def best_rate(work: float, run, trials: int, sync=lambda: None) -> float:
     """Work per second of the fastest of `trials` timed runs: the machine's capability,
     which an ideal engine would reach (this host is shared, and single timings vary)."""
@@ -98,7 +87,7 @@ def measure_machine(weight_bytes: int, hidden: int, intermediate: int, dtype, de
     import torch
 
     from engine.dtype_policy import detect_cpu_features
-    from engine.models.cpu_packing import PackedLinear, bound_primitive_caches, can_prepack, plan_slabs
+    from engine.cpu.packing import PackedLinear, bound_primitive_caches, can_prepack, plan_slabs
 
     bound_primitive_caches()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -201,7 +190,7 @@ def fit_profile(shape: ModelShape, balance: MachineBalance, runs: list[MeasuredR
     outside_steps_s = sum(max(0.0, r.elapsed_s - r.step_ends_s[-1]) for r in runs)
     profile = HardwareProfile(
         name=CALIBRATED,
-        source=(f"fitted on this machine ({cpu_model_name()}), {shape.dtype}, {time.strftime('%Y-%m-%d %H:%M')}: "
+        source=(f"fitted on this machine ({cpu_name()}), {shape.dtype}, {time.strftime('%Y-%m-%d %H:%M')}: "
                 f"peak read bandwidth and matmul rate from micro-benchmarks (best of 7), efficiencies and "
                 f"overheads by least squares on {len(times)} measured steps of {shape.name} "
                 f"({', '.join(r.name for r in runs)}); KV pool: the engine's default kv_cache_memory_bytes"),
@@ -216,7 +205,7 @@ def fit_profile(shape: ModelShape, balance: MachineBalance, runs: list[MeasuredR
         step_overhead_s=step_overhead,
         seq_overhead_s=fit.seq_overhead_s,
         request_overhead_s=outside_steps_s / num_requests if num_requests else 0.0,
-        cpu_model=cpu_model_name(),
+        cpu_model=cpu_name(),
         dtype=shape.dtype,
     )
     fitted = StepCostModel(shape, profile)

@@ -15,6 +15,8 @@ import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from engine.cpu.host import cache_dir, cpu_name
+
 logger = logging.getLogger(__name__)
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -91,8 +93,6 @@ class HardwareProfile:
 
 
 def calibrated_profile_path() -> Path:
-    from engine.model_files import cache_dir
-
     return cache_dir() / "simulator" / f"{CALIBRATED}.json"
 
 
@@ -115,9 +115,8 @@ def load_profile(name_or_path: str) -> HardwareProfile:
                                     "and not a file")
     profile = HardwareProfile.from_dict(json.loads(path.read_text()))
     if profile.cpu_model is not None:
-        from engine.simulator.calibration import cpu_model_name
 
-        if profile.cpu_model != cpu_model_name():
+        if profile.cpu_model != cpu_name():
             logger.warning("profile %s was fitted on %r, this machine is %r: recalibrate for predictions here",
-                           path, profile.cpu_model, cpu_model_name())
+                           path, profile.cpu_model, cpu_name())
     return profile

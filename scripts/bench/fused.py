@@ -2,7 +2,7 @@
 
     TOKENLOOM_CACHE=... python -m scripts.bench.fused --dtype bfloat16 --repeats 10
 
-Measures what the fused element-wise ops (engine/models/fused.py) change: the model's
+Measures what the fused element-wise ops (engine/cpu/fused.py) change: the model's
 forward alone (no scheduling, sampling or logits), on the engine's own ModelRunner set-up
 (prepacked matmuls, the default CPU attention backend, fused ops where the runner picks
 them). Decode: --decode-seqs sequences of one new token each, --decode-context tokens of

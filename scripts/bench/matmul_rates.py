@@ -17,9 +17,10 @@ import time
 import torch
 
 from engine.kernels.cpu_extension import load_cpu_kernels
-from engine.models.cpu_packing import pack_slabs
-from engine.models.int4_linear import Int4Linear
-from engine.models.int8_linear import Int8Linear, plan_int8
+from engine.cpu.packing import pack_slabs
+from engine.cpu.int4_linear import Int4Linear
+from engine.cpu.int8_linear import Int8Linear
+from engine.cpu.quantized_plan import plan_quantization
 from scripts.lib.bench_report import machine_info, write_report
 
 # SmolLM2-135M's linears: (out_features, in_features) of qkv, o, gate/up, down.
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     kernels = load_cpu_kernels()
-    int8, int4 = plan_int8("cpu", True, "int8"), plan_int8("cpu", True, "int4")
+    int8, int4 = plan_quantization("cpu", True, "int8"), plan_quantization("cpu", True, "int4")
     torch.manual_seed(0)
     shapes = LAYER_SHAPES * args.num_layers
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes]

@@ -5,7 +5,7 @@
 Builds the default model's linear shapes (30 layers of q|k|v, o, gate|up and down, random
 weights: the slabs' speed does not depend on the values) twice in one process, once as
 torch allocates them and once gathered into one tensor on transparent huge pages as
-engine.models.cpu_packing.gather_slabs_on_huge_pages does, and times a pass over all 30
+engine.cpu.packing.gather_slabs_on_huge_pages does, and times a pass over all 30
 layers at each step size, alternating the two layouts so that the host's drift hits both
 alike. Prints GFLOP/s per layout and step size (the median of the repeats) as JSON.
 Needs a CPU with AVX512_BF16.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.huge_pages import huge_pages_on_request
-from engine.models.cpu_packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages
+from engine.cpu.packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages
 from scripts.lib.bench_report import write_report
 
 

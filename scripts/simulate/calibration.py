@@ -18,7 +18,7 @@ from engine.simulator.hardware_profile import CALIBRATED, HardwareProfile, calib
 from engine.simulator.model_shape import ModelShape
 from engine.simulator.simulator import SimulatedRequest, Simulator, SimulatorConfig
 from scripts.lib.workload import make_workload
-from scripts.simulate.run import auto_dtype, model_shape_for, synthetic_workload
+from scripts.simulate.inputs import auto_dtype, model_shape_for, synthetic_workload
 
 logger = logging.getLogger("simulate")
 

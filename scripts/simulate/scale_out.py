@@ -20,7 +20,7 @@ import logging
 from engine.simulator.hardware_profile import load_profile
 from engine.simulator.step_cost import StepCostModel, StepShape
 from scripts.lib.bench_report import write_report
-from scripts.simulate.run import model_shape_for
+from scripts.simulate.inputs import model_shape_for
 
 logger = logging.getLogger("scale_out")
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.dtype_policy import detect_cpu_features
-from engine.models import int4_linear, int8_linear
+from engine.cpu import int4_linear, int8_linear
+from engine.cpu.quantized_plan import plan_quantization
 
 # With VNNI the kernels must build (a build failure fails here rather than skipping).
 HAS_VNNI = detect_cpu_features().has_avx512_vnni
@@ -22,7 +23,7 @@ SCHEMES = {"int8": (int8_linear.Int8Linear, int8_linear.dequantize_rows),
 @pytest.mark.parametrize("shape", [(45, 70), (32, 64), (130, 577)])
 def test_rows_read_back_in_one_call_equal_the_reference(scheme, shape):
     linear_class, reference = SCHEMES[scheme]
-    plan = int8_linear.plan_int8("cpu", True, scheme)
+    plan = plan_quantization("cpu", True, scheme)
     linear = linear_class(torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1])), None, plan)
     rows = torch.tensor([shape[0] - 1, 0, 3, 3, shape[0] // 2])
     assert torch.equal(linear.dequantize_rows(rows), reference(linear.quantized, rows))

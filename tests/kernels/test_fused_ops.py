@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.attention import head_major
-from engine.models.fused import CpuFusedOps, select_fused_ops
+from engine.cpu.fused import CpuFusedOps, select_fused_ops
 from engine.models.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from engine.dtype_policy import detect_cpu_features
-from engine.models.int4_linear import BLOCK, Int4Linear, dequantize_rows, pack_panels, quantize_weight
-from engine.models.int8_linear import plan_int8
+from engine.cpu.int4_linear import BLOCK, Int4Linear, dequantize_rows, pack_panels, quantize_weight
+from engine.cpu.quantized_plan import plan_quantization
 
 # With VNNI the kernel must build (a build failure fails here rather than skipping).
-PLAN = plan_int8("cpu", True, "int4") if detect_cpu_features().has_avx512_vnni else None
+PLAN = plan_quantization("cpu", True, "int4") if detect_cpu_features().has_avx512_vnni else None
 needs_kernel = pytest.mark.skipif(PLAN is None, reason="int4 needs AVX512_VNNI, which this CPU lacks")
 
 

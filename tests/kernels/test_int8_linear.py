@@ -1,4 +1,4 @@
-"""int8 W8A8 linears (engine/kernels/cpu_int8/int8_linear.cpp, engine/models/int8_linear.py):
+"""int8 W8A8 linears (engine/kernels/cpu_int8/int8_linear.cpp, engine/cpu/int8_linear.py):
 the activations' quantization against torch's, the kernel against an fp32 matmul of the
 dequantized weights and activations at every step size and odd shapes, the panels read
 back, the plan on faked CPU features and the config's checks."""
@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from engine.dtype_policy import CpuFeatures
-from engine.models.int8_linear import (GGUF_GROUP, GROUP, Int8Linear, check_int8_supported, dequantize_rows,
-                                       gather_panels_on_huge_pages, pack_panels, quantize_weight, unpack_rows)
+from engine.cpu.int8_linear import (GGUF_GROUP, GROUP, Int8Linear, dequantize_rows, gather_panels_on_huge_pages,
+                                     pack_panels, quantize_weight, unpack_rows)
 from ipc.engine_config import EngineConfig
 
 from engine.dtype_policy import detect_cpu_features
-from engine.models.int8_linear import plan_int8
+from engine.cpu.quantized_plan import check_quantization_supported, plan_quantization
 
 # Without VNNI the refusal and packing tests below still run; with it the kernel must build
 # (a build failure fails here rather than skipping the kernel's tests).
-PLAN = plan_int8("cpu", True) if detect_cpu_features().has_avx512_vnni else None
+PLAN = plan_quantization("cpu", True) if detect_cpu_features().has_avx512_vnni else None
 needs_kernel = pytest.mark.skipif(PLAN is None, reason="int8 needs AVX512_VNNI, which this CPU lacks")
 
 
@@ -32,9 +32,9 @@ def dequantized_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 def test_refused_without_vnni():
     with pytest.raises(ValueError, match="AVX512_VNNI"):
-        check_int8_supported("cpu", CpuFeatures(has_avx512_bf16=True).has_avx512_vnni)
+        check_quantization_supported("cpu", CpuFeatures(has_avx512_bf16=True).has_avx512_vnni)
     with pytest.raises(ValueError, match="CPU only"):
-        check_int8_supported("cuda", True)
+        check_quantization_supported("cuda", True)
 
 
 def test_config_checks_the_quantization():

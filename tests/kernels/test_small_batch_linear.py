@@ -1,11 +1,11 @@
 """bf16 linears on slabs (engine/kernels/cpu/small_batch_linear.cpp) against torch's
-matmul, and the plan that decides which steps take them (engine/models/cpu_packing.py)."""
+matmul, and the plan that decides which steps take them (engine/cpu/packing.py)."""
 
 import pytest
 import torch
 
 from engine.dtype_policy import CpuFeatures
-from engine.models.cpu_packing import (
+from engine.cpu.packing import (
     SMALL_BATCH_MAX_TOKENS, PackedLinear, gather_slabs_on_huge_pages, pack_slabs, plan_slabs,
 )
 

@@ -9,7 +9,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine import compilation
 from engine.compilation import INDUCTOR_CACHE_ENV, inductor_cache_dir
-from engine.kernels.cpu_extension import _cpu_key
+from engine.cpu.host import cpu_key
 from tests.helpers.models import make_tiny_model
 
 
@@ -17,7 +17,7 @@ def test_inductor_cache_is_per_cpu_under_tokenloom_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(compilation, "_user_cache_dir", None)
     monkeypatch.setenv(INDUCTOR_CACHE_ENV, "/tmp/torchinductor_root")  # torch's own default, filled in later
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))
-    assert inductor_cache_dir() == str(tmp_path / "inductor" / _cpu_key())
+    assert inductor_cache_dir() == str(tmp_path / "inductor" / cpu_key())
     monkeypatch.setattr(compilation, "_user_cache_dir", "/somewhere/else")  # set before start-up: the user's choice
     assert inductor_cache_dir() == "/somewhere/else"
 

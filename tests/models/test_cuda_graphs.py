@@ -33,7 +33,7 @@ from engine.cuda_graphs import (  # noqa: E402
     disabled_reason,
     pad_decode_inputs,
 )
-from engine.cuda_graph_check import make_validation_batch, max_row_error  # noqa: E402
+from engine.cuda_graph_check import check_replays, make_validation_batch, max_row_error  # noqa: E402
 from tests.helpers.models import make_tiny_model  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -134,7 +134,7 @@ def test_runner_off_with_torch_backend_does_nothing():
         model, [], SimpleNamespace(name="torch"), device=torch.device("cuda"), block_size=16,
         max_num_seqs=8, max_model_len=256, enforce_eager=False,
     )
-    runner.capture()
+    runner.capture(check_replays)
     assert not runner.is_enabled and "torch" in runner.disabled_reason
     assert not runner.can_run(DecodeInputs.padding(1, 1, "cpu").metadata(1, [1]))
 

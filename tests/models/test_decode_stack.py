@@ -1,4 +1,4 @@
-"""Decode-only steps in one C++ call (engine/models/decode_stack.py): the same tokens and the
+"""Decode-only steps in one C++ call (engine/cpu/decode_stack.py): the same tokens and the
 same log-probabilities, bit for bit, as the eager layer loop, for every kind of matmul it
 takes (bf16 slabs, int8 and int4 panels, oneDNN-prepacked fp32, plain weights), with q/k biases
 (Qwen2) and a per-head q/k norm (Qwen3), and with a KV cache in a dtype of its own; models it

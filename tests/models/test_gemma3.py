@@ -63,7 +63,7 @@ def test_gemma3_config_is_read(gemma):
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_gemma3_matches_transformers(backend, gemma, caplog):
     path, _, expected = gemma
-    with caplog.at_level(logging.INFO, logger="engine.models.fast_paths"):
+    with caplog.at_level(logging.INFO, logger="engine.cpu.fast_paths"):
         llm = LLM(path, attention_backend=backend, **ENGINE_KWARGS)  # 16 tokens a step: the 100-token prompt in chunks
     assert llm.engine.max_model_len > WINDOW * 4  # the window no longer caps the context
     # The first pass fills the prefix cache; the second reads the prompts' full blocks from it.

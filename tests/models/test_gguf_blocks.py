@@ -21,7 +21,7 @@ from engine.gguf_blocks import read_gguf_blocks, unpack_blocks
 from engine.model_files import resolve_model
 from engine.models import load_model
 from engine.models.config import ModelConfig
-from engine.models.int8_linear import QuantizedLinear
+from engine.cpu.int8_linear import QuantizedLinear
 from tests.helpers.gguf_writer import write_llama_gguf
 from tests.models.test_gguf_files import write_tiny_llama
 

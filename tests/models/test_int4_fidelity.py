@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.models.int4_linear import Int4Linear, dequantize_rows
+from engine.cpu.int4_linear import Int4Linear, dequantize_rows
 from tests.helpers.models import quantized_llm
 
 pytestmark = pytest.mark.slow

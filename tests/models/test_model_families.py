@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.config import ModelConfig
-from engine.models.cpu_packing import PackedLinear
+from engine.cpu.packing import PackedLinear
 from engine.models.moe import MoEBlock
 from scripts.lib.greedy_drift import hf_greedy
 from tests.helpers.models import make_tiny_model
@@ -63,7 +63,7 @@ def test_family_matches_transformers(case, tmp_path, caplog):
     path, hf_model = make_tiny_model(tmp_path, architecture, **SMALL | overrides)
     expected = [hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in prompts()]
     assert all(len(set(tokens)) >= 4 for tokens in expected)  # answers that vary: a real check
-    with caplog.at_level(logging.INFO, logger="engine.models.fast_paths"):
+    with caplog.at_level(logging.INFO, logger="engine.cpu.fast_paths"):
         llm = LLM(path, **ENGINE_KWARGS)  # 16 tokens a step: the 100-token prompt prefills in chunks
     # The first pass fills the prefix cache; the second reads the prompts' full blocks from it.
     for attempt in ("cold", "cached"):

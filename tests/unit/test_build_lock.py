@@ -112,7 +112,7 @@ def test_without_kernels_attention_fused_ops_and_sampling_fall_back_to_torch(mon
     import engine.kernels.cpu_extension as cpu_extension
     from engine.attention import resolve_attention_backend
     from engine.dtype_policy import CpuFeatures
-    from engine.models.fused import select_fused_ops
+    from engine.cpu.fused import select_fused_ops
 
     def no_compiler():
         raise RuntimeError("c++: command not found")

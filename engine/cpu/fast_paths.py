@@ -1,15 +1,15 @@
 """The CPU fast paths, applied by the model runner to whatever blocks a model is built
 from, so a new family gets them without code of its own:
 
-- int8 or int4 matmuls with `--quantization int8|int4` (engine/models/int8_linear.py,
+- int8 or int4 matmuls with `--quantization int8|int4` (engine/cpu/int8_linear.py,
   int4_linear.py), in place of the prepacked ones: every nn.Linear and RowParallelLinear,
   the LM head too; of a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks where the model came from one
   (engine/gguf_blocks.py);
-- prepacked matmuls (engine/models/cpu_packing.py): every nn.Linear (attention, MLPs, MoE
+- prepacked matmuls (engine/cpu/packing.py): every nn.Linear (attention, MLPs, MoE
   experts, the LM head, tied or not) becomes a PackedLinear, on oneDNN's blocked layout or
   on bf16 slabs per the SlabPlan; a RowParallelLinear packs its matmul and keeps its
   all-reduce; the slabs then move onto huge pages;
-- the fused element-wise kernels (engine/models/fused.py), handed to each block that can
+- the fused element-wise kernels (engine/cpu/fused.py), handed to each block that can
   use them: every RMSNorm (with the residual add; the per-head q/k norms too), every
   SwiGLU MLP's SiLU×up (the MoE experts' too), and, in attention layers whose rotary the
   kernel computes, rotary inside the attention backend's KV store. It cannot apply a q/k norm between the
@@ -26,16 +26,17 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.cpu.fused import CpuFusedOps
+from engine.cpu.int4_linear import BLOCK, Int4Linear
+from engine.cpu.int8_linear import GROUP, Int8Linear, QuantizedEmbedding, QuantizedLinear, gather_panels_on_huge_pages
+from engine.cpu.packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
+from engine.cpu.quantized_plan import QuantizedPlan
 from engine.distributed.parallel_layers import RowParallelLinear
 from engine.models.attention import Attention
-from engine.models.cpu_packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
-from engine.models.fused import CpuFusedOps
-from engine.models.int4_linear import BLOCK
-from engine.models.int8_linear import (Int8Plan, QuantizedEmbedding, QuantizedLinear, gather_panels_on_huge_pages,
-                                       quantize_linears, quantized_linear)
 from engine.models.layers import OffsetRMSNorm, RMSNorm, SwiGLUMLP
 from engine.models.moe import MoEBlock
 
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 def apply_fast_paths(model: nn.Module, *, batch_size_hint: int | None, slabs: SlabPlan | None,
                      fused_ops: CpuFusedOps | None, backend: AttentionBackend, is_compiled: bool,
-                     int8: Int8Plan | None = None, gguf_blocks: dict[str, GgufBlocks] | None = None) -> list[str]:
+                     int8: QuantizedPlan | None = None, gguf_blocks: dict[str, GgufBlocks] | None = None) -> list[str]:
     """Quantize the matmuls to int8 (with `int8`; of a GGUF's blocks where `gguf_blocks` has
     them), or prepack them (when `batch_size_hint` is given), and hand out the fused ops (when
     given); returns the notes it logs, one per kind of fast path."""
@@ -78,7 +79,7 @@ def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None
     num_packed = prepack_linears(model, batch_size_hint, slabs)  # the LM head among them, tied or not
     for module in model.modules():
         if isinstance(module, RowParallelLinear):  # not nn.Linears: their all-reduce stays
-            module.prepack(batch_size_hint, slabs)
+            module.packed = PackedLinear(module.weight, None, batch_size_hint, slabs)
             num_packed += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, PackedLinear):
@@ -88,7 +89,7 @@ def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None
     return num_packed
 
 
-def quantize_model(model: nn.Module, plan: Int8Plan, gguf_blocks: dict[str, GgufBlocks] | None = None) -> str:
+def quantize_model(model: nn.Module, plan: QuantizedPlan, gguf_blocks: dict[str, GgufBlocks] | None = None) -> str:
     """Every matmul, the logits' too, onto int8 (or int4); a tied embedding reads the head's."""
     num_quantized = quantize_linears(model, plan, gguf_blocks)  # the LM head among them, tied or not
     for module in model.modules():
@@ -100,7 +101,7 @@ def quantize_model(model: nn.Module, plan: Int8Plan, gguf_blocks: dict[str, Gguf
     if plan.scheme == "int4":
         note = f"{num_quantized} matmuls int4 (W4A8 on vpdpbusd, Q4_1's blocks of {BLOCK} inputs)"
     else:
-        note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd, scales per group of {plan.group_size} inputs)"
+        note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd, scales per group of {GROUP} inputs)"
     num_from_gguf = sum(getattr(m, "from_gguf", False) for m in model.modules())
     if num_from_gguf:
         kind = "Q4_0/Q4_1 blocks" if plan.scheme == "int4" else "Q8_0 blocks, groups of 32"
@@ -156,3 +157,26 @@ def _packing(slabs: SlabPlan | None) -> str:
     if slabs.max_tokens is None:
         return "bf16 slabs (the CPU has AVX512_BF16 and no AMX)"
     return f"oneDNN's layout, and bf16 slabs for steps of up to {slabs.max_tokens} tokens"
+
+
+def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: QuantizedPlan,
+                     blocks: GgufBlocks | None = None) -> nn.Module:
+    """An Int8Linear, or with plan.scheme "int4" an Int4Linear, of `weight`; of a GGUF's `blocks`
+    as they are where given (the scheme's own: Q8_0 for int8, Q4_0 or Q4_1 for int4)."""
+    if plan.scheme == "int4":
+        return Int4Linear(weight, bias, plan, None if blocks is None else (blocks.codes, blocks.d, blocks.m))
+    return Int8Linear(weight, bias, plan, None if blocks is None else (blocks.codes, blocks.d))
+
+
+def quantize_linears(model: nn.Module, plan: QuantizedPlan, blocks: dict[str, GgufBlocks] | None = None) -> int:
+    """Swap every nn.Linear in `model` for the plan's quantized linear, of its GGUF blocks where
+    `blocks` (by weight name, engine/gguf_blocks.place_blocks) has them; returns how many."""
+    blocks = blocks or {}
+    num_quantized = 0
+    for prefix, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                weight_name = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
+                setattr(module, name, quantized_linear(child.weight, child.bias, plan, blocks.get(weight_name)))
+                num_quantized += 1
+    return num_quantized

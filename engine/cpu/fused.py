@@ -13,7 +13,7 @@ the reference and as the path wherever these do not apply:
 - CUDA, or a CPU without a compiler: the kernels are not there;
 - the Triton backend: its KV cache is token-major, the kernel writes head-major.
 
-`select_fused_ops` decides once per model runner; engine/models/fast_paths.py then
+`select_fused_ops` decides once per model runner; engine/cpu/fast_paths.py then
 hands them to each block that can use them.
 
 Bit-exactness needs two facts about this torch build, probed once at start-up

@@ -9,10 +9,10 @@ a GGUF's Q4_1 or Q4_0 blocks are packed as they are (engine/gguf_blocks.py; Q4_0
 d (q - 8) is d q + m with m = -8 d), with no second rounding. Activations are quantized inside the kernel per token and block of 32, as
 llama.cpp's Q8_1, and stay in fp32 between matmuls (engine/dtype_policy.py).
 
-`Int4Linear` replaces each nn.Linear (the LM head's too) through engine/models/fast_paths.py,
+`Int4Linear` replaces each nn.Linear (the LM head's too) through engine/cpu/fast_paths.py,
 as Int8Linear does; a tied embedding reads its rows back out of the head's blocks
 (int8_linear.QuantizedEmbedding), so the vocabulary is held once. Like int8 it needs AVX512_VNNI
-(engine/models/int8_linear.py's plan, shared).
+(engine/cpu/quantized_plan.py, shared).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.int8_linear import PANEL, Int8Plan, QuantizedLinear
+from engine.cpu.int8_linear import QuantizedLinear
+from engine.cpu.quantized_plan import INT4_BLOCK, PANEL, QuantizedPlan
 
-BLOCK = 32  # inputs per (d, m), and per activation scale: the kernel's kBlock
+BLOCK = INT4_BLOCK  # inputs per (d, m), and per activation scale
 WORDS_PER_BLOCK = BLOCK // 8  # a row's 32 codes in 4 words of 8 nibbles
 
 
@@ -88,7 +89,7 @@ class Int4Linear(QuantizedLinear):
 
     OP_NAME = "tokenloom_int8::linear_q4"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: QuantizedPlan,
                  blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """`blocks`: (codes, d, m) already in Q4_1's form (a GGUF's), packed as they are; else `weight` is quantized."""
         codes, d, m = blocks if blocks is not None else quantize_weight(weight)

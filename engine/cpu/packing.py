@@ -162,5 +162,5 @@ def prepack_linears(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | No
             if isinstance(child, nn.Linear):
                 setattr(module, name, PackedLinear(child.weight, child.bias, batch_size_hint, slabs))
                 num_packed += 1
-    logger.debug("prepacked %d linear layers", num_packed)  # engine.models.fast_paths logs the summary
+    logger.debug("prepacked %d linear layers", num_packed)  # engine.cpu.fast_paths logs the summary
     return num_packed

@@ -11,12 +11,11 @@ A GGUF's Q8_0 blocks (engine/gguf_blocks.py) are packed as they are, in groups o
 same kernel, which reads the group from the scales' shape.
 
 `Int8Linear` replaces each nn.Linear (and the matmul of each RowParallelLinear) through
-engine/models/fast_paths.py, so every family gets it: attention, MLPs, MoE experts and the
+engine/cpu/fast_paths.py, so every family gets it: attention, MLPs, MoE experts and the
 LM head. A tied embedding shares the head's int8 panels (`QuantizedEmbedding` reads its rows
 back out of them), so the vocabulary is held once, in int8.
 
-The plan is a pure function of the CPU's features (tested on faked ones): the kernel needs
-AVX512_VNNI; without it, int8 is refused with a message saying so.
+The plan (quantized_plan.py) checks the CPU and the kernel; fast_paths.py swaps the layers.
 """
 
 from __future__ import annotations
@@ -28,49 +27,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.cpu.quantized_plan import INT8_GROUP, PANEL, QuantizedPlan
 from engine.huge_pages import move_onto_huge_pages
 
 if TYPE_CHECKING:
     from engine.gguf_blocks import GgufBlocks
 
-PANEL = 32  # output rows per panel (the kernel's kPanel)
-GROUP = 64  # inputs per scale (the kernel's kGroup)
+GROUP = INT8_GROUP  # inputs per scale
 GGUF_GROUP = 32  # a GGUF Q8_0 block's inputs per scale (the kernel's kGgufGroup)
-
-
-@dataclass(frozen=True)
-class Int8Plan:
-    """The quantized kernels' module and the scheme: "int8" (this file) or "int4" (int4_linear.py,
-    the same module's Q4_1 kernel)."""
-
-    kernels: ModuleType
-    group_size: int = GROUP
-    scheme: str = "int8"
-
-
-def check_int8_supported(device_type: str, has_avx512_vnni: bool, scheme: str = "int8") -> None:
-    """Raise, saying why, where int8 (or int4, on the same instructions) cannot run."""
-    if device_type != "cpu":
-        raise ValueError(f"quantization={scheme!r} runs on the CPU only (our vpdpbusd kernel)")
-    if not has_avx512_vnni:
-        raise ValueError(f"quantization={scheme!r} needs a CPU with AVX512_VNNI (vpdpbusd); this CPU has none: "
-                         "run without --quantization (bf16 or fp32)")
-
-
-def plan_int8(device_type: str, has_avx512_vnni: bool, scheme: str = "int8") -> Int8Plan:
-    check_int8_supported(device_type, has_avx512_vnni, scheme)
-    from engine.kernels.int8_extension import load_int8_kernels
-
-    kernels = load_int8_kernels()
-    if not kernels.has_int8_linear():  # built without VNNI: the compiler's target disagrees with the probe
-        raise ValueError(f"quantization={scheme!r}: the kernel was built without AVX512_VNNI on this CPU")
-    if kernels.group_size() != GROUP:  # the packing here and the kernel must agree
-        raise ValueError(f"quantization={scheme!r}: the kernel's groups are {kernels.group_size()} inputs, not {GROUP}")
-    from engine.models.int4_linear import BLOCK
-
-    if kernels.q4_block_size() != BLOCK:
-        raise ValueError(f"quantization={scheme!r}: the int4 kernel's blocks are {kernels.q4_block_size()} inputs, not {BLOCK}")
-    return Int8Plan(kernels, scheme=scheme)
 
 
 @dataclass
@@ -141,7 +105,7 @@ class QuantizedLinear(nn.Module):
     """What Int8Linear and Int4Linear (int4_linear.py) share: the weight's panels and scales as
     buffers (so the model's memory is counted from its buffers like any other tensor), the bias
     padded to the panels' rows in fp32, and the forward through the scheme's kernel, which is
-    also the torch op OP_NAME (engine/models/decode_stack.py calls that)."""
+    also the torch op OP_NAME (engine/cpu/decode_stack.py calls that)."""
 
     OP_NAME = ""
 
@@ -181,7 +145,7 @@ class Int8Linear(QuantizedLinear):
 
     OP_NAME = "tokenloom_int8::linear"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: QuantizedPlan,
                  blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`blocks`: (q, d) already in Q8_0 (a GGUF's), packed as they are; else `weight` is quantized."""
         if blocks is not None:
@@ -220,28 +184,3 @@ def gather_panels_on_huge_pages(model: nn.Module) -> int:
 
 def _put_panels(module: QuantizedLinear, panels: torch.Tensor) -> None:
     module.panels = module.quantized.panels = panels  # the buffer and the reference layout: one tensor
-
-
-def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: Int8Plan,
-                     blocks: GgufBlocks | None = None) -> nn.Module:
-    """An Int8Linear, or with plan.scheme "int4" an Int4Linear, of `weight`; of a GGUF's `blocks`
-    as they are where given (the scheme's own: Q8_0 for int8, Q4_0 or Q4_1 for int4)."""
-    if plan.scheme == "int4":
-        from engine.models.int4_linear import Int4Linear
-
-        return Int4Linear(weight, bias, plan, None if blocks is None else (blocks.codes, blocks.d, blocks.m))
-    return Int8Linear(weight, bias, plan, None if blocks is None else (blocks.codes, blocks.d))
-
-
-def quantize_linears(model: nn.Module, plan: Int8Plan, blocks: dict[str, GgufBlocks] | None = None) -> int:
-    """Swap every nn.Linear in `model` for the plan's quantized linear, of its GGUF blocks where
-    `blocks` (by weight name, engine/gguf_blocks.place_blocks) has them; returns how many."""
-    blocks = blocks or {}
-    num_quantized = 0
-    for prefix, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                weight_name = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
-                setattr(module, name, quantized_linear(child.weight, child.bias, plan, blocks.get(weight_name)))
-                num_quantized += 1
-    return num_quantized

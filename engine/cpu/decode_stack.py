@@ -4,7 +4,7 @@ A one-token step of a small model spent about as long in Python as in its weight
 SmolLM2-135M ran ~450 module and kernel calls per token (figures: docs/performance.md,
 "One user against llama.cpp"). `DecodeStack` hands the kernels the eager path already
 uses to a C++ loop over the layers, built once from the model after the runner applied
-its fast paths (engine/models/fast_paths.py), so the result has the eager path's bits.
+its fast paths (engine/cpu/fast_paths.py), so the result has the eager path's bits.
 
 It takes decode-only steps (every row one sequence's next token) on the CPU attention
 backend, with no shared-prefix decode groups (those take the shared kernel, from Python),
@@ -27,11 +27,11 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.models.attention import Attention
-from engine.models.cpu_packing import PackedLinear
+from engine.cpu.packing import PackedLinear
 from engine.models.decoder import DecoderLayer
-from engine.models.fused import CpuFusedOps
-from engine.models.int4_linear import Int4Linear
-from engine.models.int8_linear import Int8Linear, QuantizedLinear
+from engine.cpu.fused import CpuFusedOps
+from engine.cpu.int4_linear import Int4Linear
+from engine.cpu.int8_linear import Int8Linear, QuantizedLinear
 from engine.models.layers import RMSNorm, SwiGLUMLP
 
 logger = logging.getLogger(__name__)
