@@ -106,13 +106,24 @@ class EngineCore:
         )
         # Speculative decoding (engine.spec_decode): proposals for --speculative-config and for requests'
         # predictions; the static baselines keep one token per step.
-        self.proposer = SpecProposer(config.speculative, self.max_model_len) if config.batching == "continuous" else None
+        self.proposer = None
+        if config.batching == "continuous":
+            self.proposer = SpecProposer(config.speculative, self.max_model_len, self._load_draft(num_kv_blocks))
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
         # (request id, reason) for requests failed by their own parameters outside a step's model run
         # (a grammar that did not compile, constraints that contradict); the core process reports
         # them as the client's errors, then clears the list.
         self.request_errors: list[tuple[str, str]] = []
+
+    def _load_draft(self, num_kv_blocks: int):
+        """The draft model's proposer for method "draft" (its own KV pool of the target's blocks), else None."""
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft":
+            return None
+        from engine.spec_decode.draft_proposer import DraftModelProposer
+
+        return DraftModelProposer(self.config, spec, self.model_config, num_kv_blocks, self.max_model_len)
 
     @property
     def vocab_size(self) -> int:

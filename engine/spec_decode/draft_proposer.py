@@ -104,6 +104,11 @@ class DraftModelProposer:
     def release(self, request_id: str) -> None:
         self.kv.pop(request_id, None)
 
+    def keep_only(self, request_ids: set[str]) -> None:
+        """Drop the state of every request but these (the running ones)."""
+        for request_id in [i for i in self.kv if i not in request_ids]:
+            del self.kv[request_id]
+
     def _make_row(self, request: Request, num_tokens: int, first_scratch: int) -> _Row:
         """The request's row: its blocks, scratch blocks for the positions past them that this
         propose writes (up to the KV of its second-last proposal), and where its catch-up starts."""

@@ -33,15 +33,18 @@ EMA_WEIGHT = 0.5  # of the newest draft's accepted count
 
 
 class SpecProposer:
-    def __init__(self, config: SpeculativeConfig | None, max_model_len: int) -> None:
-        if config is not None and config.method != "ngram":
-            raise ValueError(f"speculative_config.method {config.method!r} is not available in this build yet; "
-                             "use \"ngram\" (or a request's prediction)")
+    def __init__(self, config: SpeculativeConfig | None, max_model_len: int, draft=None) -> None:
+        """`draft`: the DraftModelProposer (engine.spec_decode.draft_proposer) for method "draft"."""
+        if config is not None and config.method == "draft" and draft is None:
+            raise ValueError('speculative_config.method "draft" needs its draft model loaded')
         self.config = config
         self.max_model_len = max_model_len
+        self.draft = draft
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` (and `spec_method`) on every running request; [] for those not speculated."""
+        if self.draft is not None:
+            self.draft.keep_only({r.request_id for r in running})  # finished, aborted or preempted: state dropped
         candidates = [r for r in running if self._can_speculate(r)]
         for request in running:
             request.spec_token_ids = []
@@ -50,6 +53,7 @@ class SpecProposer:
         num_per_request = SPEC_STEP_TOKENS // len(candidates) - 1  # the decode token itself counts
         if num_per_request <= 0:
             return
+        drafted: list[tuple[Request, int]] = []  # the draft model proposes for these at once, batched
         for request in candidates:
             num_tokens = min(num_per_request, self._max_tokens(request), int(request.spec_ema) + 2,
                              request.max_tokens - request.num_output_tokens - 1,
@@ -59,11 +63,17 @@ class SpecProposer:
             if request.sampling_params.prediction_token_ids:
                 request.spec_token_ids = propose_prediction(request, num_tokens)
                 request.spec_method = SpecMethod.PREDICTION
+            elif self.draft is not None:
+                drafted.append((request, num_tokens))
             else:
                 config = self.config
                 request.spec_token_ids = propose_ngram(request.all_token_ids, num_tokens, config.prompt_lookup_min,
                                                        config.prompt_lookup_max)
                 request.spec_method = SpecMethod.NGRAM
+        if drafted:
+            proposals = self.draft.propose([r for r, _ in drafted], [n for _, n in drafted])
+            for (request, _), token_ids in zip(drafted, proposals):
+                request.spec_token_ids, request.spec_method = token_ids, SpecMethod.DRAFT
 
     def _max_tokens(self, request: Request) -> int:
         if request.sampling_params.prediction_token_ids:

@@ -88,8 +88,8 @@ def test_proposals_are_the_int4_models_greedy_continuation(tiny_llama, reference
     # (here one the draft did not propose), so the catch-up starts at different places.
     for round_index in range(3):
         for i, (request, proposal) in enumerate(zip(requests, proposals)):
-            num_accepted = (i + round_index) % (K + 1)
-            emitted = (proposal[num_accepted] + 1) % 512 if num_accepted < K else 7
+            num_accepted = min((i + round_index) % (K + 1), len(proposal))
+            emitted = (proposal[num_accepted] + 1) % 512 if num_accepted < len(proposal) else 7
             accept(request, blocks, proposal[:num_accepted] + [emitted])
         num_tokens = [K, 2, 0, 1]  # fewer, and none for one request
         proposals = proposer.propose(requests, num_tokens)
@@ -175,3 +175,19 @@ def test_a_draft_folder_of_the_same_vocabulary_runs(tmp_path, tiny_llama):
     expected = llm.generate([request.all_token_ids], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
                             use_tqdm=False)[0].token_ids
     assert proposer.propose([request], [3])[0] == expected
+
+
+@pytest.mark.parametrize("num_kv_blocks", [NUM_BLOCKS, 16])  # 16 blocks of 4: the four requests preempt each other
+def test_engine_greedy_with_self_int4_equals_speculation_off(tiny_llama, num_kv_blocks):
+    """Through the engine (the scheduler's proposals, verification, rollback): the fp32 target's
+    greedy tokens are the same with the int4 draft as without, and the draft's tokens were used."""
+    kwargs = ENGINE_KWARGS | dict(num_kv_blocks=num_kv_blocks, dtype="float32")
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 17, 30, 9)]
+    off = LLM(tiny_llama, skip_tokenizer_init=True, **kwargs)
+    expected = [o.token_ids for o in off.generate(prompts(), params, use_tqdm=False)]
+    spec = {"method": "draft", "model": "self-int4", "num_speculative_tokens": 4}
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, speculative_config=spec, **kwargs)
+    assert [o.token_ids for o in llm.generate(prompts(), params, use_tqdm=False)] == expected
+    assert llm.engine.proposer.draft.num_proposed_tokens > 0
+    if num_kv_blocks == 16:
+        assert llm.engine.scheduler.num_preemptions > 0
