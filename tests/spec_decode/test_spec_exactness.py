@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.dtype_policy import detect_cpu_features
+
 from engine import LLM, SamplingParams
 from ipc.messages import SpecMethod
 from tests.helpers.models import make_tiny_model
@@ -126,6 +128,10 @@ def test_rows_with_logits_processing_are_not_speculated_and_stay_exact(model_pat
     llm.shutdown()
 
 
-def test_the_draft_method_is_refused_until_built(model_path):
-    with pytest.raises(ValueError, match="not available"):
-        make_llm(model_path, speculative_config={"method": "draft", "model": "self-int4", "num_speculative_tokens": 3})
+def test_the_draft_method_loads_its_draft_model(model_path):
+    """method "draft" loads the draft beside the target (its exactness: tests/models/test_draft_proposer.py)."""
+    if not detect_cpu_features().has_avx512_vnni:
+        pytest.skip("self-int4 needs AVX512_VNNI")
+    llm = make_llm(model_path, speculative_config={"method": "draft", "model": "self-int4", "num_speculative_tokens": 3})
+    assert llm.engine.proposer.draft is not None
+    llm.shutdown()
