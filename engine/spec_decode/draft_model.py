@@ -1,7 +1,7 @@
 """The draft model's runner: a second ModelRunner beside the target's, for `{"method": "draft"}`.
 
 `"model": "self-int4"` is the served checkpoint again, quantized to int4 by our own kernels
-(engine/models/int4_linear.py) exactly as `--quantization int4` serves it: read from the same
+(engine/cpu/int4_linear.py) exactly as `--quantization int4` serves it: read from the same
 folder, so the draft's weights are the checkpoint's, not a second rounding of a bf16 or
 prepacked copy. `"model": PATH` is another Hugging Face folder (or a known name), run with the
 target's dtype and quantization; its vocabulary must be the target's, token for token, or the
