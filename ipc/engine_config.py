@@ -104,6 +104,11 @@ class EngineConfig:
     distributed_executor_backend: str = field(default="mp", metadata=_flag(
         "who starts the tensor-parallel ranks: mp (local processes) or ray (a Ray cluster's actors; "
         "pip install tokenloom[ray])", choices=EXECUTOR_BACKENDS))
+    # A Ray CPU is a unit of placement, not a core (a rank's threads are its host's cores shared
+    # among the host's ranks): a fraction lets more ranks than free CPUs share a node.
+    ray_num_cpus_per_worker: float | None = field(default=None, metadata=_flag(
+        "ray: CPUs each rank's placement-group bundle asks for (default: 1 where the cluster has a free "
+        "CPU for every rank, else the largest 1/k that fits; engine.distributed.ray_executor)"))
     grammar_compile_timeout_s: float = field(default=30.0, metadata=_flag(
         "structured outputs: a grammar still compiling after this many seconds fails its request"))
     # JSON text, in vLLM's names (ipc.speculative_config); a dict given in Python becomes its JSON.
@@ -157,6 +162,8 @@ class EngineConfig:
                              f"got {self.distributed_executor_backend!r}")
         if self.distributed_executor_backend == "ray" and nnodes > 1:
             raise ValueError("with the ray backend Ray places every rank: leave nnodes and node_rank unset")
+        if self.ray_num_cpus_per_worker is not None and self.ray_num_cpus_per_worker <= 0:
+            raise ValueError(f"ray_num_cpus_per_worker must be above 0, got {self.ray_num_cpus_per_worker}")
 
     @property
     def world_size(self) -> int:
@@ -172,7 +179,7 @@ class EngineConfig:
         return [f.name for f in fields(cls)]
 
 
-_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str, "float": float}
+_TYPES = {"int": int, "int | None": int, "str": str, "str | None": str, "float": float, "float | None": float}
 
 
 def flag_name(field_name: str) -> str:

@@ -2,7 +2,8 @@
 cluster places them (vLLM's RayDistributedExecutor, without its per-step Ray calls).
 
     ray.init          RAY_ADDRESS, or the cluster `ray start` made on this host; else a local one
-    placement group   one bundle per rank: {"CPU": 1}, or {"GPU": 1, "CPU": 1} on CUDA; bundle 0
+    placement group   one bundle per rank: {"CPU": c}, or {"GPU": 1, "CPU": c} on CUDA (c: 1, or a
+                      fraction where the cluster has fewer free CPUs than ranks, `bundle_num_cpus`); bundle 0
                       pinned to this node, whose rank 0 is this process (the engine core); on
                       CUDA a placeholder actor holds bundle 0's GPU, and rank 0 runs on that GPU
                       (Ray gives the other actors other GPUs), as vLLM's driver does
@@ -35,6 +36,7 @@ ACTOR_NAMESPACE = "tokenloom"  # workers are named in it, so `ray.get_actor` (an
 PLACEMENT_TIMEOUT_S = 60.0  # a cluster without room for the group says so rather than hang
 CHECK_INTERVAL_S = 0.5  # Ray's own view of the actors, at most this often (the sockets see a death at once)
 LOOPBACK = "127.0.0.1"
+CPU_UNITS = 10_000  # Ray counts a resource in 1/10,000ths: a bundle's fraction is rounded down to them
 
 
 class RayWorker:
@@ -63,13 +65,38 @@ class RayWorker:
 
 class RayExecutor(Executor):
     def make_workers(self, config: EngineConfig, device) -> Workers:
-        return RayActors(config.world_size, device.type == "cuda")
+        return RayActors(config.world_size, device.type == "cuda", config.ray_num_cpus_per_worker)
+
+
+def bundle_num_cpus(size: int, free_cpus: dict[str, float], node_id: str) -> float:
+    """CPUs per bundle: the largest of 1, 1/2, ..., 1/size with which `size` bundles fit the nodes'
+    free CPUs, bundle 0 on `node_id` (1 if none fits: the placement then times out, saying so).
+
+    Why a fraction at all: a Ray CPU only places a rank; its threads are its host's cores, shared
+    among the host's ranks (`RayActors.start`), so ranks sharing a Ray CPU lose nothing but the
+    claim. A whole CPU each where there is room keeps a host from carrying more ranks than it has
+    Ray CPUs (PACK fills a node before the next); a fraction lets TP x PP ranks onto a small
+    cluster (CI's three one-CPU nodes carry TP=2 x PP=2 at 1/2: two nodes of two ranks)."""
+    for k in range(1, size + 1):
+        unit = CPU_UNITS // k
+        num_slots = {node: round(free * CPU_UNITS) // unit for node, free in free_cpus.items()}
+        if num_slots.get(node_id, 0) >= 1 and sum(num_slots.values()) >= size:
+            return unit / CPU_UNITS
+    return 1.0
+
+
+def free_cpus_by_node() -> dict[str, float]:
+    """Each node's free Ray CPUs (Ray's public API gives the cluster's sum only, or per node
+    through the dashboard, which a local instance does not start)."""
+    from ray._private.state import available_resources_per_node
+
+    return {node_id: resources.get("CPU", 0.0) for node_id, resources in available_resources_per_node().items()}
 
 
 class RayActors(Workers):
     """Placed at construction, started by `start`."""
 
-    def __init__(self, size: int, is_cuda: bool) -> None:
+    def __init__(self, size: int, is_cuda: bool, num_cpus: float | None = None) -> None:
         self.is_started_ray = init_ray(size)
         import ray
         from ray.util.placement_group import placement_group
@@ -82,7 +109,9 @@ class RayActors(Workers):
         self.last_check_time = 0.0
         node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
-        bundle = {"CPU": 1.0, "GPU": 1.0} if is_cuda else {"CPU": 1.0}
+        if num_cpus is None:
+            num_cpus = bundle_num_cpus(size, free_cpus_by_node(), node_id)
+        self.bundle = bundle = {"CPU": num_cpus, "GPU": 1.0} if is_cuda else {"CPU": num_cpus}
         bundles = [{**bundle, f"node:{self.node_ip}": 0.001}] + [dict(bundle) for _ in range(size - 1)]
         self.placement_group = placement_group(bundles, strategy="PACK")
         if not ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
@@ -119,7 +148,7 @@ class RayActors(Workers):
         self.places = [places[i] for i in order]
         hosts = [self.node_ip] + [ip for _, ip, _ in self.places]
         self.ranks_per_host = {ip: hosts.count(ip) for ip in hosts}
-        logger.info("Ray placed %d tensor-parallel ranks: %s", size,
+        logger.info("Ray placed %d ranks, bundles of %s: %s", size, bundle,
                     ", ".join(f"rank {r}: node {n[:8]} ({ip})" for r, (n, ip, _) in enumerate(self.places, 1)))
 
     def master_addr(self, config: EngineConfig) -> str:

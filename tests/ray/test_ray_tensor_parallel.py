@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism over Ray (`distributed_executor_backend="ray"`) on a real
 three-node Ray cluster on this machine: fp32 greedy tokens equal one process's (tiny Qwen3 and
 Mixtral at TP = 2, SmolLM2 at TP = 3: 9 heads and 3 KV heads, one rank per node; a tiny Llama
-at PP = 2), a worker actor killed with ray.kill fails the engine at once with a clear error,
+at PP = 2, and at TP = 2 x PP = 2: four ranks in bundles of half a CPU), a worker actor killed with ray.kill fails the engine at once with a clear error,
 and no actor or KV block is left behind.
 """
 
@@ -74,6 +74,32 @@ def test_pp2_over_ray_matches_one_process(tmp_path):
     reference = generate(path, prompts, params, 1, "mp")
     outputs = generate(path, prompts, params, 1, "ray", pipeline_parallel_size=2)
     assert assert_same_greedy_tokens(reference, outputs) == 0.0  # the stages hand on exact activations
+
+
+@pytest.mark.slow
+def test_tp2_x_pp2_over_ray_matches_one_process(tmp_path):
+    # Four ranks on three one-CPU nodes: bundles of a fraction of a CPU (ray_executor.bundle_num_cpus).
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **TINY | dict(num_hidden_layers=4))
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (1, 7, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    reference = generate(path, prompts, params, 1, "mp")
+    llm = LLM(path, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
+              **ENGINE_KWARGS)
+    try:
+        workers = llm.engine.executor.workers
+        node_ids = [workers.ray.get_runtime_context().get_node_id()]
+        node_ids += [node_id for node_id, _, _ in workers.places]  # by rank
+        print(f"bundles of {workers.bundle}; ranks 0-3 on nodes {[n[:8] for n in node_ids]}")
+        assert workers.bundle["CPU"] < 1.0
+        assert node_ids == sorted(node_ids, key=node_ids.index)  # a node's ranks are neighbours
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.block_manager.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+    max_diff = assert_same_greedy_tokens(reference, outputs)
+    print(f"TP=2 x PP=2 over Ray equals TP=1, PP=1; max |logprob difference| {max_diff:.2e}")
+    assert max_diff < 1e-3
 
 
 @pytest.mark.slow

@@ -64,3 +64,26 @@ def test_engine_on_a_later_node_execs_workers_only(monkeypatch):
     assert calls == [[sys.executable, "-m", "engine.distributed.worker", "--model", "m", "--node-rank", "1", *flags]]
     with pytest.raises(SystemExit):
         cli.main(["engine", "--model", "m", *flags])  # node 0 needs --listen
+
+
+def test_ray_bundles_take_a_whole_cpu_where_there_is_room_else_the_largest_fraction_that_fits():
+    from engine.distributed.ray_executor import bundle_num_cpus
+
+    three_nodes = {"head": 1.0, "b": 1.0, "c": 1.0}  # CI's cluster
+    assert bundle_num_cpus(3, three_nodes, "head") == 1.0  # TP=3: one rank a node
+    assert bundle_num_cpus(4, three_nodes, "head") == 0.5  # TP=2 x PP=2: two nodes of two ranks
+    assert bundle_num_cpus(7, three_nodes, "head") == 0.3333  # 3 + 3 + 1, in Ray's 1/10,000ths
+    assert bundle_num_cpus(2, {"head": 0.0, "b": 2.0}, "head") == 1.0  # rank 0's node is full: nothing fits
+    assert bundle_num_cpus(4, {"head": 0.5, "b": 0.7, "c": 0.7}, "head") == 0.3333  # 1 + 2 + 2 (at 1/2: 1 + 1 + 1)
+    assert bundle_num_cpus(2, {"head": 16.0}, "head") == 1.0
+
+
+def test_ray_cpus_per_worker_is_a_flag_and_must_be_positive():
+    from ipc.engine_config import EngineConfig
+
+    args = make_parser().parse_args(["--model", "m", "--distributed-executor-backend", "ray",
+                                     "--ray-num-cpus-per-worker", "0.25"])
+    engine_args = engine_client_config(args).engine_args
+    assert engine_args[engine_args.index("--ray-num-cpus-per-worker") + 1] == "0.25"  # the cores get it
+    with pytest.raises(ValueError, match="ray_num_cpus_per_worker"):
+        EngineConfig(ray_num_cpus_per_worker=0.0)
