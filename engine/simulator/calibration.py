@@ -3,7 +3,7 @@ overheads by least squares on measured engine steps.
 
 1. Peaks (`measure_peaks`): the read bandwidth (summing a buffer the size of the
    model's weights) and the matmul rate (an MLP-shaped prepacked matmul of 512 tokens),
-   each the best of several timings, as scripts/bench/bound.py measures them.
+   each the best of several timings, as scripts/bench/probes/bound.py measures them.
 2. Steps: a `scripts/bench/offline.py` run records each step's start, end, sequences and
    tokens. The simulator replays the same workload with the same settings (offline,
    scheduling does not depend on time, so the steps must come out identical: this is

@@ -1,1 +1,1 @@
-"""Benchmarks of tokenloom alone: offline, serving, structured outputs, kernels, IPC, TP, bounds."""
+"""Benchmarks of tokenloom that users run: offline, serving, single user, static, structured, speculative, quant, TP."""

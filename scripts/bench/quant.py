@@ -7,7 +7,7 @@ with bf16 activations instead.
 Single user: one request, a 128-token prompt, 256 greedy tokens (EOS ignored): TTFT and
 decode tok/s after the first token. Batched: `--num-requests` requests of the same shape
 submitted together, total (prompt + output) tok/s. Offline `LLM`, no HTTP: the server's
-own overhead is bench_peers.sh's (and bench single_user's) to measure. Each setting has its
+own overhead is peers/bench.sh's (and bench single_user's) to measure. Each setting has its
 own engine, all loaded in one process; their single-user runs alternate round by round.
 
     python -m scripts.bench.quant --json results/quant.json

@@ -1,6 +1,6 @@
 """Single-user speed against llama.cpp's `llama-server` (issue #28): TTFT and decode tok/s, one request at a time.
 
-    scripts/peers_llamacpp.sh            # once: builds .peers/llama.cpp/bin, writes .peers/gguf/*.gguf
+    scripts/peers/llamacpp.sh            # once: builds .peers/llama.cpp/bin, writes .peers/gguf/*.gguf
     .venv/bin/python -m scripts.bench.single_user --repeats 3 --json results/single_user.json
     .venv/bin/python -m scripts.bench.single_user --servers llama-q8_0,ours-int8 --ours-extra "--no-compile"
 
@@ -20,7 +20,7 @@ host's busy CPU time during the request less that of the server's processes and 
 over wall time x cores. A run where it is high (another job on the machine, or an idle server
 that is not idle) is suspect: llama.cpp's threads spin at barriers, so a rival process on one
 of two cores can slow it several-fold. llama-server runs with `-t THREADS -np 1` and its
-defaults otherwise, on the bf16, Q8_0 and Q4_1 GGUFs of scripts/peers_llamacpp.sh (all three
+defaults otherwise, on the bf16, Q8_0 and Q4_1 GGUFs of scripts/peers/llamacpp.sh (all three
 hold the same weights: the bf16 file is the Q4_1 one dequantized, as our converted folder is);
 its prompt cache is turned off per request (`cache_prompt: false`). Ours runs
 `frontend.cli serve --model smollm2` at its defaults (bf16), with `--quantization int8` and `int4`, and,
@@ -91,7 +91,7 @@ def make_server(name: str, args: argparse.Namespace, port: int) -> Server:
     if name in LLAMA_GGUFS:
         gguf = Path(args.gguf_dir) / LLAMA_GGUFS[name]
         if not gguf.is_file():
-            raise SystemExit(f"{gguf} is missing; run scripts/peers_llamacpp.sh")
+            raise SystemExit(f"{gguf} is missing; run scripts/peers/llamacpp.sh")
         command = [str(args.llama_server), "-m", str(gguf), "-t", str(args.threads), "-np", "1",
                    "--host", "127.0.0.1", "--port", str(port)]
         return Server(name, command, {"cache_prompt": False}, f"http://127.0.0.1:{port}")

@@ -23,7 +23,7 @@ rejected tokens (which OpenAI bills as completion tokens). Per configuration: th
 the rounds, and ratios: ngram and prediction over off, self-int4 over off-chat, ours over
 llama.cpp's. Whether each round's text equals `off`'s (greedy speculation is exact) is recorded,
 and so is each server's speculative decoding from /metrics (proposed, accepted, acceptance rate).
-llama-server runs when its binary is there (--llama-server; scripts/peers_llamacpp.sh builds it).
+llama-server runs when its binary is there (--llama-server; scripts/peers/llamacpp.sh builds it).
 
 Batched (--batched, scripts/bench/speculative_batched.py): the reference offline workload (64
 requests), all-at-once serving (48 requests) with ngram on against off, and 4 users editing at

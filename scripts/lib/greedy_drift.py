@@ -1,5 +1,5 @@
 """The greedy-drift yardstick shared by the bf16 and int8 fidelity tests and
-`python -m scripts.bench.quant_drift`: chat questions, transformers' own token-by-token
+`python -m scripts.bench.probes.quant_drift`: chat questions, transformers' own token-by-token
 greedy answer, and how many leading tokens another answer shares with it."""
 
 from __future__ import annotations

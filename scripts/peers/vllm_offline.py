@@ -1,4 +1,4 @@
-"""bench_offline's workload through vLLM's `LLM.generate`, for scripts/bench_peers.sh.
+"""bench_offline's workload through vLLM's `LLM.generate`, for scripts/peers/bench.sh.
 
     .peers/vllm-venv/bin/python -m scripts.peers.vllm_offline --model MODEL_FOLDER \
         --dtype float32 --json results/peers/vllm_offline.json

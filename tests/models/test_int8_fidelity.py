@@ -7,7 +7,7 @@ transformers' fp32 greedy answer. Quantizing activations as well as weights drif
 than bf16 does, so the yardstick is the scheme llama.cpp runs, not bf16; the bound is 80% of
 its score, as test_bf16_fidelity's is of transformers' bf16. The score swings by several
 tokens with any rounding change (one early near-tie flips a whole answer), so it is a guard
-against a broken path, not a ranking of schemes. scripts/bench/quant_drift.py prints it for
+against a broken path, not a ranking of schemes. scripts/bench/probes/quant_drift.py prints it for
 more schemes beside the engine's.
 """
 
@@ -41,7 +41,7 @@ def test_int8_answers_the_capital_of_france(int8_llm):
 
 
 def test_int8_drifts_about_as_far_as_llama_cpps_q8_0(int8_llm, default_model_path):
-    from scripts.bench.quant_drift import simulated_answers
+    from scripts.bench.probes.quant_drift import simulated_answers
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path)

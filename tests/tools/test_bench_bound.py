@@ -1,4 +1,4 @@
-"""The roofline arithmetic behind scripts/bench/bound.py, on numbers worked by hand."""
+"""The roofline arithmetic behind scripts/bench/probes/bound.py, on numbers worked by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scripts.bench.bound import MachineBalance, ideal_run_s, ideal_step_s, model_cost
+from scripts.bench.probes.bound import MachineBalance, ideal_run_s, ideal_step_s, model_cost
 
 
 def smollm2_cost(element_size: int = 4):
@@ -48,7 +48,7 @@ def test_fewer_fuller_steps_are_cheaper_for_the_same_tokens():
 
 @pytest.mark.slow
 def test_main_prices_a_bench_run_on_this_machine(tmp_path, default_model_path):
-    from scripts.bench.bound import main
+    from scripts.bench.probes.bound import main
 
     # Two modes doing the same 64 decode tokens: one step of 64, or four steps of 16.
     bench = {

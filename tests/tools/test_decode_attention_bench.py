@@ -1,4 +1,4 @@
-"""scripts/bench/decode_attention: one layer's decode attention timed, with the bytes it reads."""
+"""scripts/bench/probes/decode_attention: one layer's decode attention timed, with the bytes it reads."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scripts.bench import decode_attention
+from scripts.bench.probes import decode_attention
 
 
 @pytest.mark.parametrize("dtype, element_size", [("bfloat16", 2), ("float32", 4)])

@@ -70,7 +70,7 @@ def test_readme_commands_exist():
 
 
 def script_references(text: str) -> list[str]:
-    """The scripts a page names: as paths (scripts/bench_peers.sh) and as modules (-m scripts.bench.offline)."""
+    """The scripts a page names: as paths (scripts/peers/bench.sh) and as modules (-m scripts.bench.offline)."""
     paths = re.findall(r"scripts/[\w./-]+\.(?:py|sh)", text)
     modules = [m.replace(".", "/") + ".py" for m in re.findall(r"-m (scripts(?:\.\w+)+)", text)]
     return sorted(set(paths + modules))

@@ -1,4 +1,4 @@
-"""scripts/bench/dot_peaks: the register-only rates it reports are real measurements of this CPU."""
+"""scripts/bench/probes/dot_peaks: the register-only rates it reports are real measurements of this CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from engine.dtype_policy import detect_cpu_features
-from scripts.bench import dot_peaks
+from scripts.bench.probes import dot_peaks
 
 CPU = detect_cpu_features()
 

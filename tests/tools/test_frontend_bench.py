@@ -1,4 +1,4 @@
-"""scripts/bench/ipc.py runs end to end and reports what it promises, as JSON."""
+"""scripts/bench/probes/ipc.py runs end to end and reports what it promises, as JSON."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.helpers import REPO_ROOT
 
 
 def test_bench_ipc_reports_json():
-    result = subprocess.run([sys.executable, "-m", "scripts.bench.ipc", "--num-requests", "200", "--concurrency", "16",
+    result = subprocess.run([sys.executable, "-m", "scripts.bench.probes.ipc", "--num-requests", "200", "--concurrency", "16",
                              "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

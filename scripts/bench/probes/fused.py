@@ -1,6 +1,6 @@
 """Time of one model forward on the CPU, a decode step and a prefill step, as JSON.
 
-    TOKENLOOM_CACHE=... python -m scripts.bench.fused --dtype bfloat16 --repeats 10
+    TOKENLOOM_CACHE=... python -m scripts.bench.probes.fused --dtype bfloat16 --repeats 10
 
 Measures what the fused element-wise ops (engine/cpu/fused.py) change: the model's
 forward alone (no scheduling, sampling or logits), on the engine's own ModelRunner set-up

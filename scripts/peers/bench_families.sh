@@ -6,15 +6,15 @@
 # checkpoint needed), on bench_offline's reference workload cut to 24 requests. For each shape
 # vLLM runs first, then us, on the same token ids. Optional, outside CI.
 #
-#   scripts/bench_families.sh                    # SHAPES="qwen3-0.6b qwen2.5-0.5b llama-3.2-1b"
-#   SHAPES=qwen2.5-0.5b NUM_REQUESTS=8 scripts/bench_families.sh    # a quick check
+#   scripts/peers/bench_families.sh                    # SHAPES="qwen3-0.6b qwen2.5-0.5b llama-3.2-1b"
+#   SHAPES=qwen2.5-0.5b NUM_REQUESTS=8 scripts/peers/bench_families.sh    # a quick check
 #
-# vLLM's venv is scripts/bench_peers.sh's (`scripts/bench_peers.sh --install-only` builds it).
+# vLLM's venv is scripts/peers/bench.sh's (`scripts/peers/bench.sh --install-only` builds it).
 # Results: results/families/{vllm,ours}_SHAPE.json and results/families/summary.json.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-# shellcheck source=scripts/peers_lib.sh
-source scripts/peers_lib.sh
+cd "$(dirname "$0")/../.."
+# shellcheck source=scripts/peers/lib.sh
+source scripts/peers/lib.sh
 SHAPES="${SHAPES:-qwen3-0.6b qwen2.5-0.5b llama-3.2-1b}"
 OUT_DIR=results/families
 WORKLOAD=(--num-requests "${NUM_REQUESTS:-24}" --input-len 16 256 --output-len 16 256 --seed 0)

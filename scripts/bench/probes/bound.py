@@ -1,6 +1,6 @@
 """How much faster continuous batching can be than static batching on this machine, for any engine.
 
-    python -m scripts.bench.bound --bench results/bench_offline.json --json results/bench_bound.json
+    python -m scripts.bench.probes.bound --bench results/bench_offline.json --json results/bench_bound.json
 
 Refilling the batch saves steps, so it saves what a step costs regardless of its size,
 and nothing of the work each token brings. How much that is worth depends on the

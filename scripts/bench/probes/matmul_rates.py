@@ -5,7 +5,7 @@ weights, run back to back as a step runs them; each size's figure is the median 
 timed passes after one warm-up, in GFLOP/s (GOP/s for the quantized kernels: two per
 multiply-add either way). Needs AVX512_BF16 for the slabs and AVX512_VNNI for the panels.
 
-    python -m scripts.bench.matmul_rates --tokens 1,8,64,256,1024 --json results/matmul_rates.json
+    python -m scripts.bench.probes.matmul_rates --tokens 1,8,64,256,1024 --json results/matmul_rates.json
 """
 
 from __future__ import annotations

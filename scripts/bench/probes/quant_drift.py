@@ -22,8 +22,8 @@ over each prompt followed by fp32's answer: the share of those 32 positions whos
 token is fp32's (`top1_agreement`) and the mean negative log-likelihood of fp32's tokens
 (`answer_nll`; fp32's own is the floor).
 
-    python -m scripts.bench.quant_drift --schemes channel,q8_0,g64,engine --json results/quant_drift.json
-    python -m scripts.bench.quant_drift --schemes q8_0,engine --engine-model .peers/gguf/smollm2-q8_0.gguf
+    python -m scripts.bench.probes.quant_drift --schemes channel,q8_0,g64,engine --json results/quant_drift.json
+    python -m scripts.bench.probes.quant_drift --schemes q8_0,engine --engine-model .peers/gguf/smollm2-q8_0.gguf
 """
 
 from __future__ import annotations

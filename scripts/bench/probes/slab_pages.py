@@ -1,6 +1,6 @@
 """The bf16 slab matmuls (engine/kernels/cpu/small_batch_linear.cpp) on 4 KB pages and on huge pages.
 
-    python -m scripts.bench.slab_pages --json results/bench_slab_pages.json
+    python -m scripts.bench.probes.slab_pages --json results/bench_slab_pages.json
 
 Builds the default model's linear shapes (30 layers of q|k|v, o, gate|up and down, random
 weights: the slabs' speed does not depend on the values) twice in one process, once as

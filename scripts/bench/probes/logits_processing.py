@@ -1,7 +1,7 @@
 """The cost of the logits pipeline (penalties, logit_bias) on a decode step of 48 rows.
 
-    python -m scripts.bench.logits_processing --json results/bench_logits_processing.json
-    python -m scripts.bench.logits_processing --num-requests 8 --output-len 8 --rounds 1   # a quick check
+    python -m scripts.bench.probes.logits_processing --json results/bench_logits_processing.json
+    python -m scripts.bench.probes.logits_processing --num-requests 8 --output-len 8 --rounds 1   # a quick check
 
 The real engine (engine.LLM on the default model, default dtype) runs B requests of L
 random token ids each, all arriving at once and decoding in lockstep for T tokens

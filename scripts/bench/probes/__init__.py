@@ -1,0 +1,1 @@
+"""Probes: one-question measurements of one part (a kernel, the IPC path, a CPU's peaks), see README.md."""
