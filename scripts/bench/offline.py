@@ -54,8 +54,8 @@ from scripts.bench.offline_hf import run_hf
 from scripts.lib.bench_report import cpu_steal_s, machine_info, steal_share, write_report
 from scripts.lib.offline_result import ModeResult, print_table, step_columns, step_counts, useful_positions
 from scripts.lib.workload import (
-    DISTRIBUTIONS,
     add_prefix_workload_args,
+    add_random_workload_args,
     WorkloadRequest,
     make_length_mix_workload,
     make_multi_turn_workload,
@@ -190,11 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--modes", default="continuous,static,hf", help=f"comma-separated subset of {','.join(MODES)}")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--distribution", choices=DISTRIBUTIONS, default="uniform")
-    p.add_argument("--seed", type=int, default=0)
+    add_random_workload_args(p)
     p.add_argument("--length-mix", default=None, metavar="P:O,P:O,...",
                    help="instead of the ranges: requests cycle through these (prompt, output) lengths; "
                         "64:16,256:128,512:512 is the seed's example")

@@ -31,8 +31,8 @@ from frontend.spec_decode_metrics import format_spec_decode
 from scripts.lib.local_server import reset_prefix_cache, scrape_metrics, spec_decode_delta, start_server, stop_server
 from scripts.lib.sse_client import StreamStatusError, stream_chunks
 from scripts.lib.workload import (
-    DISTRIBUTIONS,
     add_prefix_workload_args,
+    add_random_workload_args,
     WorkloadRequest,
     make_multi_turn_workload,
     make_shared_prefix_workload,
@@ -265,11 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, unless --prefix-caching starts ours")
     p.add_argument("--model", default=None, help="the served model name; default: the first in /v1/models")
     p.add_argument("--tokenizer", default="smollm2", help="model name or folder for the vocabulary and text prompts")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--distribution", choices=DISTRIBUTIONS, default="uniform")
-    p.add_argument("--seed", type=int, default=0)
+    add_random_workload_args(p)
     p.add_argument("--real-prompts", action="store_true", help="send text instead of token-id lists (random workload)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests (multi_turn: new conversations) per second, Poisson arrivals; inf: all at once")

@@ -181,14 +181,26 @@ def make_multi_turn_workload(
     ]  # fmt: skip
 
 
-def add_prefix_workload_args(p) -> None:
-    """The shared-prefix and multi-turn workloads' flags, the same in every benchmark."""
-    p.add_argument("--workload", choices=WORKLOADS, default="random",
+def add_random_workload_args(p) -> None:
+    """The random workload's flags, the same in every benchmark; the defaults are bench_offline's
+    reference workload (64 requests, 16-256 tokens in and out, seed 0)."""
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
+    p.add_argument("--distribution", choices=DISTRIBUTIONS, default="uniform")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_prefix_workload_args(p, workloads: tuple[str, ...] = WORKLOADS) -> None:
+    """The flags of the workloads that share prefixes (those of `workloads`), the same in every benchmark."""
+    p.add_argument("--workload", choices=workloads, default="random",
                    help="random: --num-requests with --input-len/--output-len; the others share prefixes")
     p.add_argument("--num-groups", type=int, default=4, help="shared_prefix: system prompts")
     p.add_argument("--prefix-len", type=int, default=1024, help="shared_prefix: tokens per system prompt")
     p.add_argument("--question-len", type=int, default=32, help="shared_prefix: tokens per question")
-    p.add_argument("--num-conversations", type=int, default=16, help="multi_turn")
-    p.add_argument("--num-turns", type=int, default=6, help="multi_turn")
-    p.add_argument("--turn-len", type=int, default=64, help="multi_turn: tokens per user turn")
-    p.add_argument("--shared-output-len", type=int, default=32, help="shared_prefix, multi_turn: tokens out")
+    if "multi_turn" in workloads:
+        p.add_argument("--num-conversations", type=int, default=16, help="multi_turn")
+        p.add_argument("--num-turns", type=int, default=6, help="multi_turn")
+        p.add_argument("--turn-len", type=int, default=64, help="multi_turn: tokens per user turn")
+    p.add_argument("--shared-output-len", type=int, default=32,
+                   help=", ".join(w for w in workloads if w != "random") + ": tokens out")

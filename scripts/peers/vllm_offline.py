@@ -23,13 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-from scripts.lib.bench_report import cpu_steal_s, steal_share, write_report
-from scripts.lib.workload import DISTRIBUTIONS, make_shared_prefix_workload, make_workload
+from scripts.lib.bench_report import cpu_steal_s, machine_info, steal_share, write_report
+from scripts.lib.workload import (
+    add_prefix_workload_args,
+    add_random_workload_args,
+    make_shared_prefix_workload,
+    make_workload,
+)
 
 WORKLOADS = ("random", "shared_prefix")
 NUM_WARMUP_REQUESTS = 8
@@ -41,23 +45,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="a local HF folder")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: vLLM's own default (bf16 for an fp32 checkpoint on x86)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--distribution", choices=DISTRIBUTIONS, default="uniform")
-    p.add_argument("--seed", type=int, default=0)
+    add_random_workload_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true", help="skip vLLM's torch.compile")
-    p.add_argument("--workload", choices=WORKLOADS, default="random",
-                   help="random: --num-requests with --input-len/--output-len; shared_prefix: bench_offline's")
+    add_prefix_workload_args(p, WORKLOADS)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="vLLM's prefix caching off (on by default in V1)")
-    p.add_argument("--num-groups", type=int, default=4, help="shared_prefix: system prompts")
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared_prefix: tokens per system prompt")
-    p.add_argument("--question-len", type=int, default=32, help="shared_prefix: tokens per question")
-    p.add_argument("--shared-output-len", type=int, default=32, help="shared_prefix: tokens out")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights of the folder's config.json, and no tokenizer (token ids only)")
     p.add_argument("--json", default=None, metavar="PATH")
@@ -74,7 +69,6 @@ def _dtype_used(llm) -> str | None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    import torch
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -134,13 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "torch_version": torch.__version__,
+            **machine_info(),
             "vllm_version": vllm.__version__,
-            "torch_num_threads": torch.get_num_threads(),
-            "load_average_1m": os.getloadavg()[0],
             "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")},
         },
         "results": {"vllm": summary},

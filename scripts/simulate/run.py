@@ -33,7 +33,7 @@ from engine.simulator.model_shape import ModelShape, load_model_shape
 from engine.simulator.simulator import SimulatedRequest, Simulator, SimulatorConfig
 from scripts.lib.bench_report import write_report
 from scripts.simulate.inputs import auto_dtype, model_shape_for, read_workload, synthetic_workload, write_workload
-from scripts.lib.workload import DISTRIBUTIONS, length_mix, make_workload
+from scripts.lib.workload import add_random_workload_args, length_mix, make_workload
 
 
 logger = logging.getLogger("simulate")
@@ -112,13 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hardware", default=CALIBRATED, help=f"one of {profile_names()}, or a profile JSON")
     p.add_argument("--workload", default=None, metavar="FILE.jsonl")
     p.add_argument("--write-workload", default=None, metavar="FILE.jsonl", help="also write the requests simulated")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"))
-    p.add_argument("--distribution", choices=DISTRIBUTIONS, default="uniform")
+    add_random_workload_args(p)
     p.add_argument("--length-mix", default=None, metavar="P:O,P:O,...",
                    help="instead of the ranges: requests cycle through these (prompt, output) lengths")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second; inf: all at 0")
     p.add_argument("--batching", choices=["continuous", "static", "static-padded"], default="continuous")
     p.add_argument("--max-num-seqs", type=int, default=64, help="static: the batch size")
