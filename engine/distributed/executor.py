@@ -23,8 +23,9 @@ Each step rank 0 sends one `StepInputs` record (msgpack) to every worker, then e
 rank runs the model on it, meeting in the all-reduces; rank 0 samples.
 
 Faults: a worker that dies closes its sockets, so the next (or current) collective
-raises on rank 0 at once, and its ZeroMQ link drops. Any step that raises under TP
-is fatal (the ranks may no longer be in step): `run_step` raises `WorkerDeadError`,
+raises on rank 0 at once, and its ZeroMQ link drops; one its launcher reports dead before
+its process has exited (Ray) is caught between a collective's one-second waits
+(peer_wait.py). Any step that raises under TP is fatal (the ranks may no longer be in step): `run_step` raises `WorkerDeadError`,
 which the core reports and exits on; the frontend answers 503 and, with
 --restart-engine, starts a fresh core, which starts fresh workers. A hung worker
 holds rank 0 in a collective until the collective timeout, or until the frontend's
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import subprocess
@@ -112,7 +114,11 @@ class Executor:
             self.workers.start(worker_config, model_config.path)
             for hello in self._wait_for(messages.WorkerHello, "connect"):
                 logger.info("tensor-parallel rank %d (pid %d) connected", hello.rank, hello.pid)
-            self.group = create_group(self.store, 0, config.tensor_parallel_size, device, config.pipeline_parallel_size)
+            # The check as a function of the workers and the monitor, not of self: the group must not
+            # keep the executor alive past its finalizer.
+            check_alive = functools.partial(check_workers, self.workers, self.monitor)
+            self.group = create_group(self.store, 0, config.tensor_parallel_size, device, config.pipeline_parallel_size,
+                                      check_alive)
         except BaseException:
             self.shutdown()
             raise
@@ -138,18 +144,15 @@ class Executor:
             for identity in self.identities.values():
                 self.sock.send_multipart([identity, payload])
             return forward_step(inputs)
+        except WorkerDeadError:
+            raise  # a collective's wait found a rank gone (engine.distributed.peer_wait)
         except Exception as e:
             self.check_workers()  # name the dead rank if we can
             raise WorkerDeadError(f"a tensor-parallel step failed: {type(e).__name__}: {str(e)[:200]}") from e
 
     def check_workers(self) -> None:
         """Raise WorkerDeadError if a worker has exited or dropped its connection."""
-        reason = self.workers.find_dead()
-        if reason is not None:
-            raise WorkerDeadError(reason)
-        if self.monitor.poll(0):
-            self.monitor.recv_multipart()
-            raise WorkerDeadError("a tensor-parallel worker disconnected")
+        check_workers(self.workers, self.monitor)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -204,6 +207,16 @@ class LocalProcesses(Workers):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def check_workers(workers: Workers, monitor: zmq.Socket) -> None:
+    """Raise WorkerDeadError if a worker has exited (by its launcher's word) or dropped its connection."""
+    reason = workers.find_dead()
+    if reason is not None:
+        raise WorkerDeadError(reason)
+    if monitor.poll(0):
+        monitor.recv_multipart()
+        raise WorkerDeadError("a tensor-parallel worker disconnected")
 
 
 def start_worker(config: EngineConfig, model_path: str, rank: int) -> subprocess.Popen:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from engine.distributed.peer_wait import wait_for_peers
 from engine.distributed.pipeline import WHOLE_MODEL, PipelineStage
 
 # A rank that waits longer than this in a collective gives up (gloo raises). A killed
@@ -33,11 +35,13 @@ RENDEZVOUS_TIMEOUT_S = 300.0
 class TensorParallelGroup:
     """This rank's place in its group and the group's collectives, with the time spent in them."""
 
-    def __init__(self, rank: int, size: int, process_group=None, stage: PipelineStage = WHOLE_MODEL) -> None:
+    def __init__(self, rank: int, size: int, process_group=None, stage: PipelineStage = WHOLE_MODEL,
+                 check_alive: Callable[[], None] | None = None) -> None:
         self.rank = rank  # within this group (this stage's)
         self.size = size
         self.process_group = process_group
         self.stage = stage
+        self.check_alive = check_alive  # rank 0's check between slices of a wait (engine.distributed.peer_wait)
         self.num_all_reduces = 0
         self.all_reduce_seconds = 0.0  # includes waiting for the slowest rank
 
@@ -48,7 +52,7 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
         start = time.perf_counter()
-        self.process_group.allreduce([x]).wait()
+        wait_for_peers(self.process_group.allreduce([x]), self.check_alive)
         self.all_reduce_seconds += time.perf_counter() - start
         self.num_all_reduces += 1
         return x
@@ -59,9 +63,9 @@ class TensorParallelGroup:
         options.rootRank = 0
         if self.rank == 0:
             parts = [torch.empty_like(x) for _ in range(self.size)]
-            self.process_group.gather([parts], [x], options).wait()
+            wait_for_peers(self.process_group.gather([parts], [x], options), self.check_alive)
             return torch.cat(parts, dim=-1)
-        self.process_group.gather([], [x], options).wait()
+        wait_for_peers(self.process_group.gather([], [x], options), self.check_alive)
         return None
 
 
@@ -76,9 +80,12 @@ def create_store(master_addr: str, master_port: int, world_size: int, is_master:
 
 
 def create_group(store: dist.Store, rank: int, tensor_parallel_size: int, device: torch.device,
-                 pipeline_parallel_size: int = 1) -> TensorParallelGroup:
+                 pipeline_parallel_size: int = 1, check_alive: Callable[[], None] | None = None) -> TensorParallelGroup:
     """Join this rank's groups (blocks until every rank has): its stage's tensor-parallel group
-    and, with several stages, every rank's group for the sends between them."""
+    and, with several stages, every rank's group for the sends between them. `check_alive`
+    (rank 0's executor) runs while a collective waits, on the CPU (engine.distributed.peer_wait)."""
+    if device.type == "cuda":
+        check_alive = None
     stage_index, tp_rank = divmod(rank, tensor_parallel_size)
     process_group = None
     if tensor_parallel_size > 1:
@@ -89,8 +96,8 @@ def create_group(store: dist.Store, rank: int, tensor_parallel_size: int, device
     if pipeline_parallel_size > 1:
         world = _process_group(dist.PrefixStore("pp", store), rank, tensor_parallel_size * pipeline_parallel_size,
                                device)
-        stage = PipelineStage(stage_index, pipeline_parallel_size, tp_rank, tensor_parallel_size, world)
-    return TensorParallelGroup(tp_rank, tensor_parallel_size, process_group, stage)
+        stage = PipelineStage(stage_index, pipeline_parallel_size, tp_rank, tensor_parallel_size, world, check_alive)
+    return TensorParallelGroup(tp_rank, tensor_parallel_size, process_group, stage, check_alive)
 
 
 def _process_group(store: dist.Store, rank: int, size: int, device: torch.device):

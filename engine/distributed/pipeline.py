@@ -20,9 +20,12 @@ a tied head needs the embedding anyway); only its own layers and their KV cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from engine.distributed.peer_wait import wait_for_peers
 
 SEND_TAG = 0
 
@@ -36,6 +39,7 @@ class PipelineStage:
     tp_rank: int = 0  # this rank's place in its stage's tensor-parallel group
     tp_size: int = 1
     process_group: object = None  # every rank's group, for the sends between stages
+    check_alive: Callable[[], None] | None = field(default=None, compare=False)  # rank 0's (peer_wait)
 
     @property
     def is_pipelined(self) -> bool:
@@ -62,11 +66,11 @@ class PipelineStage:
 
     def send(self, tensors: list[torch.Tensor], rank: int) -> None:
         for tensor in tensors:
-            self.process_group.send([tensor.contiguous()], rank, SEND_TAG).wait()
+            wait_for_peers(self.process_group.send([tensor.contiguous()], rank, SEND_TAG), self.check_alive)
 
     def recv(self, tensors: list[torch.Tensor], rank: int) -> None:
         for tensor in tensors:
-            self.process_group.recv([tensor], rank, SEND_TAG).wait()
+            wait_for_peers(self.process_group.recv([tensor], rank, SEND_TAG), self.check_alive)
 
 
 WHOLE_MODEL = PipelineStage()

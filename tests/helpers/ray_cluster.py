@@ -50,7 +50,7 @@ def local_cluster(num_nodes: int):
 
 def alive_actors() -> list:
     """Every actor the cluster still holds alive (what a test must not leave behind), each with
-    `class_name` and `name`. Through ray.util.state, which asks the head's dashboard; on a loaded
+    `class_name`, `name` and `pid`. Through ray.util.state, which asks the head's dashboard; on a loaded
     machine the dashboard can be late or gone, so then from the GCS's own actor table."""
     from ray.util.state import list_actors
 
@@ -59,5 +59,5 @@ def alive_actors() -> list:
     except ConnectionError:
         import ray
 
-        return [SimpleNamespace(class_name=actor["ActorClassName"], name=actor["Name"])
+        return [SimpleNamespace(class_name=actor["ActorClassName"], name=actor["Name"], pid=actor["Pid"])
                 for actor in ray._private.state.actors().values() if actor["State"] == "ALIVE"]

@@ -7,6 +7,8 @@ and no actor or KV block is left behind.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 import time
@@ -143,6 +145,53 @@ def test_a_worker_actor_killed_mid_run_fails_the_engine_with_a_clear_error(tmp_p
         print(f"{time.monotonic() - killed_at:.2f} s after ray.kill: {error}")
         assert "tensor-parallel" in str(error)
     finally:
+        llm.shutdown()
+
+
+def process_state(pid: int) -> str:
+    """The state letter in /proc (R, S, T: stopped, Z: zombie), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def test_a_killed_worker_whose_process_lingers_fails_the_engine_without_waiting_for_its_sockets(tmp_path):
+    """Ray reports an actor dead at ray.kill; its process may exit seconds later (its raylet's
+    force-kill), its sockets open until then. Rank 0, waiting in an all-reduce, must take Ray's
+    word (engine.distributed.peer_wait) rather than wait for them: the worker is stopped first
+    (SIGSTOP), so it is still there, stopped, when the engine fails."""
+    import ray
+
+    from engine.distributed.executor import WorkerDeadError
+    from engine.distributed.ray_executor import ACTOR_NAMESPACE
+
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **TINY)
+    llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_KWARGS)
+    (worker,) = [a for a in alive_actors() if a.class_name == "RayWorker"]
+    try:
+        errors = []
+
+        def long_generation() -> None:
+            try:
+                llm.generate([[1, 2, 3]], SamplingParams(max_tokens=100_000, ignore_eos=True), use_tqdm=False)
+            except Exception as e:
+                errors.append((e, process_state(worker.pid)))
+
+        thread = threading.Thread(target=long_generation, daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        os.kill(worker.pid, signal.SIGSTOP)  # rank 0 now waits in a collective for it
+        ray.kill(ray.get_actor(worker.name, namespace=ACTOR_NAMESPACE))
+        thread.join(30)
+        ((error, worker_state),) = errors
+        assert isinstance(error, WorkerDeadError), repr(error)
+        assert "died (ActorDiedError" in str(error)  # Ray's word, not a closed socket
+        assert worker_state == "T", f"the worker's process was {worker_state}, not stopped, when the engine failed"
+    finally:
+        if process_state(worker.pid) not in ("gone", "Z"):
+            os.kill(worker.pid, signal.SIGKILL)
         llm.shutdown()
 
 
