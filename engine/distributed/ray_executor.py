@@ -112,8 +112,10 @@ class RayActors(Workers):
         if num_cpus is None:
             num_cpus = bundle_num_cpus(size, free_cpus_by_node(), node_id)
         self.bundle = bundle = {"CPU": num_cpus, "GPU": 1.0} if is_cuda else {"CPU": num_cpus}
-        bundles = [{**bundle, f"node:{self.node_ip}": 0.001}] + [dict(bundle) for _ in range(size - 1)]
-        self.placement_group = placement_group(bundles, strategy="PACK")
+        # Bundle 0 on this node by its id (several nodes may share an IP: raylets on one host).
+        this_node = [{"ray.io/node-id": node_id}] + [{} for _ in range(size - 1)]
+        self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="PACK",
+                                               bundle_label_selector=this_node)
         if not ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)[0]:
             ray.util.remove_placement_group(self.placement_group)
             raise RuntimeError(f"the Ray cluster has no room for {size} bundles of {bundle} within "
