@@ -126,16 +126,15 @@ class EngineCoreProcess:
         if self.thread_governor is not None:
             self.thread_governor.update()
         try:
-            outputs = self.engine.step()
+            results = self.engine.step()
         except StepError as e:
             self._on_step_failed(e)
             return
         self.num_consecutive_step_failures = 0
-        for request_id, reason in self.engine.request_errors:
-            self._send(EngineError(reason, request_id=request_id, engine_id=self.engine_id, is_request_error=True))
-        self.engine.request_errors.clear()
-        if outputs or self.engine.has_schedulable_requests():  # not while only grammars compile: nothing changed
-            self._send_outputs(outputs)
+        for request_id, message in results.errors:  # before the outputs, which end those requests
+            self._send(EngineError(message, request_id=request_id, engine_id=self.engine_id, is_request_error=True))
+        if results.outputs or self.engine.has_schedulable_requests():  # not while only grammars compile
+            self._send_outputs(results.outputs)
 
     def _on_step_failed(self, error: StepError) -> None:
         # The detail is in this process's log; the clients get a plain message.

@@ -25,6 +25,7 @@ from engine.pooler import check_pooling_request, pooling_num_kv_blocks
 from engine.scheduler import Scheduler
 from engine.spec_decode.proposer import SpecProposer
 from engine.static_scheduler import StaticScheduler
+from engine.step_outputs import StepOutputs
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
 from ipc.messages import RequestOutput, SchedulerStats
 from ipc.pooling_params import PoolingParams
@@ -111,10 +112,6 @@ class EngineCore:
             self.proposer = SpecProposer(config.speculative, self.max_model_len, self._load_draft(num_kv_blocks))
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
-        # (request id, reason) for requests failed by their own parameters outside a step's model run
-        # (a grammar that did not compile, constraints that contradict); the core process reports
-        # them as the client's errors, then clears the list.
-        self.request_errors: list[tuple[str, str]] = []
 
     def _load_draft(self, num_kv_blocks: int):
         """The draft model's proposer for method "draft" (its own KV pool of the target's blocks), else None."""
@@ -190,17 +187,15 @@ class EngineCore:
         if self.grammar_compiler is not None:
             self.grammar_compiler.shutdown()
 
-    def step(self) -> list[RequestOutput]:
-        """schedule -> execute -> update. If the model raises, the step's requests fail
-        (StepError names them, already removed) and the engine stays usable."""
+    def step(self) -> StepOutputs:
+        """schedule -> execute -> update: the step's outputs, and the requests it failed for their own
+        parameters, each with why. If the model raises, the step's requests fail (StepError names them,
+        already removed) and the engine stays usable."""
         start_time = time.perf_counter()
-        failed = self.scheduler.take_grammar_failures() if self.scheduler.compiling else []
-        for output, reason in failed:
-            logger.info("request %s failed: %s", output.request_id, reason)
-            self.request_errors.append((output.request_id, reason))
+        results = self.scheduler.take_grammar_failures() if self.scheduler.compiling else StepOutputs()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return [output for output, _ in failed]
+            return self._log_errors(results)
         try:
             sampled = self.model_runner.execute(scheduler_output)
         except WorkerDeadError:
@@ -211,18 +206,21 @@ class EngineCore:
             for output in self.scheduler.fail_requests(request_ids):
                 self.model_runner.release(output.request_id)
             raise StepError(request_ids, e) from e
-        outputs = [output for output, _ in failed] + self.scheduler.update(scheduler_output, sampled)
-        if self.scheduler.constraint_failures:
-            self.request_errors.extend(self.scheduler.constraint_failures)
-            self.scheduler.constraint_failures.clear()
-        for output in outputs:
+        results.extend(self.scheduler.update(scheduler_output, sampled))
+        for output in results.outputs:
             if output.finish_reason is not None:
                 self.model_runner.release(output.request_id)
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)  # the next step's proposed tokens
         if self.record_step_stats:
             self._record(scheduler_output, start_time, sampled)
-        return outputs
+        return self._log_errors(results)
+
+    @staticmethod
+    def _log_errors(results: StepOutputs) -> StepOutputs:
+        for request_id, message in results.errors:
+            logger.info("request %s failed: %s", request_id, message)
+        return results
 
     def _record(self, scheduler_output, start_time: float, sampled) -> None:
         self.step_stats.append(

@@ -137,7 +137,7 @@ class LLM:
         embeddings: dict[str, list[float]] = {}
         while self.engine.has_unfinished_requests():
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step().outputs
             except StepError as e:  # those requests are gone; end the rest too, and say so
                 self.engine.abort_requests(request_ids)
                 raise RuntimeError(f"embedding failed: {e.cause!r}") from e
@@ -212,7 +212,7 @@ class LLM:
             progress = tqdm(total=len(requests), desc="Generating", unit="req")
         while engine.has_unfinished_requests():
             try:
-                outputs = engine.step()
+                outputs = engine.step().outputs  # a failed request's error is logged by the engine
             except StepError as e:  # logged by the engine; those requests end with finish_reason "error"
                 outputs = [RequestOutput(request_id, [], FinishReason.ERROR) for request_id in e.request_ids]
             if not outputs and not engine.has_schedulable_requests():

@@ -45,6 +45,7 @@ from engine.request import Request, RequestStatus
 from engine.spec_decode.proposer import record_acceptance
 from engine.spec_decode.scheduling import add_proposals, emitted_tokens, make_output, roll_back
 from engine.spec_decode.spec_stats import SpecStats
+from engine.step_outputs import RequestError, StepOutputs
 from ipc.messages import RequestOutput, SchedulerStats, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -123,9 +124,6 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.requests: dict[str, Request] = {}
         self.compiling: dict[str, Request] = {}  # waiting requests whose grammar may still be compiling
-        # (request id, reason) for requests whose constraints left no token to sample; the
-        # engine reports them as the client's error, then clears the list
-        self.constraint_failures: list[tuple[str, str]] = []
         self.num_preemptions = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.num_prefix_cache_queries = 0  # tokens looked up at admission, cumulative
@@ -172,19 +170,19 @@ class Scheduler:
         num_compiling = sum(1 for r in self.compiling.values() if is_compiling(r))
         return bool(self.running) or len(self.waiting) > num_compiling
 
-    def take_grammar_failures(self) -> list[tuple[RequestOutput, str]]:
+    def take_grammar_failures(self) -> StepOutputs:
         """Forget the requests whose grammar is ready, and end those whose grammar failed to
         compile or ran out of time, each with the reason, for the client."""
-        errors = {}
+        failed = StepOutputs()
         for request_id, request in list(self.compiling.items()):
             error = request.grammar.check()
             if error is not None:
-                errors[request_id] = error
+                failed.errors.append(RequestError(request_id, error))
             if error is not None or request.grammar.is_ready:
                 del self.compiling[request_id]
-        if not errors:
-            return []
-        return [(output, errors[output.request_id]) for output in self.fail_requests(list(errors))]
+        if failed.errors:
+            failed.outputs = self.fail_requests([e.request_id for e in failed.errors])
+        return failed
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -323,9 +321,10 @@ class Scheduler:
 
     # ---- update ----
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> StepOutputs:
         """Advance computed counts, append sampled tokens, retire finished requests at once."""
-        outputs = []
+        results = StepOutputs()
+        outputs = results.outputs
         for scheduled in output.scheduled:
             request = scheduled.request
             num_proposed = len(scheduled.spec_token_ids)
@@ -358,8 +357,10 @@ class Scheduler:
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
+                if status == RequestStatus.FINISHED_ERROR:  # its grammar's mask left no token
+                    results.errors.append(RequestError(request.request_id, CONTRADICTION_MESSAGE))
             outputs.append(make_output(request, new_tokens, token.prompt_logprobs, num_proposed, num_accepted))
-        return outputs
+        return results
 
     def _finish_pooled(self, request: Request) -> RequestOutput:
         """No decode: the request ends in the step that pooled it, its blocks freed at once."""
@@ -372,7 +373,6 @@ class Scheduler:
         params = request.sampling_params
         if request.grammar is not None:
             if not request.grammar.accept(token_id):  # the mask left no token: the constraints contradict
-                self.constraint_failures.append((request.request_id, CONTRADICTION_MESSAGE))
                 return RequestStatus.FINISHED_ERROR
             if request.grammar.is_terminated:  # it accepted a stop token: the answer is complete
                 request.stop_token_id = token_id

@@ -137,7 +137,7 @@ class Simulator:
                 raise RuntimeError("the scheduler scheduled nothing with requests waiting")
             sampled, shape, cost = runner.execute(output)
             start, now = now, now + cost.total_s * step_factor
-            for request_output in scheduler.update(output, sampled):
+            for request_output in scheduler.update(output, sampled).outputs:
                 times[int(request_output.request_id)].token_times.append(now + latency)
             step_stats.append(make_step_stats(output, sampled, start, now, scheduler.block_manager.num_used_blocks))
             step_shapes.append(shape)

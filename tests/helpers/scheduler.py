@@ -69,7 +69,7 @@ def step(
     output = scheduler.schedule()
     # is_sampling reads num_computed_tokens, which update() advances: decide first.
     sampled = {s.request.request_id: SampledToken(token_for(s.request)) for s in output.scheduled if s.is_sampling}
-    return output, scheduler.update(output, sampled)
+    return output, scheduler.update(output, sampled).outputs
 
 
 def scheduled(output: SchedulerOutput) -> dict[str, int]:

@@ -94,13 +94,13 @@ def test_an_embedding_is_the_same_alone_and_in_a_step_with_generation(tiny):
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.add_request("gen-0", PROMPTS[2], greedy)
     engine.add_request("gen-1", PROMPTS[4], greedy)
-    first_outputs = engine.step()  # both prompts prefilled: decodes from the next step
+    first_outputs = engine.step().outputs  # both prompts prefilled: decodes from the next step
     assert {o.request_id for o in first_outputs} == {"gen-0", "gen-1"}
     engine.add_request("emb", prompt, POOLING_SAMPLING_PARAMS, None, PoolingParams())
     scheduled = engine.scheduler.schedule  # record what the next step holds
     seen = []
     engine.scheduler.schedule = lambda: seen.append(out := scheduled()) or out
-    outputs = {o.request_id: o for o in engine.step()}
+    outputs = {o.request_id: o for o in engine.step().outputs}
     # One step: the embedding's whole prompt beside two generation decodes.
     assert sorted(s.num_new_tokens for s in seen[0].scheduled) == [1, 1, len(prompt)]
     assert outputs["emb"].new_token_ids == [] and outputs["emb"].finish_reason is not None
@@ -125,7 +125,7 @@ def test_generation_is_unchanged_by_embeddings_beside_it(tiny):
         engine.add_request(f"emb-{i}", prompt, POOLING_SAMPLING_PARAMS, None, MEAN)
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert [tokens[f"gen-{i}"] for i in range(len(expected))] == expected
     assert all(tokens[f"emb-{i}"] == [] for i in range(len(expected)))

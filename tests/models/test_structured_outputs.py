@@ -15,6 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.structured_output import GrammarCompilerPool
 from engine.structured_output.bitmask import GrammarBitmask
+from ipc.messages import FinishReason
 from ipc.structured_outputs import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
@@ -149,7 +150,7 @@ def test_a_slow_compile_does_not_stall_other_requests(llm, monkeypatch):
     finished = {}
     start = time.monotonic()
     while engine.has_unfinished_requests() and time.monotonic() - start < 120:
-        for output in engine.step():
+        for output in engine.step().outputs:
             if output.finish_reason is not None:
                 finished[output.request_id] = output.finish_reason
         if "plain" in finished:
@@ -157,16 +158,31 @@ def test_a_slow_compile_does_not_stall_other_requests(llm, monkeypatch):
     assert list(finished) == ["plain", "slow"]  # plain ran to its end while the grammar compiled
 
 
+def run_steps(engine) -> tuple[dict, dict, list]:
+    """Step until every request ends: (finish reason, tokens) by request id, and the errors the steps returned."""
+    finish_reasons, num_tokens, errors = {}, {}, []
+    while engine.has_unfinished_requests():
+        results = engine.step()  # an error comes back with the step that found it
+        errors.extend(results.errors)
+        for output in results.outputs:
+            num_tokens[output.request_id] = num_tokens.get(output.request_id, 0) + len(output.new_token_ids)
+            if output.finish_reason is not None:
+                finish_reasons[output.request_id] = output.finish_reason
+    return finish_reasons, num_tokens, errors
+
+
 def test_an_overdue_compile_fails_that_request_alone(default_model_path, monkeypatch):
     llm = LLM(default_model_path, dtype="float32", grammar_compile_timeout_s=0.5)
     pool = llm.engine._grammar_compiler()
     original = pool._compile
     monkeypatch.setattr(pool, "_compile", lambda params: (time.sleep(3), original(params))[1])
-    slow, plain = llm.generate([[1, 2, 3]] * 2, [greedy(5, structured_outputs=StructuredOutputsParams(regex="a+")),
-                                                 greedy(5, ignore_eos=True)], use_tqdm=False)
-    assert slow.finish_reason == "error" and not slow.token_ids
-    assert plain.finish_reason == "length" and len(plain.token_ids) == 5
-    assert llm.engine.request_errors and "did not compile within" in llm.engine.request_errors[0][1]
+    llm.engine.add_request("slow", [1, 2, 3], greedy(5, structured_outputs=StructuredOutputsParams(regex="a+")))
+    llm.engine.add_request("plain", [1, 2, 3], greedy(5, ignore_eos=True))
+    finish_reasons, num_tokens, errors = run_steps(llm.engine)
+    assert finish_reasons == {"slow": FinishReason.ERROR, "plain": FinishReason.LENGTH}
+    assert num_tokens.get("slow", 0) == 0 and num_tokens["plain"] == 5
+    (request_id, reason), = errors
+    assert request_id == "slow" and "did not compile within" in reason
 
 
 @pytest.mark.parametrize("fields", [
@@ -174,13 +190,14 @@ def test_an_overdue_compile_fails_that_request_alone(default_model_path, monkeyp
     {"structured_outputs": StructuredOutputsParams(regex="[0-9]+"), "allowed_token_ids": [0]},  # 0: no digit
 ], ids=["choice_with_min_tokens", "digits_with_no_digit_allowed"])
 def test_contradicting_constraints_fail_that_request_with_the_reason(llm, fields):
-    llm.engine.request_errors.clear()
-    bad, plain = llm.generate([[1, 2, 3]] * 2, [greedy(8, **fields), greedy(5, ignore_eos=True)], use_tqdm=False)
-    assert bad.finish_reason == "error"
-    assert plain.finish_reason == "length" and len(plain.token_ids) == 5
-    (request_id, reason), = llm.engine.request_errors
-    assert "no token satisfies the request's constraints" in reason
-    assert llm.engine.block_manager.num_used_blocks == 0
+    engine = llm.engine
+    engine.add_request("bad", [1, 2, 3], greedy(8, **fields))
+    engine.add_request("plain", [1, 2, 3], greedy(5, ignore_eos=True))
+    finish_reasons, num_tokens, errors = run_steps(engine)
+    assert finish_reasons == {"bad": FinishReason.ERROR, "plain": FinishReason.LENGTH} and num_tokens["plain"] == 5
+    (request_id, reason), = errors
+    assert request_id == "bad" and "no token satisfies the request's constraints" in reason
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_a_grammar_after_reasoning_masks_only_from_the_token_after_the_end_sequence(llm):

@@ -39,7 +39,7 @@ def engine(tiny_path):
 def run_to_end(engine: EngineCore) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
     return tokens
 

@@ -46,7 +46,7 @@ def engine_steps(folder, requests, **config) -> tuple[list[tuple[int, int]], lis
     engine.record_step_stats = True
     num_outputs = [0] * len(requests)
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             num_outputs[int(output.request_id)] += len(output.new_token_ids)
     return [step_record(s) for s in engine.step_stats], num_outputs
 

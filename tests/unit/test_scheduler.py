@@ -23,7 +23,7 @@ def test_chunked_prefill_over_several_steps_samples_only_at_the_end():
     output = scheduler.schedule()
     assert scheduled(output) == {"a": 8} and sampling(output) == set()
     assert a.block_ids == [0, 1]
-    assert scheduler.update(output, {}) == []  # a chunk, no token
+    assert scheduler.update(output, {}).outputs == []  # a chunk, no token
     assert a.num_computed_tokens == 8 and a.num_output_tokens == 0
 
     output, outputs = step(scheduler)

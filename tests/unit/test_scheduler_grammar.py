@@ -7,6 +7,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from engine.request import RequestStatus
+from engine.scheduler import CONTRADICTION_MESSAGE, SampledToken
 from engine.structured_output import RequestGrammar
 from ipc.messages import FinishReason
 from tests.helpers.scheduler import make_request, make_scheduler, scheduled, step
@@ -68,10 +69,11 @@ def test_a_failed_or_overdue_compile_fails_that_request_alone():
     scheduler.add_request(grammar_request("bad", failed))
     scheduler.add_request(grammar_request("slow", Future(), timeout_s=0.0))
     scheduler.add_request(make_request("a", 4))
-    results = dict((output.request_id, (output, reason)) for output, reason in scheduler.take_grammar_failures())
-    assert set(results) == {"bad", "slow"}
-    assert "Unsupported type" in results["bad"][1] and "did not compile within" in results["slow"][1]
-    assert all(output.finish_reason == FinishReason.ERROR for output, _ in results.values())
+    failed = scheduler.take_grammar_failures()
+    reasons = dict(failed.errors)
+    assert set(reasons) == {"bad", "slow"} == {output.request_id for output in failed.outputs}
+    assert "Unsupported type" in reasons["bad"] and "did not compile within" in reasons["slow"]
+    assert all(output.finish_reason == FinishReason.ERROR for output in failed.outputs)
     assert scheduled(step(scheduler)[0]) == {"a": 4}
     assert not scheduler.compiling and scheduler.block_manager.num_used_blocks == 1
 
@@ -84,9 +86,11 @@ def test_a_rejected_token_fails_the_request_and_termination_stops_it():
     scheduler.add_request(grammar_request("rejects", done, FakeMatcher(5, allowed=[100])))
     _, outputs = step(scheduler)  # prefill: tokens 100 for both
     assert all(o.finish_reason is None for o in outputs)
-    _, outputs = step(scheduler)  # token 101: "ends" terminates, "rejects" refuses it
-    reasons = {o.request_id: o.finish_reason for o in outputs}
+    output = scheduler.schedule()  # token 101: "ends" terminates, "rejects" refuses it
+    results = scheduler.update(output, {s.request.request_id: SampledToken(101) for s in output.scheduled})
+    reasons = {o.request_id: o.finish_reason for o in results.outputs}
     assert reasons == {"ends": FinishReason.STOP, "rejects": FinishReason.ERROR}
+    assert results.errors == [("rejects", CONTRADICTION_MESSAGE)]  # returned with the step, the reason for its client
     assert not scheduler.has_unfinished_requests() and scheduler.block_manager.num_used_blocks == 0
 
 
