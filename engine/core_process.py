@@ -43,6 +43,8 @@ from ipc.messages import (
     Hello,
     ResetPrefixCache,
     Shutdown,
+    StepCounts,
+    WatchSteps,
 )
 from ipc.sockets import bind_router, drain_messages, parse_address, send_message
 
@@ -91,6 +93,7 @@ class EngineCoreProcess:
             AbortRequests: self._on_abort_requests,
             Shutdown: self._on_shutdown,
             ResetPrefixCache: self._on_reset_prefix_cache,
+            WatchSteps: self._on_watch_steps,
         }
 
     # ---- the loop ----
@@ -134,7 +137,7 @@ class EngineCoreProcess:
         for request_id, message in results.errors:  # before the outputs, which end those requests
             self._send(EngineError(message, request_id=request_id, engine_id=self.engine_id, is_request_error=True))
         if results.outputs or self.engine.has_schedulable_requests():  # not while only grammars compile
-            self._send_outputs(results.outputs)
+            self._send_outputs(results.outputs, results.step_counts)
 
     def _on_step_failed(self, error: StepError) -> None:
         # The detail is in this process's log; the clients get a plain message.
@@ -186,14 +189,17 @@ class EngineCoreProcess:
     def _on_reset_prefix_cache(self, identity: bytes, message: ResetPrefixCache) -> None:
         logger.info("prefix cache reset: %d cached blocks dropped", self.engine.reset_prefix_cache())
 
+    def _on_watch_steps(self, identity: bytes, message: WatchSteps) -> None:
+        self.engine.count_steps = message.is_on
+
     def _on_shutdown(self, identity: bytes, message: Shutdown) -> None:
         logger.info("shutdown requested: %s", message.reason or "no reason given")
         self.should_exit = True
 
     # ---- sending ----
 
-    def _send_outputs(self, outputs) -> None:
-        self._send(EngineOutputs(self.engine_id, outputs, self.engine.stats()))
+    def _send_outputs(self, outputs, step_counts: StepCounts | None = None) -> None:
+        self._send(EngineOutputs(self.engine_id, outputs, self.engine.stats(), step_counts))
 
     def _send_heartbeat(self) -> None:
         if time.monotonic() - self.last_send_time >= HEARTBEAT_S:

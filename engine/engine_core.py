@@ -112,6 +112,7 @@ class EngineCore:
             self.proposer = SpecProposer(config.speculative, self.max_model_len, self._load_draft(num_kv_blocks))
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
+        self.count_steps = False  # a dashboard watches: each step returns its StepCounts
 
     def _load_draft(self, num_kv_blocks: int):
         """The draft model's proposer for method "draft" (its own KV pool of the target's blocks), else None."""
@@ -196,6 +197,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return self._log_errors(results)
+        if self.count_steps:
+            results.step_counts = scheduler_output.counts()
         try:
             sampled = self.model_runner.execute(scheduler_output)
         except WorkerDeadError:

@@ -46,7 +46,7 @@ from engine.spec_decode.proposer import record_acceptance
 from engine.spec_decode.scheduling import add_proposals, emitted_tokens, make_output, roll_back
 from engine.spec_decode.spec_stats import SpecStats
 from engine.step_outputs import RequestError, StepOutputs
-from ipc.messages import RequestOutput, SchedulerStats, TokenLogprobs
+from ipc.messages import RequestOutput, SchedulerStats, StepCounts, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 CONTRADICTION_MESSAGE = ("no token satisfies the request's constraints together: its grammar (response_format, "
@@ -67,6 +67,13 @@ class ScheduledRequest:
         num_real_tokens = self.num_new_tokens - len(self.spec_token_ids)  # proposed tokens come after it
         return (self.request.num_computed_tokens + num_real_tokens == self.request.num_tokens
                 and self.request.pooling_params is None)
+
+    @property
+    def is_decode(self) -> bool:
+        """One token after the request's earlier outputs (and any proposed tokens): not a prefill."""
+        request = self.request
+        return (self.num_new_tokens - len(self.spec_token_ids) == 1 and request.num_output_tokens > 0
+                and request.num_computed_tokens + 1 == request.num_tokens)
 
 
 @dataclass
@@ -94,6 +101,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def counts(self) -> StepCounts:
+        """The step's prefill and decode shares, exact. Read before `Scheduler.update` advances the
+        computed counts. A decode computes one token after earlier outputs (and its proposed
+        tokens); everything else (prompt chunks, a preempted request's recompute) is prefill."""
+        counts = StepCounts()
+        for s in self.scheduled:
+            if s.is_decode:
+                counts.num_decode_requests += 1
+                counts.num_decode_tokens += s.num_new_tokens
+            else:
+                counts.num_prefill_requests += 1
+                counts.num_prefill_tokens += s.num_new_tokens
+        return counts
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ipc.messages import RequestOutput
+from ipc.messages import RequestOutput, StepCounts
 
 
 class RequestError(NamedTuple):
@@ -24,6 +24,7 @@ class RequestError(NamedTuple):
 class StepOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)  # each also has its output, finish_reason ERROR
+    step_counts: StepCounts | None = None  # the batch's prefill and decode shares, while EngineCore.count_steps
 
     def extend(self, other: StepOutputs) -> None:
         self.outputs.extend(other.outputs)

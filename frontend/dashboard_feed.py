@@ -4,8 +4,8 @@ Each event is one JSON object: per engine core its latest `SchedulerStats` (as t
 core sent it with its last step), its tokens out per second and the occupancy
 columns (`frontend.step_timeline`) recorded since the previous event; over all cores
 the prompt and generated tokens per second. Everything is read from what the
-frontend already holds; the cores do nothing for it, and an idle feed costs one
-small JSON object per tick.
+frontend already holds; while a feed is open the cores count each step's batch for
+the strip (nothing when none is), and an idle feed costs one small JSON object per tick.
 
     data: {"time": 12.5, "model": "smollm2", "num_in_flight": 3,
            "prompt_tokens_per_s": 410.0, "generation_tokens_per_s": 95.5,
@@ -51,10 +51,15 @@ class DashboardFeed:
         self._samples: deque[tuple[float, int, int, list[int]]] = deque()  # (time, prompt, generated, per core out)
 
     async def events(self, should_stop: Callable[[], bool]) -> AsyncIterator[str]:
-        """SSE text, one event per tick, until `should_stop()` (the server drains)."""
-        while not should_stop():
-            yield f"data: {json.dumps(self.snapshot(), separators=(',', ':'))}\n\n"
-            await asyncio.sleep(self.interval_s)
+        """SSE text, one event per tick, until `should_stop()` (the server drains). While it runs,
+        the cores count their steps for the occupancy strip."""
+        self.client.watch_steps(True)
+        try:
+            while not should_stop():
+                yield f"data: {json.dumps(self.snapshot(), separators=(',', ':'))}\n\n"
+                await asyncio.sleep(self.interval_s)
+        finally:
+            self.client.watch_steps(False)
 
     def snapshot(self) -> dict:
         client, timeline = self.client, self.client.timeline

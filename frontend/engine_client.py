@@ -50,6 +50,7 @@ from ipc.messages import (
     FinishReason,
     ResetPrefixCache,
     SchedulerStats,
+    WatchSteps,
 )
 from ipc.pooling_params import PoolingParams
 from ipc.request_checks import PREDICTION_WITH_N, check_request
@@ -93,7 +94,7 @@ class AsyncEngineClient:
         self.ctx = zmq.asyncio.Context()
         self.engines: list[EngineConnection] = []
         self.metrics = FrontendMetrics(self.model_name)
-        self.timeline = StepTimeline()  # the dashboard's occupancy strips, read off each step's outputs
+        self.timeline = StepTimeline()  # the dashboard's occupancy strips, from the cores' step counts
         self.max_model_len = 0
         self.vocab_size = tokenizer.vocab_size
         self.hidden_size = 0  # an embedding's length, from the cores' EngineReady
@@ -149,6 +150,8 @@ class AsyncEngineClient:
         self.is_healthy, self.dead_reason = True, None
 
     def _start_engine_tasks(self, engine: EngineConnection) -> None:
+        if self.timeline.is_watched:  # a restarted core starts unwatched
+            engine.send(WatchSteps(True))
         self._engine_tasks[engine.index] = [
             asyncio.create_task(self._pump_outputs(engine), name=f"pump-{engine.index}"),
             asyncio.create_task(self._watch(engine), name=f"watch-{engine.index}"),
@@ -271,6 +274,13 @@ class AsyncEngineClient:
             if engine.is_alive:
                 engine.send(ResetPrefixCache())
 
+    def watch_steps(self, is_on: bool) -> None:
+        """A dashboard feed opened (or closed): the cores count their steps while any is open."""
+        if self.timeline.watch(is_on):
+            for engine in self.engines:
+                if engine.is_alive:
+                    engine.send(WatchSteps(self.timeline.is_watched))
+
     def _finish(self, state: RequestState, reason: FinishReason) -> None:
         state.is_finished = True
         self._states.pop(state.request_id, None)
@@ -295,7 +305,8 @@ class AsyncEngineClient:
 
     def _on_outputs(self, engine: EngineConnection, msg: EngineOutputs) -> None:
         engine.stats = msg.stats
-        self.timeline.record(engine.index, msg.outputs, msg.stats.num_running, self._states)  # before states change
+        if msg.step_counts is not None:
+            self.timeline.record(engine.index, msg.step_counts, msg.outputs)
         now = time.monotonic()
         processed = self.output_processor.process_outputs(msg.outputs)
         for request_id in processed.failed_request_ids:

@@ -1,19 +1,10 @@
 """The occupancy strip's data: per engine core, the latest steps as (prefill, decode) columns.
 
-Read off the `EngineOutputs` each core already sends once per step, so the core does
-no work for it. The output pump calls `StepTimeline.record` before the outputs are
-processed (while each request's state still says whether it had a token before):
-
-    cell          what the frontend sees in that step's message
-    decode        an output with tokens for a request that already had a token
-    prefill       an output with the request's first token (its prefill ended here), or a
-                  running request without an output: a prompt chunk still being computed
-
-Messages that are no step are skipped: replies to aborts (outputs, none with tokens)
-and idle heartbeats (nothing running, no outputs). Known blur: a preempted request's
-recompute shows as decode, and a running request that the token budget left out of a
-step as prefill. Good enough to watch batching; the exact per-step record is
-`engine.engine_core.StepStats`, kept by offline runs.
+Each column is the scheduler's own count of the step's batch (`EngineOutputs.step_counts`):
+the requests that prefilled (prompt chunks, a preempted request's recompute) and those that
+decoded. The cores count only while a dashboard watches: the first feed to open sends every
+core `WatchSteps(True)`, the last to close `WatchSteps(False)` (`AsyncEngineClient.watch_steps`),
+so with no dashboard open neither side does any work for the strip.
 """
 
 from __future__ import annotations
@@ -21,15 +12,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Sequence
 
-from ipc.messages import RequestOutput
+from ipc.messages import RequestOutput, StepCounts
 
 MAX_STEPS_KEPT = 2048  # per core: a few screens of columns, a few tens of KB
-
-
-class _HasFirstToken(Protocol):
-    last_token_time: float | None  # frontend.request_state.RequestState: None until the first token
 
 
 @dataclass(slots=True)
@@ -49,6 +36,7 @@ class StepTimeline:
         self.steps: list[deque[StepColumn]] = []
         self.num_steps: list[int] = []
         self.num_tokens_out: list[int] = []
+        self.num_watchers = 0  # open dashboard feeds
         self.resize(num_engines)
 
     def resize(self, num_engines: int) -> None:
@@ -57,26 +45,21 @@ class StepTimeline:
             self.num_steps.append(0)
             self.num_tokens_out.append(0)
 
-    def record(self, engine_index: int, outputs: Sequence[RequestOutput], num_running: int,
-               states: Mapping[str, _HasFirstToken]) -> StepColumn | None:
-        """Add the column for one `EngineOutputs`; None when the message was no step."""
-        num_prefill = num_decode = num_tokens = num_still_running = 0
-        for output in outputs:
-            if not output.new_token_ids:
-                continue
-            num_tokens += len(output.new_token_ids)
-            state = states.get(output.request_id)
-            # No state: a stop string already ended it here, so it had tokens before.
-            if state is None or state.last_token_time is not None:
-                num_decode += 1
-            else:
-                num_prefill += 1
-            if output.finish_reason is None:
-                num_still_running += 1
-        if num_tokens == 0 and (outputs or num_running == 0):
-            return None
-        num_prefill += max(0, num_running - num_still_running)
-        column = StepColumn(self.num_steps[engine_index], time.monotonic(), num_prefill, num_decode, num_tokens)
+    def watch(self, is_on: bool) -> bool:
+        """A dashboard opened (or closed); True when that starts or ends the watching."""
+        was_watched = self.is_watched
+        self.num_watchers += 1 if is_on else -1
+        return self.is_watched != was_watched
+
+    @property
+    def is_watched(self) -> bool:
+        return self.num_watchers > 0
+
+    def record(self, engine_index: int, counts: StepCounts, outputs: Sequence[RequestOutput]) -> StepColumn:
+        """Add the column for one step's `EngineOutputs` (one that carries its counts)."""
+        num_tokens = sum(len(output.new_token_ids) for output in outputs)
+        column = StepColumn(self.num_steps[engine_index], time.monotonic(), counts.num_prefill_requests,
+                            counts.num_decode_requests, num_tokens)
         self.num_steps[engine_index] += 1
         self.num_tokens_out[engine_index] += num_tokens
         self.steps[engine_index].append(column)

@@ -41,6 +41,7 @@ from ipc.messages import (
     MessageType,
     ResetPrefixCache,
     Shutdown,
+    WatchSteps,
 )
 
 __all__ = ["MAX_MESSAGE_BYTES", "MAX_REQUEST_ID_LEN", "MAX_PROMPT_TOKENS", "MAX_ABORT_REQUEST_IDS",
@@ -56,6 +57,7 @@ MESSAGE_CLASSES: dict[MessageType, type] = {
     MessageType.SHUTDOWN: Shutdown,
     MessageType.HELLO: Hello,
     MessageType.RESET_PREFIX_CACHE: ResetPrefixCache,
+    MessageType.WATCH_STEPS: WatchSteps,
     MessageType.ENGINE_READY: EngineReady,
     MessageType.ENGINE_OUTPUTS: EngineOutputs,
     MessageType.ENGINE_ERROR: EngineError,

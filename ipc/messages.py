@@ -54,6 +54,7 @@ class MessageType(enum.IntEnum):
     SHUTDOWN = 3
     HELLO = 4
     RESET_PREFIX_CACHE = 5
+    WATCH_STEPS = 6
     # engine core -> frontend
     ENGINE_READY = 10
     ENGINE_OUTPUTS = 11
@@ -101,6 +102,13 @@ class Hello(_Message, tag=int(MessageType.HELLO)):
 
 class ResetPrefixCache(_Message, tag=int(MessageType.RESET_PREFIX_CACHE)):
     """Forget every cached prefix block that no request holds (benchmarks start cold)."""
+
+
+class WatchSteps(_Message, tag=int(MessageType.WATCH_STEPS)):
+    """A dashboard opened (True) or the last one closed (False): only while one watches does
+    the core count each step's batch for it (`EngineOutputs.step_counts`)."""
+
+    is_on: bool = False
 
 
 class EngineReady(_Message, tag=int(MessageType.ENGINE_READY)):
@@ -179,12 +187,24 @@ class SchedulerStats(_Record):
     spec_decode: Annotated[list[SpecDecodeStats], Meta(max_length=len(SpecMethod))] = field(default_factory=list)
 
 
+class StepCounts(_Record):
+    """One step's batch as the scheduler made it (the dashboard's occupancy strip)."""
+
+    num_prefill_tokens: Count = 0  # prompt chunks, and recomputation after a preemption
+    num_decode_tokens: Count = 0  # one a decoding request, and its proposed tokens
+    num_prefill_requests: Count = 0
+    num_decode_requests: Count = 0
+
+
 class EngineOutputs(_Message, tag=int(MessageType.ENGINE_OUTPUTS)):
     """Everything one engine step produced, sent as one message."""
 
     engine_id: Count
     outputs: Annotated[list[RequestOutput], Meta(max_length=MAX_OUTPUTS_PER_STEP)]
     stats: SchedulerStats
+    # The step's batch, exact; None from a message that is no step (a heartbeat, an abort's reply)
+    # and while no dashboard watches (WatchSteps)
+    step_counts: StepCounts | None = None
 
 
 class EngineError(_Message, tag=int(MessageType.ENGINE_ERROR)):

@@ -31,7 +31,7 @@ import zmq
 
 from ipc.messages import (
     AbortRequests, AddRequest, EngineError, EngineOutputs, EngineReady, FinishReason, Hello, RequestOutput,
-    ResetPrefixCache, SchedulerStats, Shutdown, SpecDecodeStats, SpecMethod, TokenLogprobs,
+    ResetPrefixCache, SchedulerStats, Shutdown, SpecDecodeStats, SpecMethod, StepCounts, TokenLogprobs, WatchSteps,
 )
 from ipc.sockets import bind_router, recv_routed_message, send_message
 
@@ -100,7 +100,9 @@ class FakeEngineCore:
         self.is_shutdown = False
         self.event_log = open(args.event_log, "a", buffering=1) if args.event_log else None  # line-buffered
         self.handlers = {Hello: self.on_hello, AddRequest: self.on_add, AbortRequests: self.on_abort,
-                         Shutdown: self.on_shutdown, ResetPrefixCache: self.on_reset_prefix_cache}
+                         Shutdown: self.on_shutdown, ResetPrefixCache: self.on_reset_prefix_cache,
+                         WatchSteps: self.on_watch_steps}
+        self.count_steps = False
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -164,16 +166,32 @@ class FakeEngineCore:
     def on_reset_prefix_cache(self, identity: bytes, msg: ResetPrefixCache) -> None:
         self.log_event("reset_prefix_cache", str(self.args.engine_id))
 
+    def on_watch_steps(self, identity: bytes, msg: WatchSteps) -> None:
+        self.count_steps = msg.is_on
+
     def on_shutdown(self, identity: bytes, msg: Shutdown) -> None:
         self.is_shutdown = True
 
     def step(self) -> None:
+        counts = self.step_counts() if self.count_steps else None
         outputs_by_frontend: dict[bytes, list[RequestOutput]] = {}
         for req in list(self.running.values()):
             outputs_by_frontend.setdefault(req.identity, []).append(self.next_output(req))
         stats = self.stats()
         for identity, outputs in outputs_by_frontend.items():
-            send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, stats), identity)
+            send_message(self.socket, EngineOutputs(self.args.engine_id, outputs, stats, counts), identity)
+
+    def step_counts(self) -> StepCounts:
+        """A request's first step prefills its whole prompt; every later one decodes a token."""
+        counts = StepCounts()
+        for req in self.running.values():
+            if req.num_output_tokens == 0:
+                counts.num_prefill_requests += 1
+                counts.num_prefill_tokens += req.num_prompt_tokens
+            else:
+                counts.num_decode_requests += 1
+                counts.num_decode_tokens += 1
+        return counts
 
     def next_output(self, req: FakeRequest) -> RequestOutput:
         position = req.num_output_tokens

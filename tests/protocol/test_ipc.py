@@ -28,7 +28,9 @@ from ipc.messages import (
     ResetPrefixCache,
     SchedulerStats,
     Shutdown,
+    StepCounts,
     TokenLogprobs,
+    WatchSteps,
 )
 from ipc.pooling_params import MAX_EMBEDDING_SIZE, PoolingParams, PoolingType
 from ipc.sampling_params import SamplingParams
@@ -66,6 +68,10 @@ MESSAGES = [
     GenerateRequest("g-2", None, [1, 2], SamplingParams()),
     GenerateOutput("g-1", "héllo ✓", [1, 2], FinishReason.LENGTH, error="late failure"),
     GenerateOutput("g-2", "", []),
+    # appended since the golden bytes were first recorded
+    WatchSteps(True),
+    WatchSteps(),
+    EngineOutputs(2, [RequestOutput("req-3", [8])], SchedulerStats(), StepCounts(200, 3, 1, 3)),
 ]
 
 
@@ -83,7 +89,7 @@ def test_round_trip(msg):
 def test_wire_layout_is_positional_with_int_enums():
     raw = msgpack.unpackb(encode(EngineOutputs(1, [FULL_OUTPUT], SchedulerStats(1, 2, 3, 4, 5))))
     assert raw[0] == int(MessageType.ENGINE_OUTPUTS) and type(raw[0]) is int
-    assert raw[1] == 1 and raw[3] == [1, 2, 3, 4, 5, 0, 0, 0, []] and len(raw) == 4
+    assert raw[1] == 1 and raw[3] == [1, 2, 3, 4, 5, 0, 0, 0, []] and raw[4] is None and len(raw) == 5  # no step counts
     assert raw[2][0][:3] == ["req-1", [5, 6], int(FinishReason.STOP)]
     assert raw[2][0][3][0] == [5, -0.25, [5, 9], [-0.25, -1.5]]
 
