@@ -281,6 +281,8 @@ class ModelRunner:
     def forward_step(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs: the sampled rows' logits (None when none are sampled,
         and on a worker rank). The pooled rows' final hidden states go to `pooled_hidden`."""
+        if self._is_stack_verification(inputs):
+            return self.model.compute_logits(self._verify_on_stack(inputs))  # [num_tokens, vocab_size]
         input_ids, positions, metadata, sample_rows = self._to_tensors(inputs)  # sample_rows: then pooled rows
         self.backend.prepare(metadata)  # the step's plan, made once for every layer
         if self.tp is not None and self.tp.stage.is_pipelined:  # this stage's layers, between its neighbours
@@ -311,6 +313,30 @@ class ModelRunner:
         if not inputs.sample_rows:
             return None
         return self.model.compute_logits(hidden)  # [num_sampled, vocab_size]
+
+    def _is_stack_verification(self, inputs: StepInputs) -> bool:
+        """A step of decodes, some with proposed tokens after them, that the decode stack can take
+        as one-token rows: every row sampled (so none is a prompt's middle), none pooled."""
+        return (self.decode_stack is not None and max(inputs.query_lens) > 1 and not inputs.pooling_rows
+                and len(inputs.sample_rows) == len(inputs.input_ids) and self.decode_stack.can_run_rows(
+                    len(inputs.input_ids)) and not (self.tp is not None and self.tp.stage.is_pipelined))
+
+    def _verify_on_stack(self, inputs: StepInputs) -> torch.Tensor:
+        """The decode stack on a verification step, each token its own row: a sequence's j-th token
+        attends to its table's first seq_len - query_len + j + 1 positions. -> [num_tokens, hidden_size]"""
+        tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        for table, seq_len, query_len in zip(inputs.block_tables, inputs.seq_lens, inputs.query_lens):
+            tables.extend([table] * query_len)
+            seq_lens.extend(range(seq_len - query_len + 1, seq_len + 1))
+        device = self.device
+        return self.decode_stack.forward_rows(
+            torch.tensor(inputs.input_ids, dtype=torch.int64, device=device),  # [num_tokens]
+            torch.tensor(inputs.positions, dtype=torch.int64, device=device),  # [num_tokens]
+            torch.tensor(inputs.slot_mapping, dtype=torch.int64, device=device),  # [num_tokens]
+            torch.tensor(tables, dtype=torch.int32, device=device),  # [num_tokens, max_num_blocks]
+            torch.tensor(seq_lens, dtype=torch.int32, device=device),  # [num_tokens]
+        )
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

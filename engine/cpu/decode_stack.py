@@ -54,15 +54,27 @@ class DecodeStack:
                 and (self._max_tokens is None or num_seqs <= self._max_tokens)
                 and backend.decode_tables() is not None)
 
+    def can_run_rows(self, num_rows: int) -> bool:
+        """Whether a step of `num_rows` one-token rows fits the slabs' size (forward_rows)."""
+        return self._max_tokens is None or num_rows <= self._max_tokens
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 backend) -> torch.Tensor:
         """[num_seqs] ids -> [num_seqs, hidden_size] final hidden states, as the model's forward gives."""
-        model = self._model
-        hidden = model.embed(input_ids)  # [num_seqs, hidden_size]
-        angle_dtype = model.attention_dtype or hidden.dtype  # rotary runs in attention's dtype
-        cos, sin = model.rotary.cos_sin(positions, angle_dtype)  # [num_seqs, 1, head_dim] each
         block_tables, seq_lens = backend.decode_tables()
-        hidden, residual = self._stack.forward(hidden, cos.squeeze(1), sin.squeeze(1), metadata.slot_mapping,
+        return self.forward_rows(input_ids, positions, metadata.slot_mapping, block_tables, seq_lens)
+
+    def forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Rows of one token each, row i attending to the first seq_lens[i] positions of its block
+        table: [num_rows] ids -> [num_rows, hidden_size]. Several rows may be one sequence's
+        consecutive tokens (a verification step's proposals): each layer stores every row's KV
+        before any row attends, so row i sees the rows before it, as a prefill chunk would."""
+        model = self._model
+        hidden = model.embed(input_ids)  # [num_rows, hidden_size]
+        angle_dtype = model.attention_dtype or hidden.dtype  # rotary runs in attention's dtype
+        cos, sin = model.rotary.cos_sin(positions, angle_dtype)  # [num_rows, 1, head_dim] each
+        hidden, residual = self._stack.forward(hidden, cos.squeeze(1), sin.squeeze(1), slot_mapping,
                                                block_tables, seq_lens)
         hidden, _ = model.norm(hidden, residual)
         return hidden

@@ -4,7 +4,8 @@
     suffix   "add(a, b):" (n = 4 tokens) found earlier; propose the k tokens that followed it there
 
 The longest suffix (prompt_lookup_max tokens) is tried first, down to prompt_lookup_min; the
-leftmost occurrence wins, as vLLM's prompt lookup does. The search runs in C: tokens become a
+rightmost (latest) occurrence wins. vLLM takes the leftmost; the latest predicts better where an
+answer repeats its own recent lines, and a text copied from the prompt usually occurs there once. The search runs in C: tokens become a
 bytes string of 4-byte ids and `bytes.find` scans it.
 """
 
@@ -15,20 +16,23 @@ from array import array
 _ID_BYTES = 4
 
 
-def find_after(haystack: list[int], suffix: list[int], end: int | None = None) -> int | None:
-    """The index just after the leftmost occurrence of `suffix` in haystack[:end] that is followed
-    by a token before `end`; None when there is none."""
+def find_after(haystack: list[int], suffix: list[int], end: int | None = None, start: int = 0,
+               last: bool = False) -> int | None:
+    """The index just after an occurrence of `suffix` within haystack[start:end] that is followed by
+    a token before `end` (the leftmost one, or the rightmost with `last`); None when there is none."""
     end = len(haystack) if end is None else end
-    if not suffix or len(suffix) >= end:
+    if not suffix or len(suffix) >= end - start:
         return None
-    data = array("i", haystack[:end]).tobytes()
+    data = array("i", haystack[start:end]).tobytes()
     needle = array("i", suffix).tobytes()
-    offset = data.find(needle)
+    search = data.rfind if last else data.find
+    # The rightmost match must leave a token after it: search the bytes before the last id.
+    offset = search(needle, 0, len(data) - _ID_BYTES) if last else search(needle)
     while offset != -1:
         if offset % _ID_BYTES == 0:  # else a match across id boundaries: not a match
-            start = offset // _ID_BYTES + len(suffix)
-            return start if start < end else None
-        offset = data.find(needle, offset + 1)
+            after = start + offset // _ID_BYTES + len(suffix)
+            return after if after < end else None
+        offset = data.rfind(needle, 0, offset + len(needle) - 1) if last else data.find(needle, offset + 1)
     return None
 
 
@@ -38,7 +42,7 @@ def propose_ngram(token_ids: list[int], num_tokens: int, min_n: int, max_n: int)
         return []
     for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
         # The suffix itself sits at the end: search before it so it never finds itself.
-        start = find_after(token_ids, token_ids[-n:], end=len(token_ids) - 1)
+        start = find_after(token_ids, token_ids[-n:], end=len(token_ids) - 1, last=True)
         if start is not None:
             return token_ids[start : start + num_tokens]
     return []

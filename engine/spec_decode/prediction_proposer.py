@@ -8,6 +8,10 @@ follows the prediction from there again:
     output       A B C X D E ...     X diverged; "X D" is not in the prediction, "D" is:
                                       re-synced after D, propose E F G H
 
+Where the output's suffix is not in the prediction but occurs earlier in the request's own prompt
+or output, what followed it there is proposed instead (as n-gram lookup, and counted as such: not
+as prediction tokens in the usage).
+
 The state (where the output stands in the prediction) lives on the request: the prediction and
 the request's tokens never change, so it survives preemption.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 from engine.request import Request
 from engine.spec_decode.ngram_proposer import find_after
+from ipc.messages import SpecMethod
 
 LOOKUP_MAX = 4  # the longest output suffix looked up in the prediction after a divergence
 LOOKUP_MIN = 2  # a single token re-syncs too eagerly (" the", ",") and wastes verification rows
@@ -24,11 +29,13 @@ LOOKUP_MIN = 2  # a single token re-syncs too eagerly (" the", ",") and wastes v
 class PredictionState:
     def __init__(self) -> None:
         self.position: int | None = 0  # the prediction token the next output token should equal; None: diverged
+        self.last_position = 0  # where the output last stood in the prediction: a resync looks after it first
         self.num_output_tokens = 0  # output tokens already followed
 
 
-def propose_prediction(request: Request, num_tokens: int) -> list[int]:
-    """Up to `num_tokens` tokens of the request's prediction that should come next."""
+def propose_prediction(request: Request, num_tokens: int) -> tuple[list[int], SpecMethod]:
+    """Up to `num_tokens` tokens that should come next, and where they came from: the prediction,
+    or (diverged, and the prediction has no match) lookup over the request's own tokens."""
     prediction = request.sampling_params.prediction_token_ids
     state = request.prediction_state
     if state is None:
@@ -37,20 +44,29 @@ def propose_prediction(request: Request, num_tokens: int) -> list[int]:
     for token_id in output[state.num_output_tokens :]:
         if state.position is not None and state.position < len(prediction) and prediction[state.position] == token_id:
             state.position += 1
+            state.last_position = state.position
         else:
             state.position = None
     state.num_output_tokens = len(output)
     if state.position is None:
-        state.position = _resync(prediction, output)
-    if state.position is None:
-        return []
-    return prediction[state.position : state.position + num_tokens]
+        state.position, fallback = _resync(prediction, request.all_token_ids, len(output), state.last_position)
+        if state.position is None:
+            return fallback[:num_tokens], SpecMethod.NGRAM
+    return prediction[state.position : state.position + num_tokens], SpecMethod.PREDICTION
 
 
-def _resync(prediction: list[int], output: list[int]) -> int | None:
-    """Where the prediction continues after the output's last tokens, longest suffix first."""
-    for n in range(min(LOOKUP_MAX, len(output)), LOOKUP_MIN - 1, -1):
-        position = find_after(prediction, output[-n:])
+def _resync(prediction: list[int], token_ids: list[int], num_output_tokens: int,
+            last_position: int) -> tuple[int | None, list[int]]:
+    """Where the prediction continues after the output's last tokens, longest suffix first, and for
+    each suffix the first match after where the output last stood (an edit resumes past itself)
+    before any match earlier on. Where a suffix is not in the prediction but occurs earlier in the
+    request's own prompt or output (which an edit copies from too), what followed it there."""
+    for n in range(min(LOOKUP_MAX, num_output_tokens), LOOKUP_MIN - 1, -1):
+        suffix = token_ids[-n:]
+        position = find_after(prediction, suffix, start=last_position) or find_after(prediction, suffix)
         if position is not None:
-            return position
-    return None
+            return position, []
+        after = find_after(token_ids, suffix, end=len(token_ids) - 1, last=True)
+        if after is not None:
+            return None, token_ids[after:]
+    return None, []

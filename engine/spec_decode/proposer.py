@@ -30,6 +30,7 @@ from ipc.speculative_config import SpeculativeConfig
 SPEC_STEP_TOKENS = 24  # a step's tokens (decodes and proposals) below which the CPU step stays weight-bound
 PREDICTION_MAX_TOKENS = 16  # k for a prediction without --speculative-config (the configurable maximum)
 EMA_WEIGHT = 0.5  # of the newest draft's accepted count
+EMA_HEADROOM = 2  # k is the average accepted count plus this, so it can grow back
 
 
 class SpecProposer:
@@ -55,15 +56,16 @@ class SpecProposer:
             return
         drafted: list[tuple[Request, int]] = []  # the draft model proposes for these at once, batched
         for request in candidates:
-            num_tokens = min(num_per_request, self._max_tokens(request), int(request.spec_ema) + 2,
+            num_tokens = min(num_per_request, self._max_tokens(request), int(request.spec_ema) + EMA_HEADROOM,
                              request.max_tokens - request.num_output_tokens - 1,
                              self.max_model_len - request.num_tokens)
             if num_tokens <= 0:
                 continue
             if request.sampling_params.prediction_token_ids:
-                request.spec_token_ids = propose_prediction(request, num_tokens)
-                request.spec_method = SpecMethod.PREDICTION
-            elif self.draft is not None:
+                request.spec_token_ids, request.spec_method = propose_prediction(request, num_tokens)
+                if request.spec_token_ids or self.draft is None:
+                    continue
+            if self.draft is not None:
                 drafted.append((request, num_tokens))
             else:
                 config = self.config
