@@ -20,7 +20,8 @@ from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_kv_pool_dtype
 from engine.models.config import ModelConfig
 from engine.request import Request
-from engine.padded_static_scheduler import PaddedStaticScheduler
+from engine.padded_static_runner import PaddedStaticRunner
+from engine.padded_static_scheduler import PaddedSchedulerOutput, PaddedStaticScheduler
 from engine.pooler import check_pooling_request, pooling_num_kv_blocks
 from engine.scheduler import Scheduler
 from engine.spec_decode.proposer import SpecProposer
@@ -89,8 +90,9 @@ class EngineCore:
         if config.world_size > 1:
             self.executor = make_executor(config, self.model_config, num_kv_blocks, self.max_model_len, device)
         try:
-            self.model_runner = ModelRunner(config, self.model_config, num_kv_blocks, self.max_model_len,
-                                            executor=self.executor)
+            runner_class = PaddedStaticRunner if config.batching == "static-padded" else ModelRunner
+            self.model_runner = runner_class(config, self.model_config, num_kv_blocks, self.max_model_len,
+                                             executor=self.executor)
             if self.executor is not None:
                 self.executor.wait_until_ready()
         except BaseException:
@@ -235,7 +237,7 @@ def make_step_stats(scheduler_output, sampled, start_time: float, end_time: floa
     """One step's record; also built by the capacity simulator, on its simulated clock."""
     num_decode = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1 and s.request.request_id in sampled)
     num_tokens = scheduler_output.num_tokens
-    return StepStats(
+    stats = StepStats(
         start_time=start_time,
         end_time=end_time,
         num_seqs=len(scheduler_output.scheduled),
@@ -243,6 +245,8 @@ def make_step_stats(scheduler_output, sampled, start_time: float, end_time: floa
         num_prefill_tokens=num_tokens - num_decode,
         num_decode_tokens=num_decode,
         num_kv_blocks_used=num_kv_blocks_used,
-        num_padding_tokens=sum(p.num_tokens for p in scheduler_output.padding if not p.is_sampling),
-        num_finished_row_tokens=sum(p.num_tokens for p in scheduler_output.padding if p.is_sampling),
     )
+    if isinstance(scheduler_output, PaddedSchedulerOutput):  # the baseline's pad tokens, computed for nothing
+        stats.num_padding_tokens = scheduler_output.num_padding_tokens
+        stats.num_finished_row_tokens = scheduler_output.num_finished_row_tokens
+    return stats

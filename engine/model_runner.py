@@ -15,13 +15,13 @@ the workers run `forward_step` on the same record; only rank 0 samples.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention import make_attention_backend, resolve_attention_backend
 from engine.attention.backend import AttentionBackend, KVCache
 from engine.attention.metadata import AttentionMetadata
-from engine.block_manager import num_blocks_for
 from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
 from engine.cuda_graph_check import check_replays
@@ -98,6 +98,17 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
     return 2 * model_config.num_layers * block_size * num_kv_heads * model_config.head_dim * element_size
 
 
+@dataclass
+class PreparedStep:
+    """One step made ready for the model: its inputs, and where its logits rows go."""
+
+    inputs: StepInputs
+    sampled_requests: list[Request]  # in the order of their rows
+    sampled_rows: list[int]  # indices into inputs.sample_rows: the sampled ones (the rest: prompt log-probs)
+    prompt_plans: list[PromptLogprobRows]
+    pooling_plans: list  # engine.pooler's, for the rows in inputs.pooling_rows
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int,
                  tp: TensorParallelGroup | None = None, executor=None) -> None:
@@ -134,8 +145,6 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         self.pooler = Pooler()
         self.pooled_hidden: torch.Tensor | None = None  # forward_step's pooled rows, for execute's pooler
-        # static-padded's padding and finished rows feed this; any id computes the same, EOS as transformers pads
-        self.pad_token_id = model_config.eos_token_ids[0] if model_config.eos_token_ids else 0
         self.cuda_graphs = self._capture_cuda_graphs(max_model_len)
         self.compiled_forward = None
         if self.is_compiled:
@@ -228,23 +237,33 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the model on the step's flat batch; return a new token for each request that reached its end."""
+        step = self.prepare_step(scheduler_output)
+        return self.sample_step(scheduler_output, step, self.run_step(step))
+
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """The step's inputs as lists, and which logits rows go where."""
         inputs, sampled_requests, sampled_rows, prompt_plans = self._prepare_inputs(scheduler_output)
         inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
+        return PreparedStep(inputs, sampled_requests, sampled_rows, prompt_plans, pooling_plans)
+
+    def run_step(self, step: PreparedStep) -> torch.Tensor | None:
+        """The model on every rank: the logits of `step.inputs.sample_rows`; pooled rows collected."""
         if self.executor is None:
-            logits = self.forward_step(inputs)  # [num_logits_rows, vocab_size]
+            logits = self.forward_step(step.inputs)  # [num_logits_rows, vocab_size]
         else:
-            logits = self.executor.run_step(inputs, self.forward_step)  # every rank runs it
-        if pooling_plans:
-            self.pooler.collect(self.pooled_hidden, pooling_plans)  # finished ones get request.embedding
+            logits = self.executor.run_step(step.inputs, self.forward_step)  # every rank runs it
+        if step.pooling_plans:
+            self.pooler.collect(self.pooled_hidden, step.pooling_plans)  # finished ones get request.embedding
             self.pooled_hidden = None
-        num_discarded = sum(1 for row in scheduler_output.padding if row.is_sampling)
-        if num_discarded:
-            # Finished rows of a padded static batch: sampled, as a padded engine samples every row, then dropped.
-            _discarded = logits[-num_discarded:].argmax(dim=-1)  # [num_discarded]
-            logits = logits[:-num_discarded]  # [num_logits_rows - num_discarded, vocab_size]
-        if prompt_plans:
-            self.prompt_logprobs.collect(logits, prompt_plans)
-            logits = logits[sampled_rows]  # [num_sampled, vocab_size]
+        return logits
+
+    def sample_step(self, scheduler_output: SchedulerOutput, step: PreparedStep,
+                    logits: torch.Tensor | None) -> dict[str, SampledToken]:
+        """Prompt log-probs, then a token (or verified proposals) for each request at its end."""
+        sampled_requests = step.sampled_requests
+        if step.prompt_plans:
+            self.prompt_logprobs.collect(logits, step.prompt_plans)
+            logits = logits[step.sampled_rows]  # [num_sampled, vocab_size]
         if not sampled_requests:
             return {}
         drafts = [s.spec_token_ids for s in scheduler_output.scheduled if s.is_sampling]
@@ -380,22 +399,7 @@ class ModelRunner:
                 sampled_rows.extend(range(len(logits_rows), len(logits_rows) + num_rows))
                 logits_rows.extend(range(len(input_ids) - num_rows, len(input_ids)))
                 sampled_requests.append(request)
-        # A padded static batch's pad tokens, after the real rows: each row its own sequence,
-        # so no real token attends to them.
-        for row in scheduler_output.padding:
-            end = row.start + row.num_tokens
-            input_ids.extend([self.pad_token_id] * row.num_tokens)
-            positions.extend(range(row.start, end))
-            slot_mapping.extend(row.block_ids[p // block_size] * block_size + p % block_size
-                                for p in range(row.start, end))
-            query_start_loc.append(len(input_ids))
-            query_lens.append(row.num_tokens)
-            seq_lens.append(end)
-            if row.is_sampling:
-                logits_rows.append(len(input_ids) - 1)
-        # A padding row's table stops at its last block, so a decode step keeps to the CUDA graphs' width.
-        tables = [s.request.block_ids for s in scheduler_output.scheduled] + [
-            p.block_ids[: num_blocks_for(p.start + p.num_tokens, block_size)] for p in scheduler_output.padding]
+        tables = [s.request.block_ids for s in scheduler_output.scheduled]
         max_num_blocks = max(map(len, tables))
         block_tables = [table + [0] * (max_num_blocks - len(table)) for table in tables]
         inputs = StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, query_lens, block_tables,

@@ -8,7 +8,8 @@ finished rows computing until the batch ends. The seed's baseline, on our model 
   a shared scratch area for its padding; a request joins only while the pool holds all
   of that, so memory bounds the batch size (nothing is allocated, nothing preempted later).
 - Prefill is padded to the batch's longest prompt. A row's left padding is a pseudo-
-  sequence of pad tokens (`PaddingRow`) computed through every layer, its KV written to
+  sequence of pad tokens (`PaddingRow`, in the step's `PaddedSchedulerOutput`; run by
+  `engine.padded_static_runner`) computed through every layer, its KV written to
   the scratch area, in the same step as the row's real prompt; the real tokens attend
   only to their own sequence, so the padding is masked out of their attention, as a
   varlen kernel masks a left-padded row. Rows are prefilled whole, as many a step as
@@ -33,9 +34,39 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import num_blocks_for
 from engine.request import Request, RequestStatus
-from engine.scheduler import PaddingRow, ScheduledRequest, Scheduler, SchedulerOutput, is_compiling
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, is_compiling
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PaddingRow:
+    """Tokens a padded static batch computes for nothing: a row's left padding, or a finished
+    row's pad-token decode. Pad tokens at positions `start`.., their KV written through
+    `block_ids`, which no real token ever reads."""
+
+    block_ids: list[int]
+    start: int
+    num_tokens: int
+    is_sampling: bool  # a finished row's decode: its logits are computed and sampled, the token dropped
+
+
+@dataclass
+class PaddedSchedulerOutput(SchedulerOutput):
+    """A padded static step: the real rows (`scheduled`), then the pad rows computed beside them
+    (engine.padded_static_runner runs them; continuous steps never carry any)."""
+
+    padding: list[PaddingRow] = field(default_factory=list)
+
+    @property
+    def num_padding_tokens(self) -> int:
+        """Rows' left padding."""
+        return sum(p.num_tokens for p in self.padding if not p.is_sampling)
+
+    @property
+    def num_finished_row_tokens(self) -> int:
+        """Finished rows' pad-token decodes."""
+        return sum(p.num_tokens for p in self.padding if p.is_sampling)
 
 
 @dataclass
@@ -95,8 +126,8 @@ class PaddedStaticScheduler(Scheduler):
 
     # ---- schedule ----
 
-    def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
+    def schedule(self) -> PaddedSchedulerOutput:
+        output = PaddedSchedulerOutput()
         if self.batch is None:
             self._admit_batch()
         if self.batch is None:
@@ -131,7 +162,7 @@ class PaddedStaticScheduler(Scheduler):
         self.batch = PaddedBatch(rows, scratch, max(r.num_prompt_tokens for r in chosen))
         logger.debug("padded batch of %d rows, %d scratch blocks", len(rows), len(scratch))
 
-    def _schedule_prefill(self, output: SchedulerOutput) -> None:
+    def _schedule_prefill(self, output: PaddedSchedulerOutput) -> None:
         """Whole padded rows, in order, while the token budget lasts (the first one always)."""
         batch, budget = self.batch, self.max_num_batched_tokens
         for row in batch.rows:
@@ -147,7 +178,7 @@ class PaddedStaticScheduler(Scheduler):
             row.is_prefilled = True
             budget -= batch.max_prompt_len
 
-    def _schedule_decode(self, output: SchedulerOutput) -> None:
+    def _schedule_decode(self, output: PaddedSchedulerOutput) -> None:
         """Every row, every step: a real decode or a finished row's pad-token decode."""
         for row in self.batch.rows:
             if not row.is_finished:

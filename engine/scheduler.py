@@ -77,22 +77,9 @@ class ScheduledRequest:
 
 
 @dataclass
-class PaddingRow:
-    """Tokens a padded static batch computes for nothing (`padded_static_scheduler.py`): a
-    row's left padding, or a finished row's pad-token decode. Pad tokens at positions
-    `start`.., their KV written through `block_ids`, which no real token ever reads."""
-
-    block_ids: list[int]
-    start: int
-    num_tokens: int
-    is_sampling: bool  # a finished row's decode: its logits are computed and sampled, the token dropped
-
-
-@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
-    padding: list[PaddingRow] = field(default_factory=list)  # static-padded only; after the real rows
 
     @property
     def num_tokens(self) -> int:

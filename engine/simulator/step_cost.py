@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.padded_static_scheduler import PaddedSchedulerOutput
 from engine.simulator.hardware_profile import HardwareProfile
 from engine.simulator.model_shape import ModelShape
 
@@ -49,13 +50,15 @@ class StepShape:
             num_sampled += scheduled.is_sampling
             num_context += c + q
             num_pairs += q * c + q * (q + 1) // 2
-        for row in scheduler_output.padding:  # static-padded: priced as the real rows, since they are computed
+        # static-padded: pad rows priced as the real rows, since they are computed
+        padding = scheduler_output.padding if isinstance(scheduler_output, PaddedSchedulerOutput) else []
+        for row in padding:
             q, c = row.num_tokens, row.start
             num_tokens += q
             num_sampled += row.is_sampling
             num_context += c + q
             num_pairs += q * c + q * (q + 1) // 2
-        num_seqs = len(scheduler_output.scheduled) + len(scheduler_output.padding)
+        num_seqs = len(scheduler_output.scheduled) + len(padding)
         return cls(num_seqs, num_tokens, num_sampled, num_context, num_pairs)
 
 
