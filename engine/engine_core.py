@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.device_and_dtype import kv_bytes_per_block, resolve_kv_pool_dtype
 from engine.distributed.backends import make_executor
 from engine.distributed.executor import WorkerDeadError
 from engine.model_files import resolve_model
-from engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_kv_pool_dtype
+from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.request import Request
 from engine.padded_static_runner import PaddedStaticRunner

@@ -1,4 +1,4 @@
-"""Runs one scheduled step on the model: every Python-list-to-tensor conversion lives here.
+"""Runs one scheduled step on the model: prepare, run, sample.
 
 Owns the model, the paged KV pool (one K and one V tensor per layer, carved
 into blocks once at start-up), the attention backend and the sampler; the constructor
@@ -9,28 +9,28 @@ once and handed to each step that needs them.
 Under tensor parallelism every rank has a ModelRunner holding its shard. Rank 0
 turns the scheduler's output into a `StepInputs` record of lists, hands it to
 the executor (which sends it to the workers) and runs `forward_step` on it;
-the workers run `forward_step` on the same record; only rank 0 samples.
+the workers run `forward_step` on the same record; only rank 0 samples. The step's
+lists and tensors are made in `engine.step_inputs`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from engine.attention import make_attention_backend, resolve_attention_backend
 from engine.attention.backend import AttentionBackend, KVCache
-from engine.attention.metadata import AttentionMetadata
 from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
 from engine.cuda_graph_check import check_replays
 from engine.cuda_graphs import CudaGraphRunner
+from engine.device_and_dtype import cpu_features_of, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from engine.distributed.messages import StepInputs
 from engine.distributed.parallel_layers import num_local_kv_heads
 from engine.distributed.parallel_state import TensorParallelGroup, threads_per_rank
 from engine.distributed.pipeline import WHOLE_MODEL, forward_stage
-from engine.dtype_policy import CpuFeatures, choose_dtype, choose_kv_cache_dtype, detect_cpu_features
+from engine.dtype_policy import CpuFeatures
 from engine.gguf_blocks import blocks_for_model
 from engine.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
@@ -41,73 +41,15 @@ from engine.cpu.fast_paths import apply_fast_paths
 from engine.cpu.fused import CpuFusedOps, select_fused_ops
 from engine.cpu.quantized_plan import QuantizedPlan, plan_quantization
 from engine.request import Request
-from engine.logits_processing import LogitsProcessingState, bad_word_bans
-from engine.pooler import Pooler, plan_pooling
-from engine.prompt_logprobs import PromptLogprobRows, PromptLogprobsCollector
+from engine.logits_processing import LogitsProcessingState
+from engine.pooler import Pooler
+from engine.prompt_logprobs import PromptLogprobsCollector
 from engine.sampler import Sampler, SamplingBatch, sampling_kernels
-from engine.scheduler import SampledToken, SchedulerOutput
+from engine.scheduler_output import SampledToken, SchedulerOutput
 from engine.spec_decode.verifier import verify
+from engine.step_inputs import PreparedStep, make_sampling_batch, prepare_step, to_tensors
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(config: EngineConfig) -> torch.device:
-    """cuda when present, else cpu, unless the config names one."""
-    return torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device, cpu: CpuFeatures) -> tuple[torch.dtype, str]:
-    """(dtype, why): as asked, or by engine.dtype_policy for "auto"."""
-    name, reason = choose_dtype(config.dtype, device.type, cpu, config.quantization)
-    return DTYPES[name], reason
-
-
-def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, cpu: CpuFeatures,
-                           dtype: torch.dtype) -> tuple[torch.dtype, str]:
-    """(KV cache dtype, why) beside activations in `dtype`: as asked, or by engine.dtype_policy for "auto"."""
-    name, reason = choose_kv_cache_dtype(config.kv_cache_dtype, str(dtype).removeprefix("torch."), device.type, cpu,
-                                         config.quantization)
-    if DTYPES[name] != dtype and config.compile:
-        raise ValueError("a KV cache dtype other than the activations' is not supported with compile")
-    return DTYPES[name], reason
-
-
-def cpu_features_of(device: torch.device) -> CpuFeatures:
-    """The host CPU's bf16 support where the engine runs on it; none on a GPU."""
-    return detect_cpu_features() if device.type == "cpu" else CpuFeatures()
-
-
-def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype a ModelRunner for `config` runs in."""
-    device = resolve_device(config)
-    return device, resolve_dtype(config, device, cpu_features_of(device))[0]
-
-
-def resolve_kv_pool_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """The device and KV pool dtype of a ModelRunner for `config` (the engine core sizes the pool by them)."""
-    device, dtype = resolve_device_and_dtype(config)
-    return device, resolve_kv_cache_dtype(config, device, cpu_features_of(device), dtype)[0]
-
-
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """One block's K and V over every layer, on one rank (which holds its share of the KV heads)."""
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    num_kv_heads = num_local_kv_heads(model_config.num_kv_heads, tp_size)
-    return 2 * model_config.num_layers * block_size * num_kv_heads * model_config.head_dim * element_size
-
-
-@dataclass
-class PreparedStep:
-    """One step made ready for the model: its inputs, and where its logits rows go."""
-
-    inputs: StepInputs
-    sampled_requests: list[Request]  # in the order of their rows
-    sampled_rows: list[int]  # indices into inputs.sample_rows: the sampled ones (the rest: prompt log-probs)
-    prompt_plans: list[PromptLogprobRows]
-    pooling_plans: list  # engine.pooler's, for the rows in inputs.pooling_rows
-
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int,
@@ -241,10 +183,8 @@ class ModelRunner:
         return self.sample_step(scheduler_output, step, self.run_step(step))
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
-        """The step's inputs as lists, and which logits rows go where."""
-        inputs, sampled_requests, sampled_rows, prompt_plans = self._prepare_inputs(scheduler_output)
-        inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
-        return PreparedStep(inputs, sampled_requests, sampled_rows, prompt_plans, pooling_plans)
+        """The step's inputs as lists, and which logits rows go where (engine.step_inputs)."""
+        return prepare_step(scheduler_output, self.block_size, self.prompt_logprobs)
 
     def run_step(self, step: PreparedStep) -> torch.Tensor | None:
         """The model on every rank: the logits of `step.inputs.sample_rows`; pooled rows collected."""
@@ -302,7 +242,7 @@ class ModelRunner:
         and on a worker rank). The pooled rows' final hidden states go to `pooled_hidden`."""
         if self._is_stack_verification(inputs):
             return self.model.compute_logits(self._verify_on_stack(inputs))  # [num_tokens, vocab_size]
-        input_ids, positions, metadata, sample_rows = self._to_tensors(inputs)  # sample_rows: then pooled rows
+        input_ids, positions, metadata, sample_rows = to_tensors(inputs, self.device)  # sample_rows: then pooled rows
         self.backend.prepare(metadata)  # the step's plan, made once for every layer
         if self.tp is not None and self.tp.stage.is_pipelined:  # this stage's layers, between its neighbours
             if inputs.pooling_rows:
@@ -363,109 +303,5 @@ class ModelRunner:
         self.pooler.release(request_id)
         self.logits_state.release(request_id)
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
-        block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        logits_rows: list[int] = []  # rows whose logits come back: prompt log-prob rows, then the sampled row
-        sampled_requests: list[Request] = []
-        sampled_rows: list[int] = []  # indices into logits_rows
-        prompt_plans: list[PromptLogprobRows] = []
-        for scheduled in scheduler_output.scheduled:
-            request = scheduled.request
-            start = request.num_computed_tokens
-            end = start + scheduled.num_new_tokens
-            spec_token_ids = scheduled.spec_token_ids  # proposed tokens, after the request's last one
-            input_ids.extend(request.all_token_ids[start : end - len(spec_token_ids)])
-            input_ids.extend(spec_token_ids)
-            positions.extend(range(start, end))
-            block_ids = request.block_ids
-            slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
-            query_start_loc.append(len(input_ids))
-            query_lens.append(end - start)
-            seq_lens.append(end)
-            prompt_positions = self.prompt_logprobs.positions_to_compute(request, start, end)
-            if prompt_positions:
-                prompt_plans.append(PromptLogprobRows(request, len(logits_rows), prompt_positions.start,
-                                                      len(prompt_positions)))
-                first_row = query_start_loc[-2] - start
-                logits_rows.extend(first_row + p for p in prompt_positions)
-            if scheduled.is_sampling:  # its last token's row, and one per proposed token
-                num_rows = 1 + len(spec_token_ids)
-                sampled_rows.extend(range(len(logits_rows), len(logits_rows) + num_rows))
-                logits_rows.extend(range(len(input_ids) - num_rows, len(input_ids)))
-                sampled_requests.append(request)
-        tables = [s.request.block_ids for s in scheduler_output.scheduled]
-        max_num_blocks = max(map(len, tables))
-        block_tables = [table + [0] * (max_num_blocks - len(table)) for table in tables]
-        inputs = StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, query_lens, block_tables,
-                            logits_rows)
-        return inputs, sampled_requests, sampled_rows, prompt_plans
-
-    def _to_tensors(self, inputs: StepInputs):
-        pin = self.device.type == "cuda"
-
-        def to_device(values, dtype):
-            # Pinned host memory lets the copy overlap with the previous step's kernels.
-            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
-
-        metadata = AttentionMetadata(
-            slot_mapping=to_device(inputs.slot_mapping, torch.int64),  # [num_tokens]
-            query_start_loc=to_device(inputs.query_start_loc, torch.int32),  # [num_seqs + 1]
-            seq_lens=to_device(inputs.seq_lens, torch.int32),  # [num_seqs]
-            block_tables=to_device(inputs.block_tables, torch.int32),  # [num_seqs, max_num_blocks]
-            max_query_len=max(inputs.query_lens),
-            max_seq_len=max(inputs.seq_lens),
-            query_lens_cpu=inputs.query_lens,
-            seq_lens_cpu=inputs.seq_lens,
-        )
-        return (
-            to_device(inputs.input_ids, torch.int64),  # [num_tokens]
-            to_device(inputs.positions, torch.int64),  # [num_tokens]
-            metadata,
-            to_device(inputs.sample_rows + inputs.pooling_rows, torch.int64),  # [num_sampled + num_pooled]
-        )
-
     def _prepare_sampling(self, requests: list[Request]) -> SamplingBatch:
-        vocab_size = self.model_config.vocab_size
-        eos_ids = self.model_config.eos_token_ids
-        temperatures, top_ks, top_ps, min_ps, generators, banned, num_logprobs = [], [], [], [], [], [], []
-        for request in requests:
-            params = request.sampling_params
-            temperatures.append(0.0 if params.is_greedy else float(params.temperature))
-            top_ks.append(params.top_k if params.top_k > 0 else vocab_size)
-            top_ps.append(float(params.top_p))
-            min_ps.append(float(params.min_p))
-            generators.append(self._generator_for(request))
-            needs_more = request.num_output_tokens < params.min_tokens
-            stop_ids = ([] if params.ignore_eos else eos_ids) + list(params.stop_token_ids)
-            banned.append((stop_ids if needs_more else []) + bad_word_bans(request))
-            num_logprobs.append(params.logprobs)
-        device = self.device
-        return SamplingBatch(
-            temperatures=torch.tensor(temperatures, device=device),  # [num_rows]
-            top_ks=torch.tensor(top_ks, device=device),
-            top_ps=torch.tensor(top_ps, device=device),
-            min_ps=torch.tensor(min_ps, device=device),
-            generators=generators,
-            banned_token_ids=banned,
-            num_logprobs=num_logprobs,
-            is_all_greedy=all(t == 0.0 for t in temperatures),
-            needs_top_k=any(k < vocab_size for k in top_ks),
-            needs_top_p=any(p < 1.0 for p in top_ps),
-            needs_min_p=any(p > 0.0 for p in min_ps),
-            processing=self.logits_state.prepare(requests),
-        )
-
-    def _generator_for(self, request: Request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None or request.sampling_params.is_greedy:
-            return None
-        generator = self.generators.get(request.request_id)
-        if generator is None:
-            generator = self.generators[request.request_id] = torch.Generator().manual_seed(seed)
-        return generator
+        return make_sampling_batch(requests, self.model_config, self.device, self.generators, self.logits_state)

@@ -20,7 +20,7 @@ from engine.block_manager import num_blocks_for
 from engine.distributed.messages import StepInputs
 from engine.model_runner import ModelRunner
 from engine.padded_static_scheduler import PaddedSchedulerOutput, PaddingRow
-from engine.scheduler import SampledToken
+from engine.scheduler_output import SampledToken
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import num_blocks_for
 from engine.request import Request, RequestStatus
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, is_compiling
+from engine.scheduler import Scheduler, is_compiling
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 
 from engine.logits_processing import LogitsProcessing, LogitsProcessingState, apply_logits_processing
-from engine.scheduler import SampledToken
+from engine.scheduler_output import SampledToken
 from ipc.messages import TokenLogprobs
 
 

@@ -37,80 +37,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.pooler import needs_every_position
 from engine.request import Request, RequestStatus
+from engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 from engine.spec_decode.proposer import record_acceptance
 from engine.spec_decode.scheduling import add_proposals, emitted_tokens, make_output, roll_back
 from engine.spec_decode.spec_stats import SpecStats
 from engine.step_outputs import RequestError, StepOutputs
-from ipc.messages import RequestOutput, SchedulerStats, StepCounts, TokenLogprobs
+from ipc.messages import RequestOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 CONTRADICTION_MESSAGE = ("no token satisfies the request's constraints together: its grammar (response_format, "
                          "structured_outputs or tools) contradicts allowed_token_ids, bad_words, logit_bias or "
                          "min_tokens, or allows nothing")
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # proposed tokens included
-    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens computed after the last one
-
-    @property
-    def is_sampling(self) -> bool:
-        """True when this step computes the request's last token, so it yields a new one
-        (an embedding request's last chunk yields its vector instead: engine.pooler)."""
-        num_real_tokens = self.num_new_tokens - len(self.spec_token_ids)  # proposed tokens come after it
-        return (self.request.num_computed_tokens + num_real_tokens == self.request.num_tokens
-                and self.request.pooling_params is None)
-
-    @property
-    def is_decode(self) -> bool:
-        """One token after the request's earlier outputs (and any proposed tokens): not a prefill."""
-        request = self.request
-        return (self.num_new_tokens - len(self.spec_token_ids) == 1 and request.num_output_tokens > 0
-                and request.num_computed_tokens + 1 == request.num_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    def counts(self) -> StepCounts:
-        """The step's prefill and decode shares, exact. Read before `Scheduler.update` advances the
-        computed counts. A decode computes one token after earlier outputs (and its proposed
-        tokens); everything else (prompt chunks, a preempted request's recompute) is prefill."""
-        counts = StepCounts()
-        for s in self.scheduled:
-            if s.is_decode:
-                counts.num_decode_requests += 1
-                counts.num_decode_tokens += s.num_new_tokens
-            else:
-                counts.num_prefill_requests += 1
-                counts.num_prefill_tokens += s.num_new_tokens
-        return counts
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None  # with a request's first token, if it asked
-    # Speculative decoding: the proposed tokens accepted before this one (which ends the step's tokens)
-    accepted: list[SampledToken] = field(default_factory=list)
 
 
 class Scheduler:

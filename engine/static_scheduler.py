@@ -9,7 +9,8 @@ of the two isolates scheduling.
 
 from __future__ import annotations
 
-from engine.scheduler import Scheduler, SchedulerOutput, is_compiling
+from engine.scheduler import Scheduler, is_compiling
+from engine.scheduler_output import SchedulerOutput
 
 
 class StaticScheduler(Scheduler):

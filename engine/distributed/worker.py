@@ -44,7 +44,8 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0, device_inde
     import torch
 
     from engine.model_files import resolve_model
-    from engine.model_runner import ModelRunner, resolve_device_and_dtype
+    from engine.device_and_dtype import resolve_device_and_dtype
+    from engine.model_runner import ModelRunner
     from engine.models.config import ModelConfig
 
     if parent_pid:

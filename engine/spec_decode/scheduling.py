@@ -23,7 +23,7 @@ from engine.request import Request
 from ipc.messages import RequestOutput, SpecMethod
 
 if TYPE_CHECKING:
-    from engine.scheduler import SampledToken, SchedulerOutput
+    from engine.scheduler_output import SampledToken, SchedulerOutput
 
 
 def add_proposals(output: SchedulerOutput, block_manager: BlockManager, budget: int, max_model_len: int) -> None:

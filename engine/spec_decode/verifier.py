@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.sampler import Sampler, SamplingBatch, sample_from, token_logprobs
-from engine.scheduler import SampledToken
+from engine.scheduler_output import SampledToken
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]]) -> list[SampledToken]:

@@ -17,7 +17,7 @@ def run_hf(workload: list[WorkloadRequest], args, model_path: str) -> ModeResult
     from transformers.generation.streamers import BaseStreamer
 
     from engine.config import EngineConfig
-    from engine.model_runner import resolve_device_and_dtype
+    from engine.device_and_dtype import resolve_device_and_dtype
 
     class StepTimes(BaseStreamer):
         """generate() calls put() with the prompt, then once per new token column."""

@@ -37,7 +37,7 @@ def test_seed_client_unchanged(server):
 
 def test_models_card_reports_the_dtype_the_core_chose(server):
     from engine.config import EngineConfig
-    from engine.model_runner import resolve_device_and_dtype
+    from engine.device_and_dtype import resolve_device_and_dtype
 
     _, want = resolve_device_and_dtype(EngineConfig())  # the server passes no --dtype: "auto"
     card = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]

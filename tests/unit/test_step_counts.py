@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
+from engine.scheduler import SampledToken
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from ipc.messages import StepCounts
 from tests.helpers.scheduler import make_request, make_scheduler, next_output_token
 

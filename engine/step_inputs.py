@@ -1,0 +1,149 @@
+"""A scheduled step turned into the model's and the sampler's inputs: Python lists first
+(`StepInputs`, which rank 0 also sends to tensor-parallel workers), then tensors.
+
+    scheduled:    A: prompt positions 2-3 of 6 (a chunk)    B: a decode at 7, with 2 proposed tokens
+    input_ids:    a2 a3 | b7 p1 p2
+    positions:     2  3 |  7  8  9
+    sample_rows:          2  3  4     B's last token's row, and one per proposal; A's chunk samples none
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.distributed.messages import StepInputs
+from engine.logits_processing import LogitsProcessingState, bad_word_bans
+from engine.models.config import ModelConfig
+from engine.pooler import plan_pooling
+from engine.prompt_logprobs import PromptLogprobRows, PromptLogprobsCollector
+from engine.request import Request
+from engine.sampler import SamplingBatch
+from engine.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class PreparedStep:
+    """One step made ready for the model: its inputs, and where its logits rows go."""
+
+    inputs: StepInputs
+    sampled_requests: list[Request]  # in the order of their rows
+    sampled_rows: list[int]  # indices into inputs.sample_rows: the sampled ones (the rest: prompt log-probs)
+    prompt_plans: list[PromptLogprobRows]
+    pooling_plans: list  # engine.pooler's, for the rows in inputs.pooling_rows
+
+
+def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logprobs: PromptLogprobsCollector) -> PreparedStep:
+    """The step's flat batch as lists (every rank builds the same tensors from them), and which
+    logits rows go where."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    query_lens: list[int] = []
+    logits_rows: list[int] = []  # rows whose logits come back: prompt log-prob rows, then the sampled row
+    sampled_requests: list[Request] = []
+    sampled_rows: list[int] = []  # indices into logits_rows
+    prompt_plans: list[PromptLogprobRows] = []
+    for scheduled in scheduler_output.scheduled:
+        request = scheduled.request
+        start = request.num_computed_tokens
+        end = start + scheduled.num_new_tokens
+        spec_token_ids = scheduled.spec_token_ids  # proposed tokens, after the request's last one
+        input_ids.extend(request.all_token_ids[start : end - len(spec_token_ids)])
+        input_ids.extend(spec_token_ids)
+        positions.extend(range(start, end))
+        block_ids = request.block_ids
+        slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_start_loc.append(len(input_ids))
+        query_lens.append(end - start)
+        seq_lens.append(end)
+        prompt_positions = prompt_logprobs.positions_to_compute(request, start, end)
+        if prompt_positions:
+            prompt_plans.append(PromptLogprobRows(request, len(logits_rows), prompt_positions.start,
+                                                  len(prompt_positions)))
+            first_row = query_start_loc[-2] - start
+            logits_rows.extend(first_row + p for p in prompt_positions)
+        if scheduled.is_sampling:  # its last token's row, and one per proposed token
+            num_rows = 1 + len(spec_token_ids)
+            sampled_rows.extend(range(len(logits_rows), len(logits_rows) + num_rows))
+            logits_rows.extend(range(len(input_ids) - num_rows, len(input_ids)))
+            sampled_requests.append(request)
+    tables = [s.request.block_ids for s in scheduler_output.scheduled]
+    max_num_blocks = max(map(len, tables))
+    block_tables = [table + [0] * (max_num_blocks - len(table)) for table in tables]
+    inputs = StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, query_lens, block_tables,
+                        logits_rows)
+    inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
+    return PreparedStep(inputs, sampled_requests, sampled_rows, prompt_plans, pooling_plans)
+
+
+def to_tensors(inputs: StepInputs, device: torch.device):
+    """(input ids, positions, attention metadata, the sampled then pooled rows) on `device`."""
+    pin = device.type == "cuda"
+
+    def to_device(values, dtype):
+        # Pinned host memory lets the copy overlap with the previous step's kernels.
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+    metadata = AttentionMetadata(
+        slot_mapping=to_device(inputs.slot_mapping, torch.int64),  # [num_tokens]
+        query_start_loc=to_device(inputs.query_start_loc, torch.int32),  # [num_seqs + 1]
+        seq_lens=to_device(inputs.seq_lens, torch.int32),  # [num_seqs]
+        block_tables=to_device(inputs.block_tables, torch.int32),  # [num_seqs, max_num_blocks]
+        max_query_len=max(inputs.query_lens),
+        max_seq_len=max(inputs.seq_lens),
+        query_lens_cpu=inputs.query_lens,
+        seq_lens_cpu=inputs.seq_lens,
+    )
+    return (
+        to_device(inputs.input_ids, torch.int64),  # [num_tokens]
+        to_device(inputs.positions, torch.int64),  # [num_tokens]
+        metadata,
+        to_device(inputs.sample_rows + inputs.pooling_rows, torch.int64),  # [num_sampled + num_pooled]
+    )
+
+
+def make_sampling_batch(requests: list[Request], model_config: ModelConfig, device: torch.device,
+                        generators: dict[str, torch.Generator], logits_state: LogitsProcessingState) -> SamplingBatch:
+    """One row per request (or per position to verify); `generators` keeps each seeded request's across steps."""
+    vocab_size = model_config.vocab_size
+    eos_ids = model_config.eos_token_ids
+    temperatures, top_ks, top_ps, min_ps, generators_used, banned, num_logprobs = [], [], [], [], [], [], []
+    for request in requests:
+        params = request.sampling_params
+        temperatures.append(0.0 if params.is_greedy else float(params.temperature))
+        top_ks.append(params.top_k if params.top_k > 0 else vocab_size)
+        top_ps.append(float(params.top_p))
+        min_ps.append(float(params.min_p))
+        generators_used.append(generator_for(request, generators))
+        needs_more = request.num_output_tokens < params.min_tokens
+        stop_ids = ([] if params.ignore_eos else eos_ids) + list(params.stop_token_ids)
+        banned.append((stop_ids if needs_more else []) + bad_word_bans(request))
+        num_logprobs.append(params.logprobs)
+    return SamplingBatch(
+        temperatures=torch.tensor(temperatures, device=device),  # [num_rows]
+        top_ks=torch.tensor(top_ks, device=device),
+        top_ps=torch.tensor(top_ps, device=device),
+        min_ps=torch.tensor(min_ps, device=device),
+        generators=generators_used,
+        banned_token_ids=banned,
+        num_logprobs=num_logprobs,
+        is_all_greedy=all(t == 0.0 for t in temperatures),
+        needs_top_k=any(k < vocab_size for k in top_ks),
+        needs_top_p=any(p < 1.0 for p in top_ps),
+        needs_min_p=any(p > 0.0 for p in min_ps),
+        processing=logits_state.prepare(requests),
+    )
+
+def generator_for(request: Request, generators: dict[str, torch.Generator]) -> torch.Generator | None:
+    seed = request.sampling_params.seed
+    if seed is None or request.sampling_params.is_greedy:
+        return None
+    generator = generators.get(request.request_id)
+    if generator is None:
+        generator = generators[request.request_id] = torch.Generator().manual_seed(seed)
+    return generator
