@@ -29,7 +29,7 @@ from engine.spec_decode.proposer import SpecProposer
 from engine.static_scheduler import StaticScheduler
 from engine.step_outputs import StepOutputs
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
-from ipc.messages import RequestOutput, SchedulerStats
+from ipc.messages import RequestOutput, SchedulerStats, StepCounts
 from ipc.pooling_params import PoolingParams
 from ipc.request_checks import check_request
 from ipc.sampling_params import SamplingParams
@@ -57,12 +57,14 @@ class StepStats:
     end_time: float
     num_seqs: int
     num_tokens: int
-    num_prefill_tokens: int  # tokens of sequences not yet at their last token
-    num_decode_tokens: int
+    num_prefill_tokens: int  # the scheduler's exact counts (SchedulerOutput.counts)
+    num_decode_tokens: int  # proposed tokens included
     num_kv_blocks_used: int
     # static-padded: pad tokens computed for nothing (engine.padded_static_scheduler)
     num_padding_tokens: int = 0  # rows' left padding
     num_finished_row_tokens: int = 0  # finished rows' pad-token decodes
+    num_prefill_requests: int = 0
+    num_decode_requests: int = 0
 
 
 class EngineCore:
@@ -200,8 +202,10 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return self._log_errors(results)
+        # Read before update advances the computed counts; only for a dashboard or a benchmark.
+        counts = scheduler_output.counts() if self.count_steps or self.record_step_stats else None
         if self.count_steps:
-            results.step_counts = scheduler_output.counts()
+            results.step_counts = counts
         try:
             sampled = self.model_runner.execute(scheduler_output)
         except WorkerDeadError:
@@ -219,7 +223,7 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)  # the next step's proposed tokens
         if self.record_step_stats:
-            self._record(scheduler_output, start_time, sampled)
+            self._record(scheduler_output, counts, start_time)
         return self._log_errors(results)
 
     @staticmethod
@@ -228,24 +232,26 @@ class EngineCore:
             logger.info("request %s failed: %s", request_id, message)
         return results
 
-    def _record(self, scheduler_output, start_time: float, sampled) -> None:
+    def _record(self, scheduler_output, counts: StepCounts, start_time: float) -> None:
         self.step_stats.append(
-            make_step_stats(scheduler_output, sampled, start_time, time.perf_counter(), self.block_manager.num_used_blocks)
+            make_step_stats(scheduler_output, counts, start_time, time.perf_counter(), self.block_manager.num_used_blocks)
         )
 
 
-def make_step_stats(scheduler_output, sampled, start_time: float, end_time: float, num_kv_blocks_used: int) -> StepStats:
-    """One step's record; also built by the capacity simulator, on its simulated clock."""
-    num_decode = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1 and s.request.request_id in sampled)
-    num_tokens = scheduler_output.num_tokens
+def make_step_stats(scheduler_output, counts: StepCounts, start_time: float, end_time: float,
+                    num_kv_blocks_used: int) -> StepStats:
+    """One step's record, from its batch's `counts` (taken before the update); also built by the
+    capacity simulator, on its simulated clock."""
     stats = StepStats(
         start_time=start_time,
         end_time=end_time,
         num_seqs=len(scheduler_output.scheduled),
-        num_tokens=num_tokens,
-        num_prefill_tokens=num_tokens - num_decode,
-        num_decode_tokens=num_decode,
+        num_tokens=scheduler_output.num_tokens,
+        num_prefill_tokens=counts.num_prefill_tokens,
+        num_decode_tokens=counts.num_decode_tokens,
         num_kv_blocks_used=num_kv_blocks_used,
+        num_prefill_requests=counts.num_prefill_requests,
+        num_decode_requests=counts.num_decode_requests,
     )
     if isinstance(scheduler_output, PaddedSchedulerOutput):  # the baseline's pad tokens, computed for nothing
         stats.num_padding_tokens = scheduler_output.num_padding_tokens

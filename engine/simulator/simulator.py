@@ -135,11 +135,12 @@ class Simulator:
             output = scheduler.schedule()
             if output.is_empty:
                 raise RuntimeError("the scheduler scheduled nothing with requests waiting")
+            counts = output.counts()  # before update advances the computed counts
             sampled, shape, cost = runner.execute(output)
             start, now = now, now + cost.total_s * step_factor
             for request_output in scheduler.update(output, sampled).outputs:
                 times[int(request_output.request_id)].token_times.append(now + latency)
-            step_stats.append(make_step_stats(output, sampled, start, now, scheduler.block_manager.num_used_blocks))
+            step_stats.append(make_step_stats(output, counts, start, now, scheduler.block_manager.num_used_blocks))
             step_shapes.append(shape)
         return SimulationResult(times, step_stats, step_shapes, self.num_kv_blocks, self.max_model_len,
                                 scheduler.num_preemptions)

@@ -54,9 +54,8 @@ class LiveRun:
 
 
 def step_column(stats) -> list[int]:
-    """[prefill, decode, padding] sequences of one StepStats: a decode is one token of one sequence."""
-    num_decode = stats.num_decode_tokens
-    return [stats.num_seqs - num_decode, num_decode, stats.num_finished_row_tokens]
+    """[prefill, decode, padding] sequences of one StepStats (the scheduler's own counts)."""
+    return [stats.num_prefill_requests, stats.num_decode_requests, stats.num_finished_row_tokens]
 
 
 class LiveView:

@@ -80,5 +80,11 @@ def test_the_engine_counts_its_steps_only_while_asked(tiny_engine):
     tiny_engine.add_request("b", [5, 17, 42], params)
     assert tiny_engine.step().step_counts == StepCounts(3, 1, 1, 1)  # b's prompt beside a's decode
     tiny_engine.count_steps = False
+    tiny_engine.record_step_stats = True  # a benchmark's record has them too, without a dashboard
+    assert tiny_engine.step().step_counts is None
+    tiny_engine.record_step_stats = False
+    stats = tiny_engine.step_stats[-1]
+    assert (stats.num_prefill_tokens, stats.num_decode_tokens, stats.num_prefill_requests,
+            stats.num_decode_requests) == (0, 2, 0, 2)
     while tiny_engine.has_unfinished_requests():
         assert tiny_engine.step().step_counts is None
