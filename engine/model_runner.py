@@ -237,11 +237,16 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
-    def forward_step(self, inputs: StepInputs) -> torch.Tensor | None:
+    def forward_step(self, inputs: StepInputs, as_rows: bool = False) -> torch.Tensor | None:
         """The model on one step's inputs: the sampled rows' logits (None when none are sampled,
-        and on a worker rank). The pooled rows' final hidden states go to `pooled_hidden`."""
-        if self._is_stack_verification(inputs):
-            return self.model.compute_logits(self._verify_on_stack(inputs))  # [num_tokens, vocab_size]
+        and on a worker rank). The pooled rows' final hidden states go to `pooled_hidden`.
+        `as_rows`: a step of a few short chunks (a draft model's catch-up) runs on the decode stack
+        as one-token rows, as a verification step does (_runs_as_rows)."""
+        if self._runs_as_rows(inputs, as_rows):
+            hidden = self._forward_rows(inputs)  # [num_tokens, hidden_size]
+            if len(inputs.sample_rows) < len(inputs.input_ids):
+                hidden = hidden[inputs.sample_rows]  # [num_sampled, hidden_size]
+            return self.model.compute_logits(hidden) if inputs.sample_rows else None  # [num_sampled, vocab_size]
         input_ids, positions, metadata, sample_rows = to_tensors(inputs, self.device)  # sample_rows: then pooled rows
         self.backend.prepare(metadata)  # the step's plan, made once for every layer
         if self.tp is not None and self.tp.stage.is_pipelined:  # this stage's layers, between its neighbours
@@ -273,15 +278,17 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden)  # [num_sampled, vocab_size]
 
-    def _is_stack_verification(self, inputs: StepInputs) -> bool:
-        """A step of decodes, some with proposed tokens after them, that the decode stack can take
-        as one-token rows: every row sampled (so none is a prompt's middle), none pooled."""
+    def _runs_as_rows(self, inputs: StepInputs, as_rows: bool) -> bool:
+        """A step of several tokens per sequence that the decode stack takes as one-token rows: a
+        verification step (decodes, some with proposed tokens after them: every row sampled, so
+        none is a prompt's middle) or one the caller marks, within the stack's width; none pooled."""
         return (self.decode_stack is not None and max(inputs.query_lens) > 1 and not inputs.pooling_rows
-                and len(inputs.sample_rows) == len(inputs.input_ids) and self.decode_stack.can_run_rows(
-                    len(inputs.input_ids)) and not (self.tp is not None and self.tp.stage.is_pipelined))
+                and (as_rows or len(inputs.sample_rows) == len(inputs.input_ids))
+                and self.decode_stack.can_run_rows(len(inputs.input_ids))
+                and not (self.tp is not None and self.tp.stage.is_pipelined))
 
-    def _verify_on_stack(self, inputs: StepInputs) -> torch.Tensor:
-        """The decode stack on a verification step, each token its own row: a sequence's j-th token
+    def _forward_rows(self, inputs: StepInputs) -> torch.Tensor:
+        """The decode stack on a step of short chunks, each token its own row: a sequence's j-th token
         attends to its table's first seq_len - query_len + j + 1 positions. -> [num_tokens, hidden_size]"""
         tables: list[list[int]] = []
         seq_lens: list[int] = []

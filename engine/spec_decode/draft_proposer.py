@@ -40,6 +40,8 @@ from ipc.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
+ROWS_CATCH_UP = 4  # catch-ups no longer than this run as one-token rows (ModelRunner.forward_step's as_rows)
+
 
 @dataclass
 class _Row:
@@ -168,8 +170,11 @@ class DraftModelProposer:
                 sample_rows.append(len(input_ids) - 1)
         max_num_blocks = max(map(len, tables))
         block_tables = [table + [0] * (max_num_blocks - len(table)) for table in tables]
+        # Catch-ups of a token or two, the usual case, run on the decode stack as one-token rows.
+        as_rows = max(query_lens) <= ROWS_CATCH_UP
         logits = self.runner.forward_step(StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                                                     query_lens, block_tables, sample_rows))  # [num_sampled, vocab]
+                                                     query_lens, block_tables, sample_rows),
+                                          as_rows=as_rows)  # [num_sampled, vocab]
         self.num_forward_steps += 1
         return logits.argmax(dim=-1).tolist() if sample_rows else []
 
