@@ -35,15 +35,42 @@ class PreparedStep:
     pooling_plans: list  # engine.pooler's, for the rows in inputs.pooling_rows
 
 
+class ChunkBatch:
+    """A step's flat batch, built a sequence's chunk at a time: its tokens at positions start..,
+    their KV slots in its block table."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slot_mapping: list[int] = []
+        self.query_start_loc = [0]
+        self.seq_lens: list[int] = []
+        self.query_lens: list[int] = []
+        self.block_tables: list[list[int]] = []
+
+    def add(self, token_ids: list[int], start: int, block_ids: list[int]) -> None:
+        block_size = self.block_size
+        end = start + len(token_ids)
+        self.input_ids.extend(token_ids)
+        self.positions.extend(range(start, end))
+        self.slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+        self.query_start_loc.append(len(self.input_ids))
+        self.query_lens.append(len(token_ids))
+        self.seq_lens.append(end)
+        self.block_tables.append(block_ids)
+
+    def to_inputs(self, sample_rows: list[int]) -> StepInputs:
+        max_num_blocks = max(map(len, self.block_tables))
+        block_tables = [table + [0] * (max_num_blocks - len(table)) for table in self.block_tables]
+        return StepInputs(self.input_ids, self.positions, self.slot_mapping, self.query_start_loc, self.seq_lens,
+                          self.query_lens, block_tables, sample_rows)
+
+
 def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logprobs: PromptLogprobsCollector) -> PreparedStep:
     """The step's flat batch as lists (every rank builds the same tensors from them), and which
     logits rows go where."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    query_lens: list[int] = []
+    batch = ChunkBatch(block_size)
     logits_rows: list[int] = []  # rows whose logits come back: prompt log-prob rows, then the sampled row
     sampled_requests: list[Request] = []
     sampled_rows: list[int] = []  # indices into logits_rows
@@ -53,30 +80,19 @@ def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logp
         start = request.num_computed_tokens
         end = start + scheduled.num_new_tokens
         spec_token_ids = scheduled.spec_token_ids  # proposed tokens, after the request's last one
-        input_ids.extend(request.all_token_ids[start : end - len(spec_token_ids)])
-        input_ids.extend(spec_token_ids)
-        positions.extend(range(start, end))
-        block_ids = request.block_ids
-        slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_start_loc.append(len(input_ids))
-        query_lens.append(end - start)
-        seq_lens.append(end)
+        first_row = len(batch.input_ids)
+        batch.add(request.all_token_ids[start : end - len(spec_token_ids)] + spec_token_ids, start, request.block_ids)
         prompt_positions = prompt_logprobs.positions_to_compute(request, start, end)
         if prompt_positions:
             prompt_plans.append(PromptLogprobRows(request, len(logits_rows), prompt_positions.start,
                                                   len(prompt_positions)))
-            first_row = query_start_loc[-2] - start
-            logits_rows.extend(first_row + p for p in prompt_positions)
+            logits_rows.extend(first_row - start + p for p in prompt_positions)
         if scheduled.is_sampling:  # its last token's row, and one per proposed token
             num_rows = 1 + len(spec_token_ids)
             sampled_rows.extend(range(len(logits_rows), len(logits_rows) + num_rows))
-            logits_rows.extend(range(len(input_ids) - num_rows, len(input_ids)))
+            logits_rows.extend(range(len(batch.input_ids) - num_rows, len(batch.input_ids)))
             sampled_requests.append(request)
-    tables = [s.request.block_ids for s in scheduler_output.scheduled]
-    max_num_blocks = max(map(len, tables))
-    block_tables = [table + [0] * (max_num_blocks - len(table)) for table in tables]
-    inputs = StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens, query_lens, block_tables,
-                        logits_rows)
+    inputs = batch.to_inputs(logits_rows)
     inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
     return PreparedStep(inputs, sampled_requests, sampled_rows, prompt_plans, pooling_plans)
 

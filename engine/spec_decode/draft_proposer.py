@@ -30,12 +30,12 @@ import torch
 
 from engine.block_manager import num_blocks_for
 from engine.config import EngineConfig
-from engine.distributed.messages import StepInputs
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.request import Request
 from engine.spec_decode.draft_kv import DraftKv
 from engine.spec_decode.draft_model import load_draft_runner
+from engine.step_inputs import ChunkBatch
 from ipc.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -147,34 +147,16 @@ class DraftModelProposer:
     def _forward(self, chunks: list[tuple[_Row, list[int], int, bool]]) -> list[int]:
         """One draft step over (row, token ids, first position, is sampled) chunks; the argmax
         of each sampled chunk's last row, in order."""
-        block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        tables: list[list[int]] = []
+        batch = ChunkBatch(self.block_size)
         sample_rows: list[int] = []
         for row, token_ids, start, is_sampled in chunks:
             end = start + len(token_ids)
-            table = row.block_table
-            input_ids.extend(token_ids)
-            positions.extend(range(start, end))
-            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            query_start_loc.append(len(input_ids))
-            query_lens.append(len(token_ids))
-            seq_lens.append(end)
-            tables.append(table[: num_blocks_for(end, block_size)])
+            batch.add(token_ids, start, row.block_table[: num_blocks_for(end, self.block_size)])
             if is_sampled:
-                sample_rows.append(len(input_ids) - 1)
-        max_num_blocks = max(map(len, tables))
-        block_tables = [table + [0] * (max_num_blocks - len(table)) for table in tables]
+                sample_rows.append(len(batch.input_ids) - 1)
         # Catch-ups of a token or two, the usual case, run on the decode stack as one-token rows.
-        as_rows = max(query_lens) <= ROWS_CATCH_UP
-        logits = self.runner.forward_step(StepInputs(input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                                                     query_lens, block_tables, sample_rows),
-                                          as_rows=as_rows)  # [num_sampled, vocab]
+        as_rows = max(batch.query_lens) <= ROWS_CATCH_UP
+        logits = self.runner.forward_step(batch.to_inputs(sample_rows), as_rows=as_rows)  # [num_sampled, vocab]
         self.num_forward_steps += 1
         return logits.argmax(dim=-1).tolist() if sample_rows else []
 
