@@ -69,7 +69,7 @@ CONFIGS = {
     "llama-ngram": ("llama-ngram", "edit", False),
     "llama-draft": ("llama-draft", "free", False),
 }
-DEFAULT_CONFIGS = "off,ngram,prediction,llama-ngram"  # self-int4 and its off-chat wait for the draft method
+DEFAULT_CONFIGS = "off,ngram,prediction,off-chat,self-int4,llama-ngram"
 # ratio name -> (numerator, denominator)
 RATIOS = {"ngram_vs_off": ("ngram", "off"), "prediction_vs_off": ("prediction", "off"),
           "self_int4_vs_off_chat": ("self-int4", "off-chat"), "ngram_vs_llama_ngram": ("ngram", "llama-ngram"),
