@@ -6,15 +6,17 @@ SmolLM2-135M ran ~450 module and kernel calls per token (figures: docs/performan
 uses to a C++ loop over the layers, built once from the model after the runner applied
 its fast paths (engine/cpu/fast_paths.py), so the result has the eager path's bits.
 
-It takes decode-only steps (every row one sequence's next token) on the CPU attention
-backend, with no shared-prefix decode groups (those take the shared kernel, from Python),
+It takes decode-only steps (every row one sequence's next token) and verification steps
+(ModelRunner._forward_rows: each token a row) on the CPU attention backend, with no shared-prefix decode groups (those take the shared kernel, from Python),
 and models whose every layer is the plain decoder layer with the fused kernels: RMSNorm,
 fused rotary + KV store (q/k RMSNorm allowed), SiLU-gated dense MLP, and matmuls on bf16
 slabs, int8 or int4 panels, oneDNN's prepacked weights or plain weights. Anything else (MoE, Gemma's
 norms, partial rotary, tensor parallelism, torch.compile) keeps the eager path, and the
 start-up log says why. The embedding, rotary tables, final norm and LM head stay in Python:
 one call each per step. Where every matmul is slabs or int8/int4 panels, the layers run in one
-OpenMP region whose helpers take each kernel's work as they come free (work_pool.h).
+OpenMP region whose helpers take each kernel's work as they come free (work_pool.h). Beside AMX,
+where bf16 slabs take steps of up to 8 tokens only, wider steps run a second stack of the same
+layers on oneDNN's prepacked weights (no second copy).
 """
 
 from __future__ import annotations
@@ -42,21 +44,21 @@ NONE = torch.empty(0)  # an absent tensor (bias, q/k norm), as the kernels take 
 
 
 class DecodeStack:
-    def __init__(self, stack, max_tokens: int | None, model: nn.Module) -> None:
+    def __init__(self, stack, max_tokens: int | None, model: nn.Module, wide_stack=None) -> None:
         self._stack = stack  # the C++ DecodeStack
         self._max_tokens = max_tokens  # bf16 slabs beside oneDNN (AMX): steps of up to this many tokens
+        self._wide_stack = wide_stack  # the same layers on oneDNN's weights, for steps past max_tokens
         self._model = model
 
     def can_run(self, metadata: AttentionMetadata, backend) -> bool:
-        """A decode-only step that the CPU backend runs on its plain decode kernel, within the slabs' size."""
+        """A decode-only step that the CPU backend runs on its plain decode kernel, within the stacks' size."""
         num_seqs = metadata.num_seqs
         return (metadata.max_query_len == 1 and metadata.slot_mapping.shape[0] == num_seqs
-                and (self._max_tokens is None or num_seqs <= self._max_tokens)
-                and backend.decode_tables() is not None)
+                and self.can_run_rows(num_seqs) and backend.decode_tables() is not None)
 
     def can_run_rows(self, num_rows: int) -> bool:
-        """Whether a step of `num_rows` one-token rows fits the slabs' size (forward_rows)."""
-        return self._max_tokens is None or num_rows <= self._max_tokens
+        """Whether a step of `num_rows` one-token rows fits a stack (forward_rows)."""
+        return self._max_tokens is None or num_rows <= self._max_tokens or self._wide_stack is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 backend) -> torch.Tensor:
@@ -74,8 +76,10 @@ class DecodeStack:
         hidden = model.embed(input_ids)  # [num_rows, hidden_size]
         angle_dtype = model.attention_dtype or hidden.dtype  # rotary runs in attention's dtype
         cos, sin = model.rotary.cos_sin(positions, angle_dtype)  # [num_rows, 1, head_dim] each
-        hidden, residual = self._stack.forward(hidden, cos.squeeze(1), sin.squeeze(1), slot_mapping,
-                                               block_tables, seq_lens)
+        stack = self._stack
+        if self._max_tokens is not None and input_ids.shape[0] > self._max_tokens:
+            stack = self._wide_stack
+        hidden, residual = stack.forward(hidden, cos.squeeze(1), sin.squeeze(1), slot_mapping, block_tables, seq_lens)
         hidden, _ = model.norm(hidden, residual)
         return hidden
 
@@ -86,25 +90,36 @@ def build_decode_stack(model: nn.Module, kv_caches, backend, fused_ops: CpuFused
     reason = _why_not(model, backend, fused_ops, kernels)
     if reason is not None:
         return None, reason
-    config = model.config
-    first = model.layers[0].self_attn
-    stack = kernels.DecodeStack(first.num_heads, first.num_kv_heads, config.head_dim, config.rms_norm_eps,
-                                fused_ops.sum_lanes, fused_ops.silu_lanes, fused_ops.is_silu_exact)
     max_tokens: list[int] = []
-    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = [_linear_spec(m, max_tokens) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        q_norm = attn.q_norm.weight if attn.q_norm is not None else NONE
-        k_norm = attn.k_norm.weight if attn.k_norm is not None else NONE
-        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
-                        *linears, k_cache, v_cache, attn.scale, attn.sliding_window)
+    stack = _build_stack(model, kv_caches, fused_ops, kernels, lambda m: _linear_spec(m, max_tokens))
+    # Steps past the slabs' size (AMX: a batch's decodes, a verification step's proposals) on the
+    # oneDNN weights the eager path uses there: no second copy, only a second list of layers.
+    wide_stack = _build_stack(model, kv_caches, fused_ops, kernels, _wide_linear_spec) if max_tokens else None
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
         # The quantized matmuls are another library's: it shares out on this one's pool.
         from engine.kernels.int8_extension import load_int8_kernels
 
         load_int8_kernels().use_work_pool(kernels.work_pool_address())
     note = f"{stack.num_layers()} layers" + (", on one work pool's threads" if stack.is_pooled() else "")
-    return DecodeStack(stack, min(max_tokens) if max_tokens else None, model), note
+    if wide_stack is not None:
+        note += f", oneDNN's weights past {min(max_tokens)} tokens"
+    return DecodeStack(stack, min(max_tokens) if max_tokens else None, model, wide_stack), note
+
+
+def _build_stack(model: nn.Module, kv_caches, fused_ops: CpuFusedOps, kernels: ModuleType, linear_spec):
+    """The C++ stack of `model`'s layers, each matmul as `linear_spec` gives it."""
+    config = model.config
+    first = model.layers[0].self_attn
+    stack = kernels.DecodeStack(first.num_heads, first.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                fused_ops.sum_lanes, fused_ops.silu_lanes, fused_ops.is_silu_exact)
+    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [linear_spec(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        q_norm = attn.q_norm.weight if attn.q_norm is not None else NONE
+        k_norm = attn.k_norm.weight if attn.k_norm is not None else NONE
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
+                        *linears, k_cache, v_cache, attn.scale, attn.sliding_window)
+    return stack
 
 
 def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: ModuleType | None) -> str | None:
@@ -136,6 +151,14 @@ def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: 
             if type(linear) not in (PackedLinear, Int8Linear, Int4Linear, nn.Linear):  # what _linear_spec takes
                 return f"matmul {type(linear).__name__}"
     return None
+
+
+def _wide_linear_spec(module: nn.Module) -> tuple:
+    """A slab-backed linear's oneDNN weights (what PackedLinear.forward takes past the slabs' size)."""
+    if isinstance(module, PackedLinear) and module.slabs is not None:
+        bias = module.bias if module.bias is not None else NONE
+        return ONEDNN, module.packed_weight, NONE, bias, module.out_features, ""
+    return _linear_spec(module, [])
 
 
 def _linear_spec(module: nn.Module, max_tokens: list[int]) -> tuple:

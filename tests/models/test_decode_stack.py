@@ -147,3 +147,24 @@ def test_an_error_inside_the_work_pool_reaches_python_and_the_pool_stays_usable(
         stack.forward(hidden, cos, sin, torch.tensor([0]), block_tables, too_long)
     again = llm.generate(prompts(), params(), use_tqdm=False)
     assert [o.token_ids for o in again] == [o.token_ids for o in expected]
+
+
+@pytest.mark.skipif(not CPU.has_amx_bf16, reason="slabs have a size limit (and a wide stack) only beside AMX")
+def test_steps_past_the_slabs_take_the_wide_stack_bit_for_bit(tmp_path):
+    """On AMX, bf16 steps of more tokens than the slabs take run a second stack on oneDNN's
+    weights, as the eager path's PackedLinear does there: the same bits as eager."""
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL)
+    generator = torch.Generator().manual_seed(4)
+    batch = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in range(2, 14)]  # 12 rows
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    answers, widths = [], []
+    for stack in (False, True):
+        llm = LLM(path, cpu_decode_stack=stack, dtype="bfloat16", **ENGINE_KWARGS)
+        if stack:
+            decode_stack = llm.engine.model_runner.decode_stack
+            assert decode_stack._wide_stack is not None
+            forward_rows = decode_stack.forward_rows
+            decode_stack.forward_rows = lambda *args: widths.append(args[0].shape[0]) or forward_rows(*args)
+        answers.append([(o.token_ids, o.logprobs) for o in llm.generate(batch, greedy, use_tqdm=False)])
+    assert max(widths) == 12  # decode steps of 12 rows went through a stack: the wide one
+    assert answers[0] == answers[1]
