@@ -143,6 +143,8 @@ class AsyncEngineClient:
         self.prompt_tokenizer.set_max_model_len(self.max_model_len)
         self.vocab_size = min([self.vocab_size, *(r.vocab_size for r in readies if r.vocab_size)])
         self.hidden_size = readies[0].hidden_size
+        # The cores compile grammars against their own vocabulary size and stop tokens: so does the check.
+        await self.grammar_checker.use_core_vocabulary(readies[0].vocab_size or None, list(readies[0].eos_token_ids))
         self.runner = "pooling" if any(r.runner == "pooling" for r in readies) else "generate"
         self.timeline.resize(len(self.engines))
         for engine in self.engines:

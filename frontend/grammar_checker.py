@@ -2,31 +2,29 @@
 
 xgrammar imports torch, and the frontend never does, so the check runs in a child
 process (`engine.structured_output.checker`, started by command line, not imported)
-that builds the grammar and, given the model's tokenizer folder, compiles it as a core
-would (milliseconds for the usual schemas). One check at a time goes through the
-pipe; a check that takes longer than `timeout_s` kills the child (the next check
-starts a fresh one) and refuses the request, so a pathological grammar (one whose
-compile would take a core's compile thread for a minute) costs its own request the
-timeout and the checks queued behind it that long, and the cores nothing.
+that, given the model's tokenizer folder and the cores' vocabulary size and stop
+tokens (`use_core_vocabulary`, from their EngineReady), compiles the grammar with the
+core's own function and arguments (milliseconds for the usual schemas). One check at a
+time goes through the pipe; a check that takes longer than `timeout_s` kills the child
+(the next check starts a fresh one) and refuses the request, so a pathological grammar
+(one whose compile would take a core's compile thread for a minute) costs its own
+request the timeout and the checks queued behind it that long, and the cores nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import sys
 from collections import OrderedDict
 
-import msgpack
-
 from frontend.errors import FrontendError, InvalidRequestError
-from ipc.structured_outputs import StructuredOutputsParams, choice_grammar
+from ipc.pipe_frames import pack_frame, read_frame_async
+from ipc.structured_outputs import StructuredOutputsParams, grammar_source
 
 logger = logging.getLogger(__name__)
 
 CHECKER_COMMAND = (sys.executable, "-m", "engine.structured_output.checker")
-HEADER = struct.Struct(">I")
 DEFAULT_TIMEOUT_S = 5.0  # usual schemas compile in milliseconds; checks queue behind a slow one this long
 START_TIMEOUT_S = 120.0  # importing torch and xgrammar on a cold, busy machine
 MAX_REMEMBERED = 256
@@ -34,12 +32,33 @@ MAX_REMEMBERED = 256
 
 class GrammarChecker:
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, command: tuple[str, ...] = CHECKER_COMMAND,
-                 tokenizer_folder: str | None = None) -> None:
+                 tokenizer_folder: str | None = None, vocab_size: int | None = None,
+                 stop_token_ids: list[int] | None = None) -> None:
         self.timeout_s = timeout_s
-        self.command = (*command, "--tokenizer", tokenizer_folder) if tokenizer_folder else command
+        self.base_command = command
+        self.tokenizer_folder = tokenizer_folder
+        self.command = self._command(vocab_size, stop_token_ids)
         self._process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._accepted: OrderedDict[tuple, None] = OrderedDict()  # recent grammars that passed: no second trip
+
+    async def use_core_vocabulary(self, vocab_size: int, stop_token_ids: list[int]) -> None:
+        """Compile as the cores do, against the vocabulary size and stop tokens of their EngineReady."""
+        command = self._command(vocab_size, stop_token_ids)
+        if command != self.command:
+            self.command = command
+            self._accepted.clear()
+            await self.close()  # the next check starts a child with these
+
+    def _command(self, vocab_size: int | None, stop_token_ids: list[int] | None) -> tuple[str, ...]:
+        if self.tokenizer_folder is None:
+            return self.base_command
+        command = (*self.base_command, "--tokenizer", self.tokenizer_folder)
+        if vocab_size is not None:
+            command += ("--vocab-size", str(vocab_size))
+        if stop_token_ids is not None:
+            command += ("--stop-token-ids", ",".join(map(str, stop_token_ids)))
+        return command
 
     async def check(self, params: StructuredOutputsParams) -> None:
         """Raise InvalidRequestError with xgrammar's reason if it cannot use `params`."""
@@ -47,12 +66,7 @@ class GrammarChecker:
             params.validate()
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
-        kind, text = params.kind, None
-        if kind == "json_object":
-            return  # xgrammar's built-in JSON grammar
-        text = choice_grammar(params.choice) if kind == "choice" else getattr(params, kind)
-        kind = "grammar" if kind == "choice" else kind
-        key = (kind, text, params.any_whitespace)
+        key = (*grammar_source(params), params.any_whitespace)
         if key in self._accepted:
             self._accepted.move_to_end(key)
             return
@@ -64,12 +78,11 @@ class GrammarChecker:
         if len(self._accepted) > MAX_REMEMBERED:
             self._accepted.popitem(last=False)
 
-    async def _ask(self, kind: str, text: str, any_whitespace: bool) -> str | None:
+    async def _ask(self, kind: str, text: str | None, any_whitespace: bool) -> str | None:
         process = await self._ensure_started()
-        data = msgpack.packb([kind, text, any_whitespace])
         try:
-            process.stdin.write(HEADER.pack(len(data)) + data)
-            reply = await asyncio.wait_for(_read_frame(process), self.timeout_s)
+            process.stdin.write(pack_frame([kind, text, any_whitespace]))
+            reply = await asyncio.wait_for(read_frame_async(process.stdout), self.timeout_s)
         except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
             await self.close()
             if isinstance(e, asyncio.TimeoutError):
@@ -83,7 +96,7 @@ class GrammarChecker:
             self._process = await asyncio.create_subprocess_exec(
                 *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
             try:
-                await asyncio.wait_for(_read_frame(self._process), START_TIMEOUT_S)  # ["ready"]
+                await asyncio.wait_for(read_frame_async(self._process.stdout), START_TIMEOUT_S)  # ["ready"]
             except (asyncio.TimeoutError, asyncio.IncompleteReadError):
                 await self.close()
                 raise FrontendError("structured outputs are not available: the grammar checker did not start")
@@ -95,8 +108,3 @@ class GrammarChecker:
             process.kill()
             await process.wait()
 
-
-async def _read_frame(process: asyncio.subprocess.Process) -> list:
-    header = await process.stdout.readexactly(HEADER.size)
-    (size,) = HEADER.unpack(header)
-    return msgpack.unpackb(await process.stdout.readexactly(size))

@@ -90,6 +90,15 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def grammar_source(params: StructuredOutputsParams) -> tuple[str, str | None]:
+    """(kind, text): the one text xgrammar compiles for `params` (choices written as a grammar;
+    None for json_object, xgrammar's built-in JSON grammar)."""
+    kind = params.kind
+    if kind == "choice":
+        return kind, choice_grammar(params.choice)
+    return kind, None if kind == "json_object" else getattr(params, kind)
+
+
 def _parse_json(text: str) -> Any:
     try:
         return json.loads(text)

@@ -3,96 +3,78 @@
 The frontend must refuse a schema, regex or grammar that xgrammar cannot use with a
 400 and xgrammar's own reason, before anything reaches a core. xgrammar imports
 torch, which the frontend never does, so the check runs here: frames in on stdin,
-frames out on stdout, each a 4-byte big-endian length and a msgpack array.
+frames out on stdout (`ipc.pipe_frames`).
 
-    in:   [kind, text, any_whitespace]     kind: "json", "regex", "grammar"
-    out:  [error]                          error: xgrammar's message, or nil when it parses
+    in:   [kind, text, any_whitespace]     (kind, text): ipc.structured_outputs.grammar_source
+    out:  [error]                          error: xgrammar's message, or nil when it compiles
 
-With `--tokenizer FOLDER` (what the frontend starts) the grammar is also compiled
-against that tokenizer's vocabulary, as a core will compile it: what a grammar costs
+With `--tokenizer FOLDER` (what the frontend starts, with the core's `--vocab-size` and
+`--stop-token-ids`) each grammar is compiled by the core's own `compile_grammar` on a
+compiler from the core's own `make_grammar_compiler`, uncached: what a grammar costs
 to compile is found here, in a process the frontend kills and restarts when a check
 takes longer than its limit, so a pathological grammar is refused with a 400 before
-it can occupy a core's compile thread. Without it only the grammar is built
-(milliseconds).
+it can occupy a core's compile thread. Without it only the grammar is built, with the
+same options (milliseconds).
 
-    python -m engine.structured_output.checker [--tokenizer FOLDER]
+    python -m engine.structured_output.checker [--tokenizer FOLDER [--vocab-size N] [--stop-token-ids 2,3]]
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import struct
 import sys
 
-import msgpack
+from engine.structured_output.compiler import build_grammar, compile_grammar, make_grammar_compiler
+from ipc.pipe_frames import pack_frame, read_frame
 
-HEADER = struct.Struct(">I")
-MAX_FRAME_BYTES = 1 << 20
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[06:33:00] /project/cpp/x.cc:94: "
 # An assertion inside xgrammar: "Check failed: (val <= MAX_INT64_AS_DOUBLE) is false: Integer exceeds ..."
 _CHECK_PREFIX = re.compile(r"^Check failed: \(.*\) is false: ")
 
 
-def check(kind: str, text: str, any_whitespace: bool, compiler=None) -> str | None:
-    """xgrammar's reason for refusing the grammar, or None; `compiler` (a GrammarCompiler)
-    compiles it as well."""
-    import xgrammar
-
+def check(kind: str, text: str | None, any_whitespace: bool, compiler=None) -> str | None:
+    """xgrammar's reason for refusing the grammar, or None; with `compiler` (from
+    make_grammar_compiler) it is compiled as a core compiles it, else only built."""
     try:
-        if kind == "json":
-            grammar = xgrammar.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
-        elif kind == "regex":
-            grammar = xgrammar.Grammar.from_regex(text)
-        elif kind == "grammar":
-            grammar = xgrammar.Grammar.from_ebnf(text)
-        else:
-            return f"unknown grammar kind {kind!r}"
         if compiler is not None:
-            compiler.compile_grammar(grammar)
+            compile_grammar(compiler, kind, text, any_whitespace)
+        else:
+            build_grammar(kind, text, any_whitespace)
     except Exception as e:  # xgrammar raises RuntimeError with the converter's message
-        lines = str(e).strip().splitlines()
-        return _CHECK_PREFIX.sub("", _SOURCE_PREFIX.sub("", lines[0])) if lines else type(e).__name__
+        return reason(e)
     return None
 
 
-def read_frame(stream) -> bytes | None:
-    header = stream.read(HEADER.size)
-    if len(header) < HEADER.size:
-        return None
-    (size,) = HEADER.unpack(header)
-    if size > MAX_FRAME_BYTES:
-        raise ValueError(f"a frame of {size} bytes is over the limit")
-    return stream.read(size)
-
-
-def write_frame(stream, obj) -> None:
-    data = msgpack.packb(obj)
-    stream.write(HEADER.pack(len(data)) + data)
-    stream.flush()
-
-
-def make_compiler(tokenizer_folder: str):
-    """A GrammarCompiler over the folder's tokenizer (no cache: each check measures a fresh compile)."""
-    import xgrammar
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    return xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tokenizer), cache_enabled=False)
+def reason(error: Exception) -> str:
+    """xgrammar's message without its source location and assertion text."""
+    lines = str(error).strip().splitlines()
+    return _CHECK_PREFIX.sub("", _SOURCE_PREFIX.sub("", lines[0])) if lines else type(error).__name__
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", help="also compile each grammar against this folder's tokenizer")
+    parser.add_argument("--vocab-size", type=int, help="the core's vocabulary size (its logits' width)")
+    parser.add_argument("--stop-token-ids", type=lambda text: [int(t) for t in text.split(",") if t],
+                        help="the core's stop token ids, comma-separated")
     args = parser.parse_args()
     import xgrammar  # noqa: F401  (loaded before the first request, not during it)
 
-    compiler = make_compiler(args.tokenizer) if args.tokenizer else None
+    compiler, compiler_error = None, None
+    if args.tokenizer:
+        try:
+            compiler = make_grammar_compiler(args.tokenizer, args.vocab_size, args.stop_token_ids,
+                                             cache_enabled=False)  # each check measures a fresh compile
+        except Exception as e:  # the core's compiler fails the same way, on every request
+            compiler_error = reason(e)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    write_frame(stdout, ["ready"])
-    while (frame := read_frame(stdin)) is not None:
-        kind, text, any_whitespace = msgpack.unpackb(frame)
-        write_frame(stdout, [check(kind, text, bool(any_whitespace), compiler)])
+    stdout.write(pack_frame(["ready"]))
+    stdout.flush()
+    while (request := read_frame(stdin)) is not None:
+        kind, text, any_whitespace = request
+        stdout.write(pack_frame([compiler_error or check(kind, text, bool(any_whitespace), compiler)]))
+        stdout.flush()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 xgrammar's `GrammarCompiler` keeps a cache, so the n choices of a request, and
 every later request with the same schema, compile once. Its tokenizer info is
 built on the first compile, on a worker too: loading the tokenizer takes seconds.
+
+`make_grammar_compiler` and `compile_grammar` are the whole xgrammar call: the
+frontend's checker (`engine.structured_output.checker`) calls the same two with the
+vocabulary size and stop tokens the core sends in its EngineReady, so a grammar it
+accepts is one the core compiles.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ipc.structured_outputs import StructuredOutputsParams, choice_grammar
+from ipc.structured_outputs import StructuredOutputsParams, grammar_source
 
 logger = logging.getLogger(__name__)
 
@@ -38,29 +43,57 @@ class GrammarCompilerPool:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, params: StructuredOutputsParams):
-        compiler = self._get_compiler()
-        kind = params.kind
-        if kind == "json":
-            return compiler.compile_json_schema(params.json, any_whitespace=params.any_whitespace,
-                                                max_whitespace_cnt=MAX_WHITESPACE if params.any_whitespace else None)
-        if kind == "regex":
-            return compiler.compile_regex(params.regex)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_grammar(params.choice))
-        if kind == "grammar":
-            return compiler.compile_grammar(params.grammar)
-        return compiler.compile_builtin_json_grammar()
+        return compile_grammar(self._get_compiler(), *grammar_source(params), params.any_whitespace)
 
     def _get_compiler(self):
         with self._lock:
             if self._compiler is None:
-                import xgrammar
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(self.model_folder)
-                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                               stop_token_ids=self.stop_token_ids)
-                self._compiler = xgrammar.GrammarCompiler(info)
+                self._compiler = make_grammar_compiler(self.model_folder, self.vocab_size, self.stop_token_ids)
                 logger.info("grammar compiler ready (vocabulary of %d, stop tokens %s)", self.vocab_size,
                             self.stop_token_ids)
             return self._compiler
+
+
+def make_grammar_compiler(model_folder: str | Path, vocab_size: int | None, stop_token_ids: list[int] | None,
+                          cache_enabled: bool = True):
+    """An xgrammar GrammarCompiler over the folder's tokenizer, sized to the model's vocabulary
+    (the logits' width, which may pad the tokenizer's) and ending on its stop tokens."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_folder))
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    return xgrammar.GrammarCompiler(info, cache_enabled=cache_enabled)
+
+
+def compile_grammar(compiler, kind: str, text: str | None, any_whitespace: bool):
+    """The CompiledGrammar of `ipc.structured_outputs.grammar_source(params)`; raises what xgrammar raises."""
+    if kind == "json":
+        return compiler.compile_json_schema(text, **json_options(any_whitespace))
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind in ("choice", "grammar"):
+        return compiler.compile_grammar(text)
+    if kind == "json_object":
+        return compiler.compile_builtin_json_grammar()
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+def build_grammar(kind: str, text: str | None, any_whitespace: bool):
+    """The grammar of `compile_grammar` with the same options, not compiled against a
+    vocabulary (milliseconds): the checker when it has no tokenizer."""
+    import xgrammar
+
+    if kind == "json":
+        return xgrammar.Grammar.from_json_schema(text, **json_options(any_whitespace))
+    if kind == "regex":
+        return xgrammar.Grammar.from_regex(text)
+    if kind in ("choice", "grammar"):
+        return xgrammar.Grammar.from_ebnf(text)
+    if kind == "json_object":
+        return xgrammar.Grammar.builtin_json_grammar()
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+def json_options(any_whitespace: bool) -> dict:
+    return {"any_whitespace": any_whitespace, "max_whitespace_cnt": MAX_WHITESPACE if any_whitespace else None}
