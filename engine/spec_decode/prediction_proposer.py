@@ -57,16 +57,20 @@ def propose_prediction(request: Request, num_tokens: int) -> tuple[list[int], Sp
 
 def _resync(prediction: list[int], token_ids: list[int], num_output_tokens: int,
             last_position: int) -> tuple[int | None, list[int]]:
-    """Where the prediction continues after the output's last tokens, longest suffix first, and for
-    each suffix the first match after where the output last stood (an edit resumes past itself)
-    before any match earlier on. Where a suffix is not in the prediction but occurs earlier in the
-    request's own prompt or output (which an edit copies from too), what followed it there."""
+    """Where to go on after the output's last tokens, longest suffix first. For each suffix: the
+    prediction after where the output last stood (an edit resumes past itself); else what followed
+    the suffix at its latest earlier occurrence in the request's own prompt or output (which an
+    edit copies from too; a better guess, measured, than a match further back in the prediction);
+    else the prediction's first match."""
     for n in range(min(LOOKUP_MAX, num_output_tokens), LOOKUP_MIN - 1, -1):
         suffix = token_ids[-n:]
-        position = find_after(prediction, suffix, start=last_position) or find_after(prediction, suffix)
+        position = find_after(prediction, suffix, start=last_position)
         if position is not None:
             return position, []
         after = find_after(token_ids, suffix, end=len(token_ids) - 1, last=True)
         if after is not None:
             return None, token_ids[after:]
+        position = find_after(prediction, suffix)
+        if position is not None:
+            return position, []
     return None, []
