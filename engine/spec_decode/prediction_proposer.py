@@ -8,9 +8,9 @@ follows the prediction from there again:
     output       A B C X D E ...     X diverged; "X D" is not in the prediction, "D" is:
                                       re-synced after D, propose E F G H
 
-Where the output's suffix is not in the prediction but occurs earlier in the request's own prompt
-or output, what followed it there is proposed instead (as n-gram lookup, and counted as such: not
-as prediction tokens in the usage).
+Where the output's suffix is not in the prediction past where the output last stood, but occurs
+earlier in the request's own prompt or output, what followed it there is proposed instead (as
+n-gram lookup, and counted as such: not as prediction tokens in the usage); _resync has the order.
 
 The state (where the output stands in the prediction) lives on the request: the prediction and
 the request's tokens never change, so it survives preemption.
