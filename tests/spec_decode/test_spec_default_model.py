@@ -1,11 +1,12 @@
-"""Speculative decoding on the default model in fp32: n-gram lookup and a prediction give the
-tokens and text of one token per step, stop strings cut inside a step's accepted tokens included."""
+"""Speculative decoding on the default model in fp32: n-gram lookup, a prediction and the self-int4
+draft give the tokens and text of one token per step, stop strings cut inside a step's accepted tokens included."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.dtype_policy import detect_cpu_features
 from ipc.messages import SpecMethod
 
 CODE = """def total_price(items, tax_rate):
@@ -57,3 +58,17 @@ def test_a_stop_string_inside_a_step_of_accepted_tokens_cuts_there(llms):
         params = SamplingParams(temperature=0, max_tokens=120, stop=stop)
         expected = run(off, params)
         assert run(ngram, params) == expected
+
+
+@pytest.mark.slow
+def test_the_self_int4_draft_is_exact_on_the_default_model(llms):
+    if not detect_cpu_features().has_avx512_vnni:
+        pytest.skip("self-int4 needs AVX512_VNNI; this CPU has none")
+    off, _ = llms
+    params = SamplingParams(temperature=0, max_tokens=120)
+    draft = LLM("smollm2", dtype="float32",
+                speculative_config={"method": "draft", "model": "self-int4", "num_speculative_tokens": 4})
+    assert run(draft, params) == run(off, params)
+    stats = next(s for s in draft.engine.stats().spec_decode if s.method == SpecMethod.DRAFT)
+    assert stats.num_accepted_tokens > stats.num_proposed_tokens // 2  # its own int4 copy mostly agrees
+    draft.shutdown()

@@ -1,6 +1,7 @@
 """Speculative decoding is exact for greedy requests: the same tokens as one token per step, on a
-tiny random Llama in fp32 — alone, in a batch of 48 mixed requests, across preemptions, with
-prefix caching, and with max_tokens and stop tokens cut inside a proposal."""
+tiny random Llama in fp32, for n-gram lookup, the self-int4 draft and a prediction — alone, in a
+batch of 48 mixed requests, across preemptions, with prefix caching, and with max_tokens and stop
+tokens cut inside a proposal."""
 
 from __future__ import annotations
 
@@ -52,29 +53,54 @@ def reference(model_path):
     llm.shutdown()
 
 
-def test_ngram_greedy_equals_one_token_per_step_alone_and_in_a_batch_of_48(model_path, reference):
+SELF_INT4 = {"method": "draft", "model": "self-int4", "num_speculative_tokens": 4}
+METHODS = ["ngram", "self-int4", "prediction"]
+
+
+def speculating(method: str, model_path, params: SamplingParams, expected: list[list[int]], **kwargs):
+    """An engine speculating with `method`, and each request's parameters: a prediction request's is
+    its expected answer with every 7th token edited (so it diverges and resyncs)."""
+    if method == "self-int4" and not detect_cpu_features().has_avx512_vnni:
+        pytest.skip("self-int4 needs AVX512_VNNI; this CPU has none")
+    config = {"ngram": NGRAM, "self-int4": SELF_INT4}.get(method)
+    llm = make_llm(model_path, speculative_config=config, **kwargs)
+    if method != "prediction":
+        return llm, params
+    return llm, [SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True,
+                                prediction_token_ids=[(t + 1) % VOCAB_SIZE if i % 7 == 3 else t
+                                                      for i, t in enumerate(e)]) for e in expected]
+
+
+def num_proposed(llm: LLM) -> int:
+    return sum(s.num_proposed_tokens for s in llm.engine.stats().spec_decode)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_one_token_per_step_alone_and_in_a_batch_of_48(model_path, reference, method):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     batch = prompts(48)
     expected = token_ids(reference, batch, params)
-    llm = make_llm(model_path, speculative_config=NGRAM)
-    assert token_ids(llm, batch[:1], params) == expected[:1]
-    assert token_ids(llm, batch, params) == expected
-    stats = spec_stats(llm, SpecMethod.NGRAM)
-    # A random model seldom repeats its prompt, so few proposals are accepted; the prediction test
-    # below is where every proposal is right.
-    assert stats.num_proposed_tokens > 0 and stats.num_accepted_tokens <= stats.num_proposed_tokens
-    assert stats.num_emitted_tokens == stats.num_accepted_tokens + stats.num_drafts
+    llm, spec_params = speculating(method, model_path, params, expected)
+    first = spec_params if isinstance(spec_params, SamplingParams) else spec_params[:1]
+    assert token_ids(llm, batch[:1], first) == expected[:1]
+    assert token_ids(llm, batch, spec_params) == expected
+    assert num_proposed(llm) > 0
+    for stats in llm.engine.stats().spec_decode:
+        assert stats.num_accepted_tokens <= stats.num_proposed_tokens
+        assert stats.num_emitted_tokens == stats.num_accepted_tokens + stats.num_drafts
     llm.shutdown()
 
 
-def test_ngram_greedy_is_exact_across_preemptions_and_with_prefix_caching(model_path, reference):
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_is_exact_across_preemptions_and_with_prefix_caching(model_path, reference, method):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     batch = prompts(12, seed=1)
     expected = token_ids(reference, batch, params)
     # 40 blocks of 4 tokens cannot hold 12 sequences of up to 86 tokens: requests are preempted and recomputed.
-    llm = make_llm(model_path, speculative_config=NGRAM, num_kv_blocks=40, enable_prefix_caching=True)
-    assert token_ids(llm, batch, params) == expected
-    assert llm.engine.scheduler.num_preemptions > 0
+    llm, spec_params = speculating(method, model_path, params, expected, num_kv_blocks=40,
+                                   enable_prefix_caching=True)
+    assert token_ids(llm, batch, spec_params) == expected
+    assert llm.engine.scheduler.num_preemptions > 0 and num_proposed(llm) > 0
     # Every block the cache holds now was computed from accepted tokens only: later requests sharing
     # the earlier ones' whole sequences as prompts find them, and still decode the same tokens.
     longer = [p + e for p, e in zip(batch, expected)]
@@ -83,18 +109,27 @@ def test_ngram_greedy_is_exact_across_preemptions_and_with_prefix_caching(model_
     llm.shutdown()
 
 
-def test_max_tokens_and_stop_tokens_cut_inside_a_proposal(model_path, reference):
+@pytest.mark.parametrize("method", METHODS)
+def test_max_tokens_and_stop_tokens_cut_inside_a_proposal(model_path, reference, method):
     batch = prompts(16, seed=2)
     free = token_ids(reference, batch, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    llm = make_llm(model_path, speculative_config=NGRAM)
+    llm, _ = speculating(method, model_path, SamplingParams(max_tokens=30), free)
+
+    def with_prediction(params: SamplingParams, answer: list[int]) -> SamplingParams:
+        if method == "prediction":
+            params.prediction_token_ids = answer  # the whole answer: proposals run past the cut
+        return params
+
     for max_tokens in (1, 2, 7):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = [with_prediction(SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), f)
+                  for f in free]
         assert token_ids(llm, batch, params) == [f[:max_tokens] for f in free]
     # Stop at the 5th token each request writes: the tokens after it (inside an accepted proposal) are dropped.
     for prompt, full in zip(batch, free):
         params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[full[4]])
         expected = token_ids(reference, [prompt], params)
-        assert token_ids(llm, [prompt], params) == expected and len(expected[0]) <= 5
+        assert token_ids(llm, [prompt], with_prediction(params, full)) == expected and len(expected[0]) <= 5
+    assert num_proposed(llm) > 0
     llm.shutdown()
 
 
