@@ -2,7 +2,7 @@
 
     handler ──generate()──▶ AsyncEngineClient ──AddRequest──▶ least-loaded core
        ▲                                                          │ EngineOutputs
-       │                    output pump (one task per core) ◀─────┘
+       │       output pump (frontend.output_pump, one per core) ◀─┘
        └── per-request asyncio.Queue ◀── OutputProcessor (ipc.text: detokenize, stop strings)
 
 `generate` tokenizes (off the event loop), validates and sends before it returns (so bad
@@ -32,21 +32,19 @@ from msgspec.structs import replace
 
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection
 from frontend.engine_restarter import EngineRestarter
-from frontend.errors import EngineDeadError, FrontendError, InvalidRequestError, RequestFailedError
+from frontend.errors import EngineDeadError, FrontendError, InvalidRequestError
 from frontend.grammar_checker import GrammarChecker
 from frontend.metrics import FrontendMetrics
 from frontend.model_folder import resolve_model_folder
+from frontend.output_pump import OutputPumps
 from frontend.prompt_tokenizer import PromptTokenizer
 from frontend.ray_engines import RayEngineCores
 from frontend.request_state import RequestState, RequestStream
 from frontend.spec_decode_metrics import sum_spec_decode
 from frontend.step_timeline import StepTimeline
-from ipc.codec import DecodeError
 from ipc.messages import (
     AbortRequests,
     AddRequest,
-    EngineError,
-    EngineOutputs,
     FinishReason,
     ResetPrefixCache,
     SchedulerStats,
@@ -55,7 +53,6 @@ from ipc.messages import (
 from ipc.pooling_params import PoolingParams
 from ipc.request_checks import PREDICTION_WITH_N, check_request
 from ipc.sampling_params import MAX_BAD_WORDS, SamplingParams, tokenize_bad_words
-from ipc.sockets import serve_messages
 from ipc.text.output_processor import OutputProcessor
 from ipc.text.tokenizer import Tokenizer
 
@@ -104,7 +101,9 @@ class AsyncEngineClient:
         self._states: dict[str, RequestState] = {}
         self.output_processor = OutputProcessor(tokenizer)  # the text of every request in _states
         self.grammar_checker = GrammarChecker(tokenizer_folder=model_folder)
-        self._engine_tasks: dict[int, list[asyncio.Task]] = {}  # per core: its output pump and death watch
+        self.pumps = OutputPumps(self._states, self.output_processor, self.metrics, self.timeline,
+                                 config.engine_timeout_s, finish=self._finish, fail=self._fail,
+                                 on_engine_dead=self._on_engine_dead)
         self.restarter = EngineRestarter(self.ctx, model_folder, self.frontend_id, config.engine_args,
                                          config.engine_command, config.ready_timeout_s)
         self._is_shutting_down = False
@@ -148,16 +147,8 @@ class AsyncEngineClient:
         self.runner = "pooling" if any(r.runner == "pooling" for r in readies) else "generate"
         self.timeline.resize(len(self.engines))
         for engine in self.engines:
-            self._start_engine_tasks(engine)
+            self.pumps.start(engine)
         self.is_healthy, self.dead_reason = True, None
-
-    def _start_engine_tasks(self, engine: EngineConnection) -> None:
-        if self.timeline.is_watched:  # a restarted core starts unwatched
-            engine.send(WatchSteps(True))
-        self._engine_tasks[engine.index] = [
-            asyncio.create_task(self._pump_outputs(engine), name=f"pump-{engine.index}"),
-            asyncio.create_task(self._watch(engine), name=f"watch-{engine.index}"),
-        ]
 
     # ------------------------------------------------------------ requests
 
@@ -294,53 +285,7 @@ class AsyncEngineClient:
         self._finish(state, FinishReason.ERROR)
         state.queue.put_nowait(error)
 
-    # ------------------------------------------------------------ engine outputs
-
-    async def _pump_outputs(self, engine: EngineConnection) -> None:
-        handlers = {EngineOutputs: functools.partial(self._on_outputs, engine),
-                    EngineError: functools.partial(self._on_error, engine)}
-
-        def on_malformed(identity: bytes | None, payload: bytes | None, error: DecodeError) -> None:
-            logger.error("engine %d sent a malformed message, dropped: %s", engine.index, error)
-
-        await serve_messages(engine.socket, handlers, on_malformed, on_receive=engine.mark_alive)
-
-    def _on_outputs(self, engine: EngineConnection, msg: EngineOutputs) -> None:
-        engine.stats = msg.stats
-        if msg.step_counts is not None:
-            self.timeline.record(engine.index, msg.step_counts, msg.outputs)
-        now = time.monotonic()
-        processed = self.output_processor.process_outputs(msg.outputs)
-        for request_id in processed.failed_request_ids:
-            self._fail(self._states[request_id], RequestFailedError("detokenizing the output failed"))
-        for delta in processed.deltas:
-            state = self._states[delta.request_id]
-            self.metrics.num_generation_tokens += len(delta.token_ids)
-            if delta.token_ids:
-                if state.last_token_time is None:
-                    self.metrics.time_to_first_token.observe(now - state.arrival_time)
-                else:
-                    self.metrics.inter_token_latency.observe(now - state.last_token_time)
-                state.last_token_time = now
-            if delta.finish_reason is not None:
-                self._finish(state, delta.finish_reason)
-            state.queue.put_nowait(delta)
-        if processed.request_ids_to_abort:  # a stop string ended them: the core is still generating
-            engine.send(AbortRequests(processed.request_ids_to_abort))
-
-    def _on_error(self, engine: EngineConnection, msg: EngineError) -> None:
-        level = logging.INFO if msg.is_request_error else logging.ERROR  # a client's bad request is not ours
-        logger.log(level, "engine %d reported an error%s: %s", engine.index,
-                   f" for request {msg.request_id}" if msg.request_id else "", msg.message)
-        state = self._states.get(msg.request_id) if msg.request_id is not None else None
-        if state is not None:
-            error_type = InvalidRequestError if msg.is_request_error else RequestFailedError
-            self._fail(state, error_type(msg.message))
-        if msg.is_fatal:
-            self._on_engine_dead(engine, f"engine {engine.index} failed: {msg.message}")
-
-    async def _watch(self, engine: EngineConnection) -> None:
-        self._on_engine_dead(engine, await engine.wait_for_death(self.config.engine_timeout_s))
+    # ------------------------------------------------------------ dead and restarted cores
 
     def _on_engine_dead(self, engine: EngineConnection, reason: str) -> None:
         if not engine.is_alive:
@@ -352,19 +297,13 @@ class AsyncEngineClient:
             self._fail(self._states[request_id], EngineDeadError(reason))
         if self.ray_cores is not None and not self._is_shutting_down:  # Ray restarts its actor
             self.ray_cores.reconnect(engine, self.ctx, self.frontend_id, self.config.ready_timeout_s,
-                                     self._stop_engine_tasks, self._on_restarted)
+                                     self.pumps.stop, self._on_restarted)
         elif self.config.restart_engine and engine.process is not None and not self._is_shutting_down:
-            self.restarter.restart(engine, self._stop_engine_tasks, self._on_restarted)
-
-    async def _stop_engine_tasks(self, index: int) -> None:
-        tasks = self._engine_tasks.pop(index, [])
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self.restarter.restart(engine, self.pumps.stop, self._on_restarted)
 
     def _on_restarted(self, engine: EngineConnection) -> None:
         self.engines[engine.index] = engine
-        self._start_engine_tasks(engine)
+        self.pumps.start(engine)
         if all(e.is_alive for e in self.engines):
             self.is_healthy, self.dead_reason = True, None
 
@@ -396,10 +335,7 @@ class AsyncEngineClient:
         self._is_shutting_down = True
         self.is_healthy, self.dead_reason = False, "the server is shutting down"
         await self.restarter.cancel()
-        tasks = [t for engine_tasks in self._engine_tasks.values() for t in engine_tasks]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.pumps.stop_all()
         # Close first: a remote core's close aborts the requests still listed on it.
         await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)
         if self.ray_cores is not None:
