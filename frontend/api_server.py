@@ -117,51 +117,25 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
     async def generate_route(raw_request: Request) -> Response:
         return await generate(await read_body(raw_request, GenerateBody), raw_request, client)
 
-    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
-    async def completions(raw_request: Request) -> Response:
-        body = await read_body(raw_request, CompletionRequest)
-        _check_model(client, body.model)
-        return await create_completion(body, raw_request, client)
-
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
-    async def chat_completions(raw_request: Request) -> Response:
-        body = await read_body(raw_request, ChatCompletionRequest)
-        _check_model(client, body.model)
-        return await create_chat_completion(body, raw_request, client, tools, reasoning)
-
-    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
-    async def responses(raw_request: Request) -> Response:
-        body = await read_body(raw_request, ResponsesRequest)
-        _check_model(client, body.model)
-        return await create_response(body, raw_request, client, tools, reasoning, response_store)
+    # Routes whose body may name the model: read the body, check the name, hand it over.
+    model_routes = {
+        "/v1/completions": (CompletionRequest, lambda body, raw: create_completion(body, raw, client)),
+        "/v1/chat/completions": (ChatCompletionRequest,
+                                 lambda body, raw: create_chat_completion(body, raw, client, tools, reasoning)),
+        "/v1/responses": (ResponsesRequest,
+                          lambda body, raw: create_response(body, raw, client, tools, reasoning, response_store)),
+        "/v1/messages": (MessagesRequest, lambda body, raw: create_message(body, raw, client, tools, reasoning)),
+        "/v1/embeddings": (EmbeddingRequest, lambda body, raw: create_embedding(body, raw, client)),
+        "/tokenize": (TokenizeRequest, lambda body, raw: tokenize(body, client)),
+        "/detokenize": (DetokenizeRequest, lambda body, raw: detokenize(body, client)),
+    }
+    for path, (body_type, handle) in model_routes.items():
+        app.add_api_route(path, _model_route(client, body_type, handle), methods=["POST"],
+                          name=path.strip("/").replace("/", "_"), openapi_extra=_body_schema(body_type))
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> Response:
         return get_response(response_id, response_store)
-
-    @app.post("/v1/messages", openapi_extra=_body_schema(MessagesRequest))
-    async def messages(raw_request: Request) -> Response:
-        body = await read_body(raw_request, MessagesRequest)
-        _check_model(client, body.model)
-        return await create_message(body, raw_request, client, tools, reasoning)
-
-    @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
-    async def embeddings(raw_request: Request) -> dict:
-        body = await read_body(raw_request, EmbeddingRequest)
-        _check_model(client, body.model)
-        return await create_embedding(body, raw_request, client)
-
-    @app.post("/tokenize", openapi_extra=_body_schema(TokenizeRequest))
-    async def tokenize_route(raw_request: Request) -> dict:
-        body = await read_body(raw_request, TokenizeRequest)
-        _check_model(client, body.model)
-        return await tokenize(body, client)
-
-    @app.post("/detokenize", openapi_extra=_body_schema(DetokenizeRequest))
-    async def detokenize_route(raw_request: Request) -> dict:
-        body = await read_body(raw_request, DetokenizeRequest)
-        _check_model(client, body.model)
-        return await detokenize(body, client)
 
     add_web_routes(app, client, admission)
     app.add_exception_handler(FrontendError, _on_frontend_error)
@@ -170,6 +144,15 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_middleware(AdmissionMiddleware, admission=admission)
     return app
+
+
+def _model_route(client: AsyncEngineClient, body_type: type[BaseModel], handle):
+    async def route(raw_request: Request):
+        body = await read_body(raw_request, body_type)
+        _check_model(client, body.model)
+        return await handle(body, raw_request)
+
+    return route
 
 
 def _body_schema(model: type[BaseModel]) -> dict:
