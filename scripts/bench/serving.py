@@ -29,7 +29,7 @@ from scripts.lib.bench_metrics import RequestTrace, summarize_traces
 from scripts.lib.bench_report import write_report
 from frontend.spec_decode_metrics import format_spec_decode
 from scripts.lib.local_server import reset_prefix_cache, scrape_metrics, spec_decode_delta, start_server, stop_server
-from scripts.lib.sse_client import StreamStatusError, stream_chunks
+from scripts.lib.sse_client import StreamStatusError, served_model, stream_chunks
 from scripts.lib.workload import (
     add_prefix_workload_args,
     add_random_workload_args,
@@ -146,13 +146,6 @@ async def warm_up(args, base_url: str) -> None:
     failed = [t.error for t in traces if not t.is_success]
     if failed:
         raise SystemExit(f"the warm-up failed: {failed[0]}")
-
-
-async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
-    """The first model the server lists, for when --model is not given."""
-    async with session.get(base_url.rstrip("/") + "/v1/models") as response:
-        response.raise_for_status()
-        return (await response.json())["data"][0]["id"]
 
 
 def print_summary(summary: dict) -> None:

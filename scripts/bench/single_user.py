@@ -48,7 +48,7 @@ import aiohttp
 from scripts.lib.bench_report import (host_cpu_ticks, machine_info, read_rate_gb_s, require_at_least_one,
                                      write_report)
 from scripts.lib.local_server import REPO_ROOT, launch_server, stop_server
-from scripts.lib.sse_client import StreamStatusError, stream_chunks
+from scripts.lib.sse_client import StreamStatusError, served_model, stream_chunks
 from scripts.lib.workload import make_workload
 
 logger = logging.getLogger("bench_single_user")
@@ -101,12 +101,6 @@ def make_server(name: str, args: argparse.Namespace, port: int) -> Server:
     model = str(Path(args.gguf_dir) / OURS_GGUFS[name]) if name in OURS_GGUFS else args.model
     command = [sys.executable, "-m", "frontend.cli", "serve", "--model", model, "--port", str(port), *flags]
     return Server(name, command, {}, f"http://127.0.0.1:{port}")
-
-
-async def served_model(session: aiohttp.ClientSession, url: str) -> str:
-    async with session.get(url + "/v1/models") as response:
-        response.raise_for_status()
-        return (await response.json())["data"][0]["id"]
 
 
 def host_busy_ticks() -> int:

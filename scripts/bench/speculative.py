@@ -51,7 +51,7 @@ from scripts.bench.single_user import Server, free_port  # one server record and
 from scripts.lib.bench_report import machine_info, require_at_least_one, write_report
 from scripts.lib.editing_workload import ChatRequest, make_editing_requests, make_free_requests
 from scripts.lib.local_server import REPO_ROOT, launch_server, scrape_metrics, spec_decode_delta, stop_server
-from scripts.lib.sse_client import StreamStatusError, stream_chunks
+from scripts.lib.sse_client import StreamStatusError, served_model, stream_chunks
 
 logger = logging.getLogger("bench_speculative")
 
@@ -164,12 +164,6 @@ async def timed_chat(session: aiohttp.ClientSession, server: Server, request: Ch
         "rejected_prediction_tokens": rejected,
         "text": text,
     }
-
-
-async def served_model(session: aiohttp.ClientSession, url: str) -> str:
-    async with session.get(url + "/v1/models") as response:
-        response.raise_for_status()
-        return (await response.json())["data"][0]["id"]
 
 
 async def measure_single_user(configs: list[Config], workloads: dict[str, list[ChatRequest]],

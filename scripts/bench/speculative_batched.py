@@ -26,7 +26,8 @@ from pathlib import Path
 
 import aiohttp
 
-from scripts.bench.speculative import TIMEOUT, served_model, start_servers, timed_chat
+from scripts.bench.speculative import TIMEOUT, start_servers, timed_chat
+from scripts.lib.sse_client import served_model
 from scripts.lib.editing_workload import make_editing_requests
 
 logger = logging.getLogger("bench_speculative")

@@ -29,7 +29,8 @@ from collections import Counter
 
 import aiohttp
 
-from scripts.bench.serving import TIMEOUT, served_model
+from scripts.bench.serving import TIMEOUT
+from scripts.lib.sse_client import served_model
 from scripts.lib.bench_metrics import RequestTrace, summarize_traces
 from scripts.lib.bench_report import write_report
 from scripts.lib.local_server import start_server, stop_server

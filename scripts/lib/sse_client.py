@@ -7,6 +7,7 @@
         trace.error = str(e)  # "HTTP 400: {...}"
 
 Both serving benches (completions and chat) time their requests from these arrivals.
+served_model(session, url) names the first model the server lists, for when --model is not given.
 """
 
 from __future__ import annotations
@@ -40,3 +41,10 @@ async def stream_chunks(session: aiohttp.ClientSession, url: str, payload: dict
                 break
             now = time.perf_counter()
             yield now, json.loads(data)
+
+
+async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    """The first model the server at `base_url` lists on /v1/models."""
+    async with session.get(base_url.rstrip("/") + "/v1/models") as response:
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]

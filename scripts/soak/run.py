@@ -39,6 +39,7 @@ from urllib.parse import urlparse
 import aiohttp
 
 from scripts.lib.local_server import parse_metrics, start_server
+from scripts.lib.sse_client import served_model
 from scripts.soak.checks import UsageTally
 from scripts.soak.report import build_report, rss_mb
 
@@ -248,10 +249,9 @@ async def wait_until_idle(url: str, timeout_s: float) -> dict[str, float]:
             await asyncio.sleep(0.5)
 
 
-async def served_model(url: str) -> str:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session, \
-            session.get(url + "/v1/models") as response:
-        return (await response.json())["data"][0]["id"]
+async def first_served_model(url: str) -> str:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        return await served_model(session, url)
 
 
 def soak_and_report(args: argparse.Namespace, url: str, pids: dict[str, int]) -> dict:
@@ -271,7 +271,7 @@ def soak_and_report(args: argparse.Namespace, url: str, pids: dict[str, int]) ->
             await sampler
 
     start = time.monotonic()
-    asyncio.run(traffic(asyncio.run(served_model(url))))
+    asyncio.run(traffic(asyncio.run(first_served_model(url))))
     elapsed_s = time.monotonic() - start
     after = asyncio.run(wait_until_idle(url, 120))
     samples.append(after)
