@@ -47,7 +47,7 @@ def test_free_requests_copy_nothing():
 
 def test_flags_drop_llama_without_its_binary(tmp_path):
     args = parse_args(["--llama-server", str(tmp_path / "nothing"), "--batched", "none"])
-    assert args.configs == ["off", "ngram", "prediction"] and args.batched == []
+    assert args.configs == ["off", "ngram", "prediction", "off-chat", "self-int4"] and args.batched == []
     with pytest.raises(SystemExit):
         parse_args(["--configs", "off,turbo"])
     command, extra = server_command("ours-ngram", args, 1234)
