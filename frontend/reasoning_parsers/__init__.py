@@ -10,9 +10,24 @@ the end tag's token ids that hold a grammar back until the reasoning is over.
 from __future__ import annotations
 
 from frontend.reasoning_parsers.base import ReasoningParser, ReasoningState
-from frontend.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
 from frontend.reasoning_parsers.prompt import ReasoningPrompt
-from frontend.reasoning_parsers.qwen3 import Qwen3ReasoningParser
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """`deepseek_r1`: the template writes `<think>` into the prompt, so an answer is reasoning up to
+    `</think>` (a leading `<think>` is dropped); one without `</think>` (cut by max_tokens) is all
+    reasoning, as vLLM's deepseek_r1 parser reads it."""
+
+    implicit_reasoning = True
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    """`qwen3`: the model writes `<think>` itself, so an answer that does not open with it is all
+    content, `</think>` or not, as vLLM's qwen3 parser streams it; a template that opens the tag in
+    the prompt (Qwen3-2507 thinking) is read from the prompt (`ReasoningPrompt`)."""
+
+    implicit_reasoning = False
+
 
 _REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
