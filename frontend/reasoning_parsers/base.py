@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from abc import ABC
 
-from frontend.tool_parsers.base import partial_marker_len
+from ipc.text.hold_back import num_held_chars
 
 
 class ReasoningState(enum.IntEnum):
@@ -61,7 +61,7 @@ class ReasoningParser(ABC):
         if self.state == ReasoningState.REASONING:
             before, tag, after = text.partition(self.end_tag)
             if not tag:
-                num_held = partial_marker_len(text, self.end_tag)
+                num_held = num_held_chars(text, (self.end_tag,))
                 self._held = text[len(text) - num_held:]
                 return text[:len(text) - num_held], ""
             reasoning, text = before, after

@@ -128,14 +128,6 @@ class ToolParser(ABC):
         return [head, ToolCallDelta(head.index, None, None, arguments)]
 
 
-def partial_marker_len(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker` (text to hold back)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 def parse_function_json(text: str) -> tuple[str, str] | None:
     """`{"name": ..., "arguments" | "parameters": {...}}` -> (name, arguments JSON text), or None if malformed."""
     try:

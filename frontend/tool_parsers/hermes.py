@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 
-from frontend.tool_parsers.base import ToolCallDelta, ToolParser, parse_function_json, partial_marker_len
+from frontend.tool_parsers.base import ToolCallDelta, ToolParser, parse_function_json
+from ipc.text.hold_back import num_held_chars
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class HermesToolParser(ToolParser):
             else:
                 start = text.find(TOOL_CALL_START)
                 if start == -1:
-                    cut = len(text) - partial_marker_len(text, TOOL_CALL_START)
+                    cut = len(text) - num_held_chars(text, (TOOL_CALL_START,))
                     content.append(self._visible(text[:cut]))
                     text = text[cut:]
                     break
@@ -68,7 +69,7 @@ class HermesToolParser(ToolParser):
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
         # An unclosed block (the output was cut short), maybe ending in part of "</tool_call>".
-        body = text[:len(text) - partial_marker_len(text, TOOL_CALL_END)]
+        body = text[:len(text) - num_held_chars(text, (TOOL_CALL_END,))]
         if parse_function_json(body.strip()) is not None:
             self._close_block(body, "", content, deltas)
         else:

@@ -13,6 +13,8 @@ result does not depend on how the text was split into deltas.
 
 import logging
 
+from ipc.text.hold_back import num_held_chars
+
 logger = logging.getLogger(__name__)
 
 
@@ -23,8 +25,6 @@ class StopChecker:
         # An empty stop string would match everywhere; treat it as absent.
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        # Longest text worth holding: one char short of the longest stop string.
-        self._max_hold_chars = max((len(s) for s in self.stop), default=1) - 1
         self._held_text = ""
         self.is_stopped = False
 
@@ -45,7 +45,7 @@ class StopChecker:
             end = start + len(stop_str) if self.include_stop_str_in_output else start
             logger.debug("stop string %r hit", stop_str)
             return text[:end], True
-        num_hold_chars = self._num_hold_chars(text)
+        num_hold_chars = num_held_chars(text, self.stop)
         cut = len(text) - num_hold_chars
         self._held_text = text[cut:]
         return text[:cut], False
@@ -66,11 +66,3 @@ class StopChecker:
                 if best is None or candidate < best:
                     best = candidate
         return None if best is None else (best[1], best[2])
-
-    def _num_hold_chars(self, text: str) -> int:
-        """Length of the longest tail of `text` that begins some stop string."""
-        for n in range(min(len(text), self._max_hold_chars), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
-                return n
-        return 0
