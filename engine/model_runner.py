@@ -48,6 +48,7 @@ from engine.sampler import Sampler, SamplingBatch, sampling_kernels
 from engine.scheduler_output import SampledToken, SchedulerOutput
 from engine.spec_decode.verifier import verify
 from engine.step_inputs import PreparedStep, make_sampling_batch, prepare_step, to_tensors
+from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +283,10 @@ class ModelRunner:
         """A step of several tokens per sequence that the decode stack takes as one-token rows: a
         verification step (decodes, some with proposed tokens after them: every row sampled, so
         none is a prompt's middle) or one the caller marks, within the stack's width; none pooled."""
-        return (self.decode_stack is not None and max(inputs.query_lens) > 1 and not inputs.pooling_rows
+        # A sequence of more tokens than a verification's (a prompt with prompt log-probs) takes the
+        # prefill kernel, which reads each key once for all its rows.
+        return (self.decode_stack is not None and 1 < max(inputs.query_lens) <= 1 + MAX_SPECULATIVE_TOKENS
+                and not inputs.pooling_rows
                 and (as_rows or len(inputs.sample_rows) == len(inputs.input_ids))
                 and self.decode_stack.can_run_rows(len(inputs.input_ids))
                 and not (self.tp is not None and self.tp.stage.is_pipelined))
