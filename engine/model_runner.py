@@ -47,7 +47,7 @@ from engine.prompt_logprobs import PromptLogprobsCollector
 from engine.sampler import Sampler, SamplingBatch, sampling_kernels
 from engine.scheduler_output import SampledToken, SchedulerOutput
 from engine.spec_decode.verifier import verify
-from engine.step_inputs import PreparedStep, make_sampling_batch, prepare_step, to_tensors
+from engine.step_inputs import PreparedStep, make_sampling_batch, prepare_step, to_row_tensors, to_tensors
 from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class ModelRunner:
         `as_rows`: a step of a few short chunks (a draft model's catch-up) runs on the decode stack
         as one-token rows, as a verification step does (_runs_as_rows)."""
         if self._runs_as_rows(inputs, as_rows):
-            hidden = self._forward_rows(inputs)  # [num_tokens, hidden_size]
+            hidden = self.decode_stack.forward_rows(*to_row_tensors(inputs, self.device))  # [num_tokens, hidden_size]
             if len(inputs.sample_rows) < len(inputs.input_ids):
                 hidden = hidden[inputs.sample_rows]  # [num_sampled, hidden_size]
             return self.model.compute_logits(hidden) if inputs.sample_rows else None  # [num_sampled, vocab_size]
@@ -290,23 +290,6 @@ class ModelRunner:
                 and (as_rows or len(inputs.sample_rows) == len(inputs.input_ids))
                 and self.decode_stack.can_run_rows(len(inputs.input_ids))
                 and not (self.tp is not None and self.tp.stage.is_pipelined))
-
-    def _forward_rows(self, inputs: StepInputs) -> torch.Tensor:
-        """The decode stack on a step of short chunks, each token its own row: a sequence's j-th token
-        attends to its table's first seq_len - query_len + j + 1 positions. -> [num_tokens, hidden_size]"""
-        tables: list[list[int]] = []
-        seq_lens: list[int] = []
-        for table, seq_len, query_len in zip(inputs.block_tables, inputs.seq_lens, inputs.query_lens):
-            tables.extend([table] * query_len)
-            seq_lens.extend(range(seq_len - query_len + 1, seq_len + 1))
-        device = self.device
-        return self.decode_stack.forward_rows(
-            torch.tensor(inputs.input_ids, dtype=torch.int64, device=device),  # [num_tokens]
-            torch.tensor(inputs.positions, dtype=torch.int64, device=device),  # [num_tokens]
-            torch.tensor(inputs.slot_mapping, dtype=torch.int64, device=device),  # [num_tokens]
-            torch.tensor(tables, dtype=torch.int32, device=device),  # [num_tokens, max_num_blocks]
-            torch.tensor(seq_lens, dtype=torch.int32, device=device),  # [num_tokens]
-        )
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

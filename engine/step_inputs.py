@@ -123,6 +123,24 @@ def to_tensors(inputs: StepInputs, device: torch.device):
     )
 
 
+def to_row_tensors(inputs: StepInputs, device: torch.device):
+    """The step with each token its own row, for the decode stack (DecodeStack.forward_rows): a
+    sequence's j-th token attends to its table's first seq_len - query_len + j + 1 positions.
+    (input ids, positions, slot mapping, a block table per row, a sequence length per row) on `device`."""
+    tables: list[list[int]] = []
+    seq_lens: list[int] = []
+    for table, seq_len, query_len in zip(inputs.block_tables, inputs.seq_lens, inputs.query_lens):
+        tables.extend([table] * query_len)
+        seq_lens.extend(range(seq_len - query_len + 1, seq_len + 1))
+    return (
+        torch.tensor(inputs.input_ids, dtype=torch.int64, device=device),  # [num_tokens]
+        torch.tensor(inputs.positions, dtype=torch.int64, device=device),  # [num_tokens]
+        torch.tensor(inputs.slot_mapping, dtype=torch.int64, device=device),  # [num_tokens]
+        torch.tensor(tables, dtype=torch.int32, device=device),  # [num_tokens, max_num_blocks]
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),  # [num_tokens]
+    )
+
+
 def make_sampling_batch(requests: list[Request], model_config: ModelConfig, device: torch.device,
                         generators: dict[str, torch.Generator], logits_state: LogitsProcessingState) -> SamplingBatch:
     """One row per request (or per position to verify); `generators` keeps each seeded request's across steps."""

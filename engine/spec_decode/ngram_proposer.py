@@ -5,8 +5,8 @@
 
 The longest suffix (prompt_lookup_max tokens) is tried first, down to prompt_lookup_min; the
 rightmost (latest) occurrence wins. vLLM takes the leftmost; the latest predicts better where an
-answer repeats its own recent lines, and a text copied from the prompt usually occurs there once. The search runs in C: tokens become a
-bytes string of 4-byte ids and `bytes.find` scans it.
+answer repeats its own recent lines, and a text copied from the prompt usually occurs there once.
+The search runs in C: tokens become a bytes string of 4-byte ids and `bytes.rfind` scans it.
 """
 
 from __future__ import annotations

@@ -49,28 +49,30 @@ def propose_prediction(request: Request, num_tokens: int) -> tuple[list[int], Sp
             state.position = None
     state.num_output_tokens = len(output)
     if state.position is None:
-        state.position, fallback = _resync(prediction, request.all_token_ids, len(output), state.last_position)
+        token_ids = request.all_token_ids
+        state.position, after = _resync(prediction, token_ids, len(output), state.last_position)
         if state.position is None:
-            return fallback[:num_tokens], SpecMethod.NGRAM
+            return token_ids[after : after + num_tokens] if after is not None else [], SpecMethod.NGRAM
     return prediction[state.position : state.position + num_tokens], SpecMethod.PREDICTION
 
 
 def _resync(prediction: list[int], token_ids: list[int], num_output_tokens: int,
-            last_position: int) -> tuple[int | None, list[int]]:
+            last_position: int) -> tuple[int | None, int | None]:
     """Where to go on after the output's last tokens, longest suffix first. For each suffix: the
     prediction after where the output last stood (an edit resumes past itself); else what followed
     the suffix at its latest earlier occurrence in the request's own prompt or output (which an
     edit copies from too; a better guess, measured, than a match further back in the prediction);
-    else the prediction's first match."""
+    else the prediction's first match. -> (the prediction's position, or None and where in
+    token_ids to go on from, or None twice)"""
     for n in range(min(LOOKUP_MAX, num_output_tokens), LOOKUP_MIN - 1, -1):
         suffix = token_ids[-n:]
         position = find_after(prediction, suffix, start=last_position)
         if position is not None:
-            return position, []
+            return position, None
         after = find_after(token_ids, suffix, end=len(token_ids) - 1, last=True)
         if after is not None:
-            return None, token_ids[after:]
+            return None, after
         position = find_after(prediction, suffix)
         if position is not None:
-            return position, []
-    return None, []
+            return position, None
+    return None, None
