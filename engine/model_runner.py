@@ -30,16 +30,10 @@ from engine.distributed.messages import StepInputs
 from engine.distributed.parallel_layers import num_local_kv_heads
 from engine.distributed.parallel_state import TensorParallelGroup, threads_per_rank
 from engine.distributed.pipeline import WHOLE_MODEL, forward_stage
-from engine.dtype_policy import CpuFeatures
-from engine.gguf_blocks import blocks_for_model
 from engine.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
 from engine.models.config import ModelConfig
-from engine.cpu.packing import bound_primitive_caches, can_prepack, plan_slabs
-from engine.cpu.decode_stack import DecodeStack, build_decode_stack
-from engine.cpu.fast_paths import apply_fast_paths
-from engine.cpu.fused import CpuFusedOps, select_fused_ops
-from engine.cpu.quantized_plan import QuantizedPlan, plan_quantization
+from engine.cpu.execution_plan import CpuExecutionPlan
 from engine.request import Request
 from engine.logits_processing import LogitsProcessingState
 from engine.pooler import Pooler
@@ -72,17 +66,15 @@ class ModelRunner:
         self._set_num_threads()
         # Compiled, inductor prepacks the weights itself (freezing).
         self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
-        # int8 is checked before the weights load: a CPU without VNNI is refused at once.
-        int8 = plan_quantization(self.device.type, cpu.has_avx512_vnni, config.quantization) if config.quantization else None
-        is_prepacked = (config.cpu_prepack and can_prepack(self.device, self.dtype) and not self.is_compiled
-                        and int8 is None)
-        self.model = self._load_model(bound_caches=is_prepacked or self.is_compiled)
+        backend_name = resolve_attention_backend(config.attention_backend, self.device.type, self.kv_dtype, cpu)
+        cpu_plan = CpuExecutionPlan.make(config, model_config.path, self.device, self.dtype, cpu, backend_name,
+                                         self.is_compiled, is_tensor_parallel=self.tp is not None)
+        self.model = self._load_model()
         if self.kv_dtype != self.dtype:
             self.model.set_attention_dtype(self.kv_dtype)
-        self.backend, fused_ops = self._make_backend(cpu)
-        self._prepare_model(fused_ops, cpu, is_prepacked, int8)
+        self.backend = self._make_backend(backend_name, cpu_plan.attention_kernels)
         self.kv_caches = self._make_kv_pool(num_kv_blocks)
-        self.decode_stack = self._make_decode_stack(fused_ops)
+        self.decode_stack = cpu_plan.prepare(self.model, self.backend, self.kv_caches, self.num_weight_bytes)
         self.sampler = self._make_sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
@@ -100,46 +92,17 @@ class ModelRunner:
         if num_threads and self.device.type == "cpu":
             torch.set_num_threads(num_threads)
 
-    def _load_model(self, bound_caches: bool) -> torch.nn.Module:
-        if bound_caches:
-            bound_primitive_caches()
+    def _load_model(self) -> torch.nn.Module:
         model = load_model(self.model_config, self.dtype, self.device, self.config.load_format, self.tp)
         # Counted before prepacking, which turns weights into opaque oneDNN buffers.
         self.num_params = sum(p.numel() for p in model.parameters())
         self.num_weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return model
 
-    def _make_backend(self, cpu: CpuFeatures) -> tuple[AttentionBackend, CpuFusedOps | None]:
-        """The attention backend, and the fused CPU ops where they apply (the backend's KV
-        store then runs fused with rotary, on their kernels)."""
-        name = resolve_attention_backend(self.config.attention_backend, self.device.type, self.kv_dtype, cpu)
-        fused_ops = select_fused_ops(self.device, name, self.is_compiled)
+    def _make_backend(self, name: str, kernels) -> AttentionBackend:
+        """`kernels`: the fused CPU ops' (the backend's KV store then runs fused with rotary), or None."""
         windows = tuple(sorted({self.model_config.window_of(i) for i in range(self.model_config.num_layers)}))
-        kernels = fused_ops.kernels if fused_ops is not None else None
-        return make_attention_backend(name, self.block_size, windows, kernels), fused_ops
-
-    def _prepare_model(self, fused_ops: CpuFusedOps | None, cpu: CpuFeatures, is_prepacked: bool,
-                       int8: QuantizedPlan | None) -> None:
-        """int8, prepacked (or slab) matmuls and the fused element-wise ops, on whatever blocks the model has."""
-        slabs = plan_slabs(self.dtype, self.num_weight_bytes, cpu) if is_prepacked else None
-        gguf_blocks = None
-        if int8 is not None and self.tp is None and self.config.load_format == "auto":
-            gguf_blocks = blocks_for_model(self.model, self.config.model, self.model_config.path, int8.scheme)
-        apply_fast_paths(self.model, batch_size_hint=self.config.max_num_seqs if is_prepacked else None, slabs=slabs,
-                         fused_ops=fused_ops, backend=self.backend, is_compiled=self.is_compiled, int8=int8,
-                         gguf_blocks=gguf_blocks)
-
-    def _make_decode_stack(self, fused_ops: CpuFusedOps | None) -> DecodeStack | None:
-        """Decode-only steps' layers in one C++ call, where every layer can (engine.cpu.decode_stack)."""
-        if not self.config.cpu_decode_stack or self.device.type != "cpu" or self.is_compiled:
-            return None
-        if self.config.pipeline_parallel_size > 1:
-            logger.info("decode steps: eager (pipeline parallelism)")
-            return None
-        stack, note = build_decode_stack(self.model, self.kv_caches, self.backend, fused_ops,
-                                         fused_ops.kernels if fused_ops is not None else None)
-        logger.info("decode steps: %s", f"one C++ call for {note}" if stack is not None else f"eager ({note})")
-        return stack
+        return make_attention_backend(name, self.block_size, windows, kernels)
 
     def _make_kv_pool(self, num_kv_blocks: int) -> list[KVCache]:
         """One K and one V tensor per layer (this pipeline stage's layers; None for the others), in the

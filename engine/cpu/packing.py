@@ -57,7 +57,7 @@ def bound_primitive_caches() -> None:
     """Cap oneDNN's and ideep's primitive caches unless the user already chose a size.
 
     Takes effect only before the process's first oneDNN primitive, which is
-    why the model runner calls it before loading weights."""
+    why the execution plan calls it before the weights load."""
     for name in PRIMITIVE_CACHE_ENV_VARS:
         os.environ.setdefault(name, str(PRIMITIVE_CACHE_CAPACITY))
 

@@ -5,7 +5,7 @@ partial; linear, llama3, longrope), attention.py (GQA with optional bias and q/k
 moe.py (the MoE block), decoder.py (the layer stack and the checkpoint loader). A family
 file composes them: llama.py, qwen3.py, phi3.py, mixtral.py, gemma3.py (Gemma 3 text,
 with (1 + w) norms, GeGLU and sliding-window layers on their own rotary base). The CPU fast paths are
-applied to the built model by engine/cpu/fast_paths.py (the model runner calls it)."""
+applied to the built model by engine/cpu/fast_paths.py (through engine/cpu/execution_plan.py)."""
 
 from __future__ import annotations
 

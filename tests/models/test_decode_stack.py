@@ -105,7 +105,7 @@ def test_shared_prefix_decodes_stay_eager_and_agree(tmp_path):
 ])
 def test_other_layers_stay_eager_and_say_why(architecture, overrides, reason, tmp_path, caplog):
     path, _ = make_tiny_model(tmp_path, architecture, **SMALL | overrides)
-    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="engine.cpu.execution_plan"):
         llm = LLM(path, dtype="float32", **ENGINE_KWARGS)
     assert llm.engine.model_runner.decode_stack is None
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode steps:")]

@@ -1,0 +1,95 @@
+"""What the CPU does with a model: decided before its weights load, applied once they have.
+
+The model runner's one way into engine/cpu. `CpuExecutionPlan.make` settles, from the
+config, the device and the CPU's features, which matmuls the model gets (int8/int4,
+oneDNN-prepacked, bf16 slabs, plain), which fused kernels (also the attention backend's),
+and whether decode steps run as one C++ call; `prepare` then applies all of it to the
+built model, the backend and the KV pool, and returns the decode stack. Off the CPU (or
+compiled) the plan is empty and `prepare` only logs what runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, KVCache
+from engine.config import EngineConfig
+from engine.cpu.decode_stack import DecodeStack, build_decode_stack
+from engine.cpu.fast_paths import apply_fast_paths
+from engine.cpu.fused import CpuFusedOps, select_fused_ops
+from engine.cpu.packing import bound_primitive_caches, can_prepack, plan_slabs
+from engine.cpu.quantized_plan import QuantizedPlan, plan_quantization
+from engine.dtype_policy import CpuFeatures
+from engine.gguf_blocks import blocks_for_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CpuExecutionPlan:
+    cpu: CpuFeatures
+    dtype: torch.dtype
+    quantization: QuantizedPlan | None  # int8 or int4 matmuls (then nothing is prepacked)
+    is_prepacked: bool  # oneDNN's blocked weights, or bf16 slabs where plan_slabs says
+    is_compiled: bool  # inductor prepacks and fuses instead
+    fused_ops: CpuFusedOps | None
+    batch_size_hint: int  # oneDNN packs for steps of about this many rows
+    has_decode_stack: bool  # config allows it, on the CPU, eager, one pipeline stage
+    gguf_source: tuple[str, Path] | None  # (model as given, its folder): quantize from a GGUF's own blocks
+
+    @classmethod
+    def make(cls, config: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype,
+             cpu: CpuFeatures, backend_name: str, is_compiled: bool, is_tensor_parallel: bool) -> CpuExecutionPlan:
+        """Called before the weights load: int8 on a CPU without VNNI is refused at once, and
+        oneDNN's primitive caches are capped before the weights make primitives."""
+        quantization = (plan_quantization(device.type, cpu.has_avx512_vnni, config.quantization)
+                        if config.quantization else None)
+        is_prepacked = (config.cpu_prepack and not is_compiled and quantization is None
+                        and can_prepack(device, dtype))
+        if is_prepacked or is_compiled:
+            bound_primitive_caches()
+        may_use_gguf = quantization is not None and not is_tensor_parallel and config.load_format == "auto"
+        return cls(
+            cpu=cpu, dtype=dtype, quantization=quantization, is_prepacked=is_prepacked, is_compiled=is_compiled,
+            fused_ops=select_fused_ops(device, backend_name, is_compiled),
+            batch_size_hint=config.max_num_seqs,
+            has_decode_stack=_has_decode_stack(config, device, is_compiled),
+            gguf_source=(config.model, model_path) if may_use_gguf else None,
+        )
+
+    @property
+    def attention_kernels(self) -> ModuleType | None:
+        """The fused ops' kernels, for the backend's KV store with rotary (None: the torch ops)."""
+        return self.fused_ops.kernels if self.fused_ops is not None else None
+
+    def prepare(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[KVCache],
+                num_weight_bytes: int) -> DecodeStack | None:
+        """Quantized, prepacked (or slab) matmuls and the fused element-wise ops, on whatever
+        blocks the model has; then the decode stack over them and the KV pool, where it can run."""
+        slabs = plan_slabs(self.dtype, num_weight_bytes, self.cpu) if self.is_prepacked else None
+        gguf_blocks = None
+        if self.gguf_source is not None:
+            gguf_blocks = blocks_for_model(model, *self.gguf_source, self.quantization.scheme)
+        apply_fast_paths(model, batch_size_hint=self.batch_size_hint if self.is_prepacked else None, slabs=slabs,
+                         fused_ops=self.fused_ops, backend=backend, is_compiled=self.is_compiled,
+                         int8=self.quantization, gguf_blocks=gguf_blocks)
+        if not self.has_decode_stack:
+            return None
+        stack, note = build_decode_stack(model, kv_caches, backend, self.fused_ops, self.attention_kernels)
+        logger.info("decode steps: %s", f"one C++ call for {note}" if stack is not None else f"eager ({note})")
+        return stack
+
+
+def _has_decode_stack(config: EngineConfig, device: torch.device, is_compiled: bool) -> bool:
+    if not config.cpu_decode_stack or device.type != "cpu" or is_compiled:
+        return False
+    if config.pipeline_parallel_size > 1:
+        logger.info("decode steps: eager (pipeline parallelism)")
+        return False
+    return True
