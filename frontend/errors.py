@@ -10,13 +10,28 @@ Anthropic's Messages API (/v1/messages) gets the same errors in its own shape
 from __future__ import annotations
 
 
+# OpenAI's error types by HTTP status; every other 4xx is an invalid_request_error.
+OPENAI_ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "internal_server_error",
+                      503: "service_unavailable"}
+
+
 class FrontendError(Exception):
-    """Base class: a message for the client plus the HTTP status and OpenAI error type."""
+    """Base class: a message for the client plus the HTTP status and OpenAI error type.
+
+    A subclass names its status, `class ...Error(FrontendError, status_code=404)`, or inherits it;
+    its `error_type` follows from the status (OPENAI_ERROR_TYPES).
+    """
 
     status_code = 500
     error_type = "internal_server_error"
     code: int | str | None = None  # None: the status code
     headers: dict[str, str] | None = None  # extra response headers
+
+    def __init_subclass__(cls, status_code: int | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if status_code is not None:
+            cls.status_code = status_code
+        cls.error_type = OPENAI_ERROR_TYPES.get(cls.status_code, "invalid_request_error")
 
     def to_dict(self) -> dict:
         code = self.status_code if self.code is None else self.code
@@ -42,79 +57,55 @@ def error_body(error: FrontendError, path: str) -> dict:
     return error.to_dict()
 
 
-class InvalidRequestError(FrontendError):
+class InvalidRequestError(FrontendError, status_code=400):
     """The request itself is wrong: bad sampling params, empty or too-long prompt, bad JSON."""
 
-    status_code = 400
-    error_type = "invalid_request_error"
+
+class AuthenticationError(FrontendError, status_code=401):
+    """No API key, or the wrong one, where the server wants one."""
 
 
-class AuthenticationError(FrontendError):
-    status_code = 401
-    error_type = "authentication_error"
-
-
-class ModelNotFoundError(FrontendError):
+class ModelNotFoundError(FrontendError, status_code=404):
     """The `model` field names a model this server does not serve (OpenAI's and vLLM's 404)."""
 
-    status_code = 404
-    error_type = "invalid_request_error"
     code = "model_not_found"
 
 
 class ConnectionClosingError(FrontendError):
     """A request the server stops reading: what is left of it on the connection cannot be trusted, so it closes."""
 
-    error_type = "invalid_request_error"
     headers = {"connection": "close"}
 
 
-class RequestTimeoutError(ConnectionClosingError):
+class RequestTimeoutError(ConnectionClosingError, status_code=408):
     """The body did not arrive within --body-timeout; the connection is closed."""
 
-    status_code = 408
 
-
-class RequestTooLargeError(ConnectionClosingError):
+class RequestTooLargeError(ConnectionClosingError, status_code=413):
     """The body is over --max-request-bytes; a bounded part of it is read and dropped, then the connection closes."""
 
-    status_code = 413
 
-
-class HeadersTooLargeError(ConnectionClosingError):
+class HeadersTooLargeError(ConnectionClosingError, status_code=431):
     """The request line and headers are over their limit; answered by the HTTP protocol, before any app code."""
 
-    status_code = 431
 
-
-class ServerBusyError(FrontendError):
+class ServerBusyError(FrontendError, status_code=429):
     """--max-concurrent-requests are already being served; the client may retry."""
 
-    status_code = 429
-    error_type = "rate_limit_error"
     headers = {"retry-after": "1"}
 
 
-class EngineDeadError(FrontendError):
+class EngineDeadError(FrontendError, status_code=503):
     """An engine core died; in-flight requests on it fail and the frontend stops taking new ones."""
-
-    status_code = 503
-    error_type = "service_unavailable"
 
 
 class ShuttingDownError(EngineDeadError):
     """The server got SIGTERM: it takes no new requests, and ends those still running after the grace."""
 
 
-class RequestFailedError(FrontendError):
+class RequestFailedError(FrontendError, status_code=500):
     """The engine reported an error for this one request; other requests are unaffected."""
 
-    status_code = 500
-    error_type = "internal_server_error"
 
-
-class NotFoundError(FrontendError):
+class NotFoundError(FrontendError, status_code=404):
     """A stored object (a response by id) that is not there."""
-
-    status_code = 404
-    error_type = "invalid_request_error"
