@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import zmq.asyncio
 
+from frontend.background_tasks import BackgroundTasks
 from frontend.engine_connection import EngineConnection, EngineStartError
 
 logger = logging.getLogger(__name__)
@@ -24,31 +26,26 @@ logger = logging.getLogger(__name__)
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)
 
 
+@dataclass
 class EngineRestarter:
-    """Starts replacement cores; `cancel` stops every restart in progress (shutdown)."""
+    """Starts replacement cores (as the client started the first ones, less the fault flags);
+    `cancel` stops every restart in progress (shutdown)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, model_folder: str, frontend_id: str, engine_args: list[str],
-                 engine_command: tuple[str, ...], ready_timeout_s: float):
-        self.ctx = ctx
-        self.model_folder = model_folder
-        self.frontend_id = frontend_id
-        self.engine_args = engine_args
-        self.engine_command = engine_command
-        self.ready_timeout_s = ready_timeout_s
-        self._tasks: set[asyncio.Task] = set()
+    ctx: zmq.asyncio.Context
+    model_folder: str
+    frontend_id: str
+    engine_args: list[str]
+    engine_command: tuple[str, ...]
+    ready_timeout_s: float
+    _restarts: BackgroundTasks = field(default_factory=BackgroundTasks, init=False)
 
     def restart(self, dead: EngineConnection, stop_tasks: Callable[[int], Awaitable[None]],
                 on_ready: Callable[[EngineConnection], None]) -> None:
         """Replace `dead` in the background: `stop_tasks(index)` first, `on_ready(new core)` once it is ready."""
-        task = asyncio.create_task(self._restart(dead, stop_tasks, on_ready), name=f"restart-{dead.index}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._restarts.start(self._restart(dead, stop_tasks, on_ready), name=f"restart-{dead.index}")
 
     async def cancel(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._restarts.cancel()
 
     async def _restart(self, dead: EngineConnection, stop_tasks: Callable[[int], Awaitable[None]],
                        on_ready: Callable[[EngineConnection], None]) -> None:

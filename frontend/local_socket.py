@@ -23,6 +23,7 @@ import logging
 import msgpack
 import zmq
 
+from frontend.background_tasks import cancel_and_wait
 from frontend.engine_client import AsyncEngineClient
 from frontend.errors import FrontendError
 from ipc.codec import MAX_REQUEST_ID_LEN, DecodeError
@@ -130,8 +131,5 @@ class LocalSocketServer:
             logger.debug("could not send to a local client: %s", e)
 
     async def close(self) -> None:
-        tasks = [self._serve_task, *(request.task for request in self._requests.values())]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([self._serve_task, *(request.task for request in self._requests.values())])
         self.socket.close(linger=100)

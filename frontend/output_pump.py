@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Callable
 
+from frontend.background_tasks import cancel_and_wait
 from frontend.engine_connection import EngineConnection
 from frontend.errors import FrontendError, InvalidRequestError, RequestFailedError
 from frontend.metrics import FrontendMetrics
@@ -56,16 +57,10 @@ class OutputPumps:
 
     async def stop(self, index: int) -> None:
         """Stop one core's tasks (before its restart)."""
-        await self._cancel(self._tasks.pop(index, []))
+        await cancel_and_wait(self._tasks.pop(index, []))
 
     async def stop_all(self) -> None:
-        await self._cancel([t for engine_tasks in self._tasks.values() for t in engine_tasks])
-
-    @staticmethod
-    async def _cancel(tasks: list[asyncio.Task]) -> None:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(t for engine_tasks in self._tasks.values() for t in engine_tasks)
 
     async def _pump(self, engine: EngineConnection) -> None:
         handlers = {EngineOutputs: functools.partial(self._on_outputs, engine),

@@ -25,6 +25,7 @@ from typing import Awaitable, Callable
 
 import zmq.asyncio
 
+from frontend.background_tasks import BackgroundTasks
 from frontend.engine_connection import EngineConnection, EngineStartError
 from ipc.ray_cluster import actor_runtime_env, import_ray, init_ray
 
@@ -67,7 +68,7 @@ class RayEngineCores:
         self.model = model
         self.engine_args = engine_args
         self.actors: list = []
-        self._tasks: set[asyncio.Task] = set()
+        self._reconnects = BackgroundTasks()
 
     async def start(self, num_engines: int) -> list[str]:
         """Start the actors (connecting to a running Ray cluster, or starting a local one); their addresses."""
@@ -86,10 +87,8 @@ class RayEngineCores:
     def reconnect(self, dead: EngineConnection, ctx: zmq.asyncio.Context, frontend_id: str, ready_timeout_s: float,
                   stop_tasks: Callable[[int], Awaitable[None]], on_ready: Callable[[EngineConnection], None]) -> None:
         """Wait, in the background, for Ray to restart `dead`'s actor, then connect to its new core."""
-        task = asyncio.create_task(self._reconnect(dead, ctx, frontend_id, ready_timeout_s, stop_tasks, on_ready),
-                                   name=f"reconnect-{dead.index}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._reconnects.start(self._reconnect(dead, ctx, frontend_id, ready_timeout_s, stop_tasks, on_ready),
+                               name=f"reconnect-{dead.index}")
 
     async def _reconnect(self, dead: EngineConnection, ctx, frontend_id: str, ready_timeout_s: float,
                          stop_tasks, on_ready) -> None:
@@ -116,10 +115,7 @@ class RayEngineCores:
 
     async def shutdown(self) -> None:
         """Stop reconnecting and remove the actors (their cores die with them)."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._reconnects.cancel()
         if self.actors:
             ray = import_ray()
             for actor in self.actors:
