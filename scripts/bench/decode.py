@@ -34,7 +34,7 @@ import logging
 import statistics
 
 from engine.attention import BACKEND_NAMES
-from scripts.lib.bench_report import machine_info, run_and_report, require_at_least_one
+from scripts.lib.bench_report import engine_flags, machine_info, run_and_report, require_at_least_one
 from scripts.lib.lockstep_batch import add_lockstep_args, generate_recorded, lockstep_llm, random_prompts
 
 
@@ -112,15 +112,8 @@ def run(args: argparse.Namespace) -> dict:
     batch_size, input_len, output_len = args.batch_size, args.input_len, args.output_len
     llm = lockstep_llm(
         args.model, batch_size, input_len, output_len, args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        compile=args.compile,
-        num_threads=args.num_threads,
+        **engine_flags(args, "num_kv_blocks", "max_num_batched_tokens", "load_format", "dtype", "device",
+                       "attention_backend", "enforce_eager", "compile", "num_threads"),
     )
     engine = llm.engine
     model_config = engine.model_config

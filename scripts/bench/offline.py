@@ -51,7 +51,7 @@ from pathlib import Path
 from frontend.spec_decode_metrics import format_spec_decode, spec_decode_summary, subtract_spec_decode
 from ipc.engine_config import QUANTIZATIONS
 from scripts.bench.offline_hf import run_hf
-from scripts.lib.bench_report import cpu_steal_s, machine_info, steal_share, write_report
+from scripts.lib.bench_report import cpu_steal_s, engine_flags, machine_info, steal_share, write_report
 from scripts.lib.offline_result import ModeResult, print_table, step_columns, step_counts, useful_positions
 from scripts.lib.workload import (
     add_prefix_workload_args,
@@ -121,18 +121,11 @@ def run_engine(mode: str, workload: list[WorkloadRequest], args, prefix_caching:
         model=args.model,
         batching=mode,
         max_num_seqs=args.max_num_seqs if mode == "continuous" else args.static_batch_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        **engine_flags(args, "max_num_batched_tokens", "block_size", "num_kv_blocks", "dtype", "quantization",
+                       "kv_cache_dtype", "compile", "load_format", "speculative_config"),
         cpu_prepack=not args.no_cpu_prepack,
-        compile=args.compile,
         enable_prefix_caching=prefix_caching,
-        load_format=args.load_format,
         skip_tokenizer_init=args.load_format == "dummy",  # a config-only folder: token ids in and out
-        speculative_config=args.speculative_config,
     )
     startup_s = time.perf_counter() - startup
     runner = llm.engine.model_runner

@@ -1,6 +1,7 @@
 """What the bench scripts' JSON reports share: the machine they ran on, their size flags' checks, the --json file.
 
     def parse_args(argv):  # ... require_at_least_one(p, args, ("num_requests", ...))
+    LLM(model=args.model, **engine_flags(args, "block_size", "dtype", ...))  # flags named as LLM's arguments
     def run(args): return {..., "machine": machine_info()}
     args, report = run_and_report(parse_args, run, argv, logger)  # the JSON on stdout, and in --json if given
 """
@@ -94,6 +95,11 @@ def require_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespa
     for name in names:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def engine_flags(args: argparse.Namespace, *names: str) -> dict:
+    """The parsed flags `names` as LLM keyword arguments: --num-kv-blocks is LLM(num_kv_blocks=...)."""
+    return {name: getattr(args, name) for name in names}
 
 
 def write_report(path: str | Path | None, report: dict, indent: int = 1,

@@ -1,4 +1,5 @@
-"""The benchmark reports' reading of the CPU time a shared VM's hypervisor took (scripts/lib/bench_report.py)."""
+"""What the benchmarks share (scripts/lib/bench_report.py): the reading of the CPU time a shared VM's
+hypervisor took, and the flags passed on to the engine."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.lib.bench_report import cpu_steal_s, host_cpu_ticks, read_rate_gb_s, steal_share
+from ipc.engine_config import EngineConfig
+from scripts.bench import decode as bench_decode
+from scripts.lib.bench_report import cpu_steal_s, engine_flags, host_cpu_ticks, read_rate_gb_s, steal_share
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="no /proc/stat: not Linux")
@@ -41,3 +44,10 @@ def test_read_rate_is_a_positive_rate_and_keeps_its_buffer():
     buffer = bench_report._READ_PROBE[0]
     read_rate_gb_s(num_bytes=8 << 20, trials=1)
     assert bench_report._READ_PROBE[0] is buffer  # made once, so no probe times its page faults
+
+
+def test_engine_flags_are_the_parsed_flags_under_the_engine_config_names():
+    args = bench_decode.parse_args(["--num-kv-blocks", "7", "--dtype", "float32", "--compile"])
+    flags = engine_flags(args, "num_kv_blocks", "dtype", "compile", "device")
+    assert flags == {"num_kv_blocks": 7, "dtype": "float32", "compile": True, "device": None}
+    assert set(flags) <= set(EngineConfig.__dataclass_fields__)  # what LLM(**flags) passes on
