@@ -13,6 +13,7 @@ import time
 import pytest
 import requests
 
+from frontend.web_pages import PAGES, render_page
 from scripts.lib.fake_engine import FrontendServer
 from tests.helpers.server import fake_core
 
@@ -64,6 +65,18 @@ def test_assets_come_from_the_package_and_name_no_other_host(server):
     assert "http" not in page
     assert requests.get(server.url + "/static/nothing.js", timeout=10).status_code == 404
     assert requests.get(server.url + "/static/../api_server.py", timeout=10).status_code == 404
+
+
+def test_each_page_is_one_document_in_the_shared_shell():
+    for name, (title, _) in PAGES.items():
+        page = render_page(name, "smollm2", needs_key=False)
+        assert page.count("<head>") == page.count("<body ") == page.count('id="key-form"') == 1, name
+        assert f"<title>tokenloom {title}</title>" in page
+        assert 'data-needs-key="false"' in page and 'data-model="smollm2"' in page
+        assert "__" not in page, "a slot left unfilled"
+        assert page.index('id="key-form"') < page.index("common.js") < page.index("</body>")
+    assert 'id="feed-status"' in render_page("dashboard.html", "m", True)
+    assert 'id="feed-status"' not in render_page("chat.html", "m", True)
 
 
 def test_feed_wants_the_key(server):
