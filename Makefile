@@ -29,10 +29,10 @@ model: $(STAMP)
 	$(PY) -m engine.model_files $(MODEL)
 
 # The C++ CPU kernels, compiled once per machine (engines fall back to torch without a compiler),
-# and the int8 matmul where the CPU has AVX512_VNNI.
+# and the int8 and int4 matmuls where the CPU has AVX512_VNNI.
 kernels: $(STAMP)
-	$(PY) -m engine.kernels.cpu_extension
-	$(PY) -m engine.kernels.int8_extension
+	$(PY) -m engine.cpu.extension
+	$(PY) -m engine.cpu.quantized_extension
 
 test: model kernels browser
 	$(PY) -m pytest -q -rs

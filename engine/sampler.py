@@ -48,7 +48,7 @@ def sampling_kernels(device: torch.device) -> ModuleType | None:
     """The C++ CPU kernels where they apply (on the CPU, where they build), else None."""
     if device.type != "cpu":
         return None
-    from engine.kernels.cpu_extension import load_cpu_kernels_or_none
+    from engine.cpu.extension import load_cpu_kernels_or_none
 
     return load_cpu_kernels_or_none("sampling with torch ops")  # the same draws, slower
 

@@ -31,7 +31,7 @@ def resolve_attention_backend(name: str | None, device_type: str, dtype: torch.d
     if dtype == torch.bfloat16 and not cpu.has_avx512_bf16:
         logger.info("bf16 on a CPU without AVX512_BF16: attention runs the torch backend")
         return "torch"
-    from engine.kernels.cpu_extension import load_cpu_kernels_or_none
+    from engine.cpu.extension import load_cpu_kernels_or_none
 
     # No compiler, say: the torch path does the same work, slower.
     return "cpu" if load_cpu_kernels_or_none("attention runs the torch backend") is not None else "torch"
@@ -57,6 +57,6 @@ def make_attention_backend(name: str, block_size: int, windows: tuple[int, ...] 
 
 
 def _load_kernels() -> ModuleType:
-    from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.cpu.extension import load_cpu_kernels
 
     return load_cpu_kernels()

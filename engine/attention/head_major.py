@@ -42,7 +42,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slots: S
 
 
 def rotary_store_kv(
-    kernels: ModuleType,  # engine.kernels.cpu_extension's module (fused_ops.cpp)
+    kernels: ModuleType,  # engine.cpu.extension's module (fused_ops.cpp)
     qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
     cos_sin: tuple[torch.Tensor, torch.Tensor],  # [num_tokens, 1, head_dim] each, in the model dtype
     kv_cache: KVCache,

@@ -97,9 +97,9 @@ def build_decode_stack(model: nn.Module, kv_caches, backend, fused_ops: CpuFused
     wide_stack = _build_stack(model, kv_caches, fused_ops, kernels, _wide_linear_spec) if max_tokens else None
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
         # The quantized matmuls are another library's: it shares out on this one's pool.
-        from engine.kernels.int8_extension import load_int8_kernels
+        from engine.cpu.quantized_extension import load_quantized_kernels
 
-        load_int8_kernels().use_work_pool(kernels.work_pool_address())
+        load_quantized_kernels().use_work_pool(kernels.work_pool_address())
     note = f"{stack.num_layers()} layers" + (", on one work pool's threads" if stack.is_pooled() else "")
     if wide_stack is not None:
         note += f", oneDNN's weights past {min(max_tokens)} tokens"

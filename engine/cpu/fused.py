@@ -69,7 +69,7 @@ def select_fused_ops(device: torch.device, backend_name: str, is_compiled: bool)
     """The fused ops where the eager CPU path can use them, else None (the torch code runs)."""
     if device.type != "cpu" or is_compiled or backend_name not in HEAD_MAJOR_BACKENDS:
         return None
-    from engine.kernels.cpu_extension import load_cpu_kernels_or_none
+    from engine.cpu.extension import load_cpu_kernels_or_none
 
     kernels = load_cpu_kernels_or_none("fused CPU ops off, the torch ops run")  # the same work, slower
     if kernels is None:

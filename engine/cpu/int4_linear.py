@@ -1,5 +1,5 @@
 """`--quantization int4`: W4A8 linears in llama.cpp's Q4_1 format, on our vpdpbusd kernel
-(engine/kernels/cpu_int8/int4_linear.cpp).
+(engine/kernels/cpu_quantized/int4_linear.cpp).
 
 A single user's decode step reads every weight once, so its speed is the weight bytes over the
 memory's read rate: Q4_1 holds a weight in 0.625 bytes (a 4-bit code, and an fp16 scale d and

@@ -1,4 +1,4 @@
-"""`--quantization int8`: W8A8 linears on our vpdpbusd kernel (engine/kernels/cpu_int8/int8_linear.cpp).
+"""`--quantization int8`: W8A8 linears on our vpdpbusd kernel (engine/kernels/cpu_quantized/int8_linear.cpp).
 
 Every weight is quantized once, at load time, from the checkpoint's bf16/fp32 values:
 symmetric int8 with one scale per output row and group of 64 inputs (the input features

@@ -101,7 +101,7 @@ def plan_slabs(dtype: torch.dtype, num_weight_bytes: int, cpu: CpuFeatures) -> S
     if cpu.has_amx_bf16 and num_weight_bytes > SMALL_BATCH_MAX_WEIGHT_BYTES:
         logger.info("few-token steps stay on oneDNN: %.1f GB of weights would be copied", num_weight_bytes / 1e9)
         return None
-    from engine.kernels.cpu_extension import load_cpu_kernels_or_none
+    from engine.cpu.extension import load_cpu_kernels_or_none
 
     kernels = load_cpu_kernels_or_none("bf16 matmuls stay on oneDNN")
     if kernels is None or not kernels.has_small_batch_linear():

@@ -1,5 +1,5 @@
 """The plan for `--quantization int8|int4`: the quantized kernels' module (both schemes' kernels
-are in one extension, engine/kernels/cpu_int8/), checked against this CPU and against the
+are in one extension, engine/kernels/cpu_quantized/), checked against this CPU and against the
 layouts int8_linear.py and int4_linear.py pack.
 
 The plan is a pure function of the CPU's features (tested on faked ones): the kernels need
@@ -37,9 +37,9 @@ def check_quantization_supported(device_type: str, has_avx512_vnni: bool, scheme
 
 def plan_quantization(device_type: str, has_avx512_vnni: bool, scheme: str = "int8") -> QuantizedPlan:
     check_quantization_supported(device_type, has_avx512_vnni, scheme)
-    from engine.kernels.int8_extension import load_int8_kernels
+    from engine.cpu.quantized_extension import load_quantized_kernels
 
-    kernels = load_int8_kernels()
+    kernels = load_quantized_kernels()
     if not kernels.has_int8_linear():  # built without VNNI: the compiler's target disagrees with the probe
         raise ValueError(f"quantization={scheme!r}: the kernel was built without AVX512_VNNI on this CPU")
     # the packing in int8_linear.py and int4_linear.py and the kernels must agree

@@ -17,7 +17,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.dtype_policy import CpuFeatures
 
 try:
-    from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.cpu.extension import load_cpu_kernels
 
     KERNELS = load_cpu_kernels()
 except Exception as exc:  # the build needs a C++ compiler

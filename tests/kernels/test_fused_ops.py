@@ -17,7 +17,7 @@ NUM_TOKENS = [1, 7, 64, 300]
 
 @pytest.fixture(scope="module")
 def ops() -> CpuFusedOps:
-    from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.cpu.extension import load_cpu_kernels
 
     try:
         kernels = load_cpu_kernels()

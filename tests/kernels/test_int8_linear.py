@@ -1,4 +1,4 @@
-"""int8 W8A8 linears (engine/kernels/cpu_int8/int8_linear.cpp, engine/cpu/int8_linear.py):
+"""int8 W8A8 linears (engine/kernels/cpu_quantized/int8_linear.cpp, engine/cpu/int8_linear.py):
 the activations' quantization against torch's, the kernel against an fp32 matmul of the
 dequantized weights and activations at every step size and odd shapes, the panels read
 back, the plan on faked CPU features and the config's checks."""

@@ -21,7 +21,7 @@ def _filled_state(kernels) -> tuple[PenaltyState, torch.Tensor]:
 
 @pytest.mark.parametrize("repetition", [1.0, 1.3, 0.7])
 def test_kernel_gives_the_torch_ops_bits(repetition):
-    from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.cpu.extension import load_cpu_kernels
 
     torch.manual_seed(0)
     logits = torch.randn(16, VOCAB_SIZE) * 5

@@ -9,7 +9,7 @@ import torch
 from tests.kernels.test_cpu_attention import TOLERANCE, attend, dense_reference, make_batch
 
 try:
-    from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.cpu.extension import load_cpu_kernels
 
     KERNELS = load_cpu_kernels()
 except Exception as exc:  # the build needs a C++ compiler

@@ -10,7 +10,7 @@ from engine.cpu.packing import (
 )
 
 try:
-    from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.cpu.extension import load_cpu_kernels
 
     KERNELS = load_cpu_kernels()
 except Exception as exc:  # the build needs a C++ compiler

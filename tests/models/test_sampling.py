@@ -20,7 +20,7 @@ from tests.helpers.models import make_tiny_model
 
 
 def load_kernels():
-    from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.cpu.extension import load_cpu_kernels
 
     try:
         return load_cpu_kernels()

@@ -37,7 +37,7 @@ def greedy(max_tokens: int = 60, **fields) -> SamplingParams:
 def _kernels_or_none(use_kernels: bool):
     if not use_kernels:
         return None
-    from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.cpu.extension import load_cpu_kernels
 
     return load_cpu_kernels()
 

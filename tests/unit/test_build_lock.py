@@ -1,5 +1,5 @@
-"""Kernel builds: a killed build no longer hangs every later engine start (engine.kernels.build_lock),
-checkouts with the same kernels share one build (engine.kernels.cpu_extension.copy_sources), as do
+"""Kernel builds: a killed build no longer hangs every later engine start (engine.cpu.build_lock),
+checkouts with the same kernels share one build (engine.cpu.extension.copy_sources), as do
 caches reached through a link, and
 without kernels their users fall back to torch through one helper (load_cpu_kernels_or_none)."""
 
@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.kernels.build_lock import TORCH_LOCK_NAME, exclusive_build
+from engine.cpu.build_lock import TORCH_LOCK_NAME, exclusive_build
 from tests.helpers import REPO_ROOT
 
 
@@ -19,7 +19,7 @@ from tests.helpers import REPO_ROOT
 HOLDER = """
 import sys, time
 from pathlib import Path
-from engine.kernels.build_lock import exclusive_build
+from engine.cpu.build_lock import exclusive_build
 with exclusive_build(Path(sys.argv[1])):
     (Path(sys.argv[1]) / "lock").touch()
     print("held", flush=True)
@@ -62,7 +62,7 @@ def test_waits_for_a_live_build_then_takes_over_when_it_is_killed(tmp_path):
 
 def test_sources_are_compiled_from_one_copy_whichever_checkout_asks(tmp_path):
     """Two checkouts with the same kernels hand ninja the same paths, so neither rebuilds the other's build."""
-    from engine.kernels.cpu_extension import HEADERS, SOURCES, copy_sources
+    from engine.cpu.extension import HEADERS, SOURCES, copy_sources
 
     folder = tmp_path / "src"
     copies = copy_sources(SOURCES + HEADERS, folder)
@@ -86,7 +86,7 @@ def test_a_cache_reached_through_a_link_builds_in_the_same_place(tmp_path, monke
     must see the same paths, or it rebuilds every kernel (and again on the next plain start)."""
     import torch.utils.cpp_extension
 
-    from engine.kernels import cpu_extension
+    import engine.cpu.extension as cpu_extension
 
     real = tmp_path / "real"
     (real / "torch_extensions").mkdir(parents=True)
@@ -109,7 +109,7 @@ def test_without_kernels_attention_fused_ops_and_sampling_fall_back_to_torch(mon
 
     import torch
 
-    import engine.kernels.cpu_extension as cpu_extension
+    import engine.cpu.extension as cpu_extension
     from engine.attention import resolve_attention_backend
     from engine.dtype_policy import CpuFeatures
     from engine.cpu.fused import select_fused_ops
@@ -118,7 +118,7 @@ def test_without_kernels_attention_fused_ops_and_sampling_fall_back_to_torch(mon
         raise RuntimeError("c++: command not found")
 
     monkeypatch.setattr(cpu_extension, "load_cpu_kernels", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="engine.kernels.cpu_extension"):
+    with caplog.at_level(logging.WARNING, logger="engine.cpu.extension"):
         assert resolve_attention_backend(None, "cpu", torch.float32, CpuFeatures(has_avx512_bf16=True)) == "torch"
         assert select_fused_ops(torch.device("cpu"), "torch", is_compiled=False) is None
     messages = [r.getMessage() for r in caplog.records]
@@ -131,7 +131,7 @@ def test_venvs_linked_to_one_get_builds_of_their_own(monkeypatch):
     two such venvs sharing one build folder would rebuild every kernel over each other, on every start."""
     import torch
 
-    from engine.kernels import cpu_extension
+    import engine.cpu.extension as cpu_extension
 
     sources = cpu_extension.SOURCES[:1]
     keys = []

@@ -1,5 +1,5 @@
 // The Python module `tokenloom_cpu_kernels`: one binding per kernel, declared here
-// so each kernel file holds only its kernel (engine/kernels/cpu_extension.py builds
+// so each kernel file holds only its kernel (engine/cpu/extension.py builds
 // every file in engine/kernels/cpu/ into this one module).
 #include <torch/extension.h>
 

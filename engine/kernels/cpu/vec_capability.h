@@ -1,7 +1,7 @@
 // Selects ATen's vector width for this build before <ATen/cpu/vec/vec.h> is included.
 //
 // ATen's own kernels are built once per instruction set and dispatched at run time;
-// ours are built on the host with -march=native (engine/kernels/cpu_extension.py keys
+// ours are built on the host with -march=native (engine/cpu/extension.py keys
 // the build by CPU), so the compiler's own target macros say which width is safe.
 #pragma once
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine.kernels.cpu_extension import load_cpu_kernels
+from engine.cpu.extension import load_cpu_kernels
 from scripts.lib.bench_report import write_report
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

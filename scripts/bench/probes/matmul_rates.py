@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from engine.kernels.cpu_extension import load_cpu_kernels
+from engine.cpu.extension import load_cpu_kernels
 from engine.cpu.packing import pack_slabs
 from engine.cpu.int4_linear import Int4Linear
 from engine.cpu.int8_linear import Int8Linear

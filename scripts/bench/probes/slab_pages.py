@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
 
-    from engine.kernels.cpu_extension import load_cpu_kernels
+    from engine.cpu.extension import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if not kernels.has_small_batch_linear():
