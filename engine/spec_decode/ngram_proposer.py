@@ -16,23 +16,31 @@ from array import array
 _ID_BYTES = 4
 
 
+def encode(token_ids: list[int]) -> bytes:
+    """The ids as one bytes string, 4 bytes an id, for find_after to scan."""
+    return array("i", token_ids).tobytes()
+
+
 def find_after(haystack: list[int], suffix: list[int], end: int | None = None, start: int = 0,
-               last: bool = False) -> int | None:
+               last: bool = False, encoded: bytes | None = None) -> int | None:
     """The index just after an occurrence of `suffix` within haystack[start:end] that is followed by
-    a token before `end` (the leftmost one, or the rightmost with `last`); None when there is none."""
+    a token before `end` (the leftmost one, or the rightmost with `last`); None when there is none.
+    `encoded`: encode(haystack), where the caller searches the same tokens more than once."""
     end = len(haystack) if end is None else end
     if not suffix or len(suffix) >= end - start:
         return None
-    data = array("i", haystack[start:end]).tobytes()
-    needle = array("i", suffix).tobytes()
-    search = data.rfind if last else data.find
-    # The rightmost match must leave a token after it: search the bytes before the last id.
-    offset = search(needle, 0, len(data) - _ID_BYTES) if last else search(needle)
+    data = encode(haystack) if encoded is None else encoded
+    needle = encode(suffix)
+    low, high = start * _ID_BYTES, end * _ID_BYTES
+    if last:  # the rightmost match must leave a token after it: it ends before the last id
+        offset = data.rfind(needle, low, high - _ID_BYTES)
+    else:
+        offset = data.find(needle, low, high)
     while offset != -1:
         if offset % _ID_BYTES == 0:  # else a match across id boundaries: not a match
-            after = start + offset // _ID_BYTES + len(suffix)
+            after = offset // _ID_BYTES + len(suffix)
             return after if after < end else None
-        offset = data.rfind(needle, 0, offset + len(needle) - 1) if last else data.find(needle, offset + 1)
+        offset = data.rfind(needle, low, offset + len(needle) - 1) if last else data.find(needle, offset + 1, high)
     return None
 
 
@@ -40,9 +48,10 @@ def propose_ngram(token_ids: list[int], num_tokens: int, min_n: int, max_n: int)
     """Up to `num_tokens` proposed tokens after `token_ids` (the request's prompt and output)."""
     if num_tokens <= 0:
         return []
+    encoded = encode(token_ids)  # once for every n tried
     for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
         # The suffix itself sits at the end: search before it so it never finds itself.
-        start = find_after(token_ids, token_ids[-n:], end=len(token_ids) - 1, last=True)
+        start = find_after(token_ids, token_ids[-n:], end=len(token_ids) - 1, last=True, encoded=encoded)
         if start is not None:
             return token_ids[start : start + num_tokens]
     return []

@@ -19,7 +19,7 @@ the request's tokens never change, so it survives preemption.
 from __future__ import annotations
 
 from engine.request import Request
-from engine.spec_decode.ngram_proposer import find_after
+from engine.spec_decode.ngram_proposer import encode, find_after
 from ipc.messages import SpecMethod
 
 LOOKUP_MAX = 4  # the longest output suffix looked up in the prediction after a divergence
@@ -64,15 +64,16 @@ def _resync(prediction: list[int], token_ids: list[int], num_output_tokens: int,
     edit copies from too; a better guess, measured, than a match further back in the prediction);
     else the prediction's first match. -> (the prediction's position, or None and where in
     token_ids to go on from, or None twice)"""
+    encoded_prediction, encoded_tokens = encode(prediction), encode(token_ids)  # once for every n tried
     for n in range(min(LOOKUP_MAX, num_output_tokens), LOOKUP_MIN - 1, -1):
         suffix = token_ids[-n:]
-        position = find_after(prediction, suffix, start=last_position)
+        position = find_after(prediction, suffix, start=last_position, encoded=encoded_prediction)
         if position is not None:
             return position, None
-        after = find_after(token_ids, suffix, end=len(token_ids) - 1, last=True)
+        after = find_after(token_ids, suffix, end=len(token_ids) - 1, last=True, encoded=encoded_tokens)
         if after is not None:
             return None, after
-        position = find_after(prediction, suffix)
+        position = find_after(prediction, suffix, encoded=encoded_prediction)
         if position is not None:
             return position, None
     return None, None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 
 from engine.request import Request
-from engine.spec_decode.ngram_proposer import find_after, propose_ngram
+from engine.spec_decode.ngram_proposer import encode, find_after, propose_ngram
 from engine.spec_decode.prediction_proposer import propose_prediction
 from ipc.messages import SpecMethod
 from ipc.sampling_params import SamplingParams
@@ -30,6 +30,31 @@ def test_find_after_never_matches_across_token_boundaries():
     assert find_after(haystack, [2, 3]) is None
     assert find_after(haystack, [2, 3], last=True) is None
     assert find_after(haystack + [2, 3, 8], [2, 3], last=True) == 6
+
+
+def _find_after_by_hand(haystack, suffix, end, start, last):
+    """find_after's definition, written out: every aligned match within [start, end) with a token after it."""
+    n = len(suffix)
+    afters = [i + n for i in range(start, end - n + 1) if haystack[i:i + n] == suffix and i + n < end]
+    if not afters or not suffix:
+        return None
+    return afters[-1] if last else afters[0]
+
+
+def test_find_after_matches_its_definition_with_and_without_the_encoded_haystack():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        # Ids that share bytes (256 + small, small * 65536) make misaligned byte matches likely.
+        haystack = [rng.choice([1, 2, 256 + 1, 2 * 65536, 0]) for _ in range(rng.randint(0, 14))]
+        suffix = [rng.choice([1, 2, 256 + 1, 2 * 65536, 0]) for _ in range(rng.randint(1, 3))]
+        end = rng.randint(0, len(haystack))
+        start = rng.randint(0, end)
+        last = rng.random() < 0.5
+        expected = _find_after_by_hand(haystack, suffix, end, start, last)
+        assert find_after(haystack, suffix, end, start, last) == expected, (haystack, suffix, end, start, last)
+        assert find_after(haystack, suffix, end, start, last, encoded=encode(haystack)) == expected
 
 
 def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
