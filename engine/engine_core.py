@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -28,6 +27,7 @@ from engine.scheduler import Scheduler
 from engine.spec_decode.proposer import SpecProposer
 from engine.static_scheduler import StaticScheduler
 from engine.step_outputs import StepOutputs
+from engine.step_stats import PaddedStepStats, StepStats
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
 from ipc.messages import RequestOutput, SchedulerStats, StepCounts
 from ipc.pooling_params import PoolingParams
@@ -47,24 +47,6 @@ class StepError(RuntimeError):
         super().__init__(f"a step failed: {cause!r}")
         self.request_ids = request_ids
         self.cause = cause
-
-
-@dataclass
-class StepStats:
-    """What one step did, recorded cheaply for benchmarks and occupancy plots."""
-
-    start_time: float
-    end_time: float
-    num_seqs: int
-    num_tokens: int
-    num_prefill_tokens: int  # the scheduler's exact counts (SchedulerOutput.counts)
-    num_decode_tokens: int  # proposed tokens included
-    num_kv_blocks_used: int
-    # static-padded: pad tokens computed for nothing (engine.padded_static_scheduler)
-    num_padding_tokens: int = 0  # rows' left padding
-    num_finished_row_tokens: int = 0  # finished rows' pad-token decodes
-    num_prefill_requests: int = 0
-    num_decode_requests: int = 0
 
 
 class EngineCore:
@@ -242,7 +224,7 @@ def make_step_stats(scheduler_output, counts: StepCounts, start_time: float, end
                     num_kv_blocks_used: int) -> StepStats:
     """One step's record, from its batch's `counts` (taken before the update); also built by the
     capacity simulator, on its simulated clock."""
-    stats = StepStats(
+    fields = dict(
         start_time=start_time,
         end_time=end_time,
         num_seqs=len(scheduler_output.scheduled),
@@ -254,6 +236,6 @@ def make_step_stats(scheduler_output, counts: StepCounts, start_time: float, end
         num_decode_requests=counts.num_decode_requests,
     )
     if isinstance(scheduler_output, PaddedSchedulerOutput):  # the baseline's pad tokens, computed for nothing
-        stats.num_padding_tokens = scheduler_output.num_padding_tokens
-        stats.num_finished_row_tokens = scheduler_output.num_finished_row_tokens
-    return stats
+        return PaddedStepStats(**fields, num_padding_tokens=scheduler_output.num_padding_tokens,
+                               num_finished_row_tokens=scheduler_output.num_finished_row_tokens)
+    return StepStats(**fields)

@@ -18,7 +18,8 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.engine_core import SCHEDULER_CLASSES, StepStats, make_step_stats
+from engine.engine_core import SCHEDULER_CLASSES, make_step_stats
+from engine.step_stats import StepStats
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.simulator.hardware_profile import HardwareProfile

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
+from engine.step_stats import PaddedStepStats
 from scripts.lib.offline_result import ModeResult, useful_positions
 from scripts.lib.workload import WorkloadRequest
 
@@ -79,14 +79,16 @@ def run_hf(workload: list[WorkloadRequest], args, model_path: str) -> ModeResult
         # Steps as the engine records them, counting only rows that still need their tokens.
         # Its padding is counted as static-padded's: left padding, and the rows already done.
         num_prompt = sum(r.num_prompt_tokens for r in batch)
-        step_stats.append(SimpleNamespace(start_time=times[0], end_time=times[1], num_seqs=len(batch),
-                                          num_tokens=num_prompt, num_finished_row_tokens=0,
-                                          num_padding_tokens=len(batch) * num_padded - num_prompt))
+        step_stats.append(PaddedStepStats(
+            start_time=times[0], end_time=times[1], num_seqs=len(batch), num_tokens=num_prompt,
+            num_prefill_tokens=num_prompt, num_decode_tokens=0, num_kv_blocks_used=0,
+            num_prefill_requests=len(batch), num_padding_tokens=len(batch) * num_padded - num_prompt))
         for k in range(1, num_new):
             num_live = sum(1 for r in batch if r.max_tokens > k)
-            step_stats.append(SimpleNamespace(start_time=times[k], end_time=times[k + 1], num_seqs=num_live,
-                                              num_tokens=num_live, num_padding_tokens=0,
-                                              num_finished_row_tokens=len(batch) - num_live))
+            step_stats.append(PaddedStepStats(
+                start_time=times[k], end_time=times[k + 1], num_seqs=num_live, num_tokens=num_live,
+                num_prefill_tokens=0, num_decode_tokens=num_live, num_kv_blocks_used=0,
+                num_decode_requests=num_live, num_finished_row_tokens=len(batch) - num_live))
     elapsed = time.perf_counter() - start
     del model
     return ModeResult(

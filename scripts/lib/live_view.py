@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from engine.step_stats import padding_of
+
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parents[2] / "frontend" / "static"
@@ -47,7 +49,7 @@ class LiveRun:
 
     name: str
     state: str = "waiting"  # waiting, running, done
-    steps: list = field(default_factory=list)  # engine.engine_core.StepStats
+    steps: list = field(default_factory=list)  # engine.step_stats.StepStats
     start_time: float = 0.0
     elapsed_s: float = 0.0
     summary: dict = field(default_factory=dict)  # the benchmark's figures once done
@@ -55,7 +57,7 @@ class LiveRun:
 
 def step_column(stats) -> list[int]:
     """[prefill, decode, padding] sequences of one StepStats (the scheduler's own counts)."""
-    return [stats.num_prefill_requests, stats.num_decode_requests, stats.num_finished_row_tokens]
+    return [stats.num_prefill_requests, stats.num_decode_requests, padding_of(stats)[1]]
 
 
 class LiveView:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.step_stats import padding_of
 from scripts.lib.bench_metrics import percentile
 from scripts.lib.workload import WorkloadRequest
 
@@ -73,12 +74,13 @@ class ModeResult:
 def step_counts(steps: list) -> dict:
     """The ModeResult fields read off a run's StepStats: positions computed (padding
     included), padding by kind, and rows per step (a finished padded row decodes one token)."""
-    rows = [s.num_seqs + s.num_finished_row_tokens for s in steps]
+    padding = [padding_of(s) for s in steps]  # (left padding, finished rows' decodes)
+    rows = [s.num_seqs + finished for s, (_, finished) in zip(steps, padding)]
     durations = [s.end_time - s.start_time for s in steps]
     return dict(
-        num_computed_positions=sum(s.num_tokens + s.num_padding_tokens + s.num_finished_row_tokens for s in steps),
-        num_padding_tokens=sum(s.num_padding_tokens for s in steps),
-        num_finished_row_tokens=sum(s.num_finished_row_tokens for s in steps),
+        num_computed_positions=sum(s.num_tokens + left + finished for s, (left, finished) in zip(steps, padding)),
+        num_padding_tokens=sum(left for left, _ in padding),
+        num_finished_row_tokens=sum(finished for _, finished in padding),
         max_batch_rows=max(rows, default=0),
         mean_batch_rows=sum(r * d for r, d in zip(rows, durations)) / max(sum(durations), 1e-12),
     )
@@ -121,6 +123,6 @@ def step_columns(steps: list) -> dict[str, list]:
         "end_s": [round(s.end_time - t0, 6) for s in steps],
         "num_seqs": [s.num_seqs for s in steps],
         "num_tokens": [s.num_tokens for s in steps],
-        "num_padding_tokens": [s.num_padding_tokens for s in steps],
-        "num_finished_row_tokens": [s.num_finished_row_tokens for s in steps],
+        "num_padding_tokens": [padding_of(s)[0] for s in steps],
+        "num_finished_row_tokens": [padding_of(s)[1] for s in steps],
     }

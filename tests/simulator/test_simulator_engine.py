@@ -14,6 +14,7 @@ import pytest
 from engine.simulator.hardware_profile import HardwareProfile, load_profile
 from engine.simulator.model_shape import load_model_shape
 from engine.simulator.simulator import SimulatedRequest, Simulator, SimulatorConfig
+from engine.step_stats import padding_of
 from scripts.lib.make_model_config import write_model_config
 
 PROFILE = HardwareProfile("test", "test", {"float32": 1e12}, 1e11, overlap=False, step_overhead_s=1e-3)
@@ -52,7 +53,7 @@ def engine_steps(folder, requests, **config) -> tuple[list[tuple[int, int]], lis
 
 
 def step_record(s) -> tuple[int, int, int, int]:
-    return s.num_seqs, s.num_tokens, s.num_padding_tokens, s.num_finished_row_tokens
+    return s.num_seqs, s.num_tokens, *padding_of(s)
 
 
 @pytest.mark.parametrize("batching, max_num_seqs, num_kv_blocks", [
