@@ -10,7 +10,7 @@ How many (k) adapts twice:
   `SPEC_STEP_TOKENS` tokens: one user may propose up to its full k, 4 users about 5 each, and from
   `SPEC_STEP_TOKENS` decoding requests on, none: batched throughput is what it was without.
 - to the request: an exponential average of how many of its proposed tokens were accepted; k is that
-  plus 2 (so it can grow back), within the configured k.
+  plus 4 (so it can grow back), within the configured k.
 
 Not speculated (speculation off for the row, output unchanged): rows whose logits depend on the
 tokens before each position (penalties, logit_bias, allowed_token_ids, bad words, a grammar, and
@@ -30,7 +30,10 @@ from ipc.speculative_config import SpeculativeConfig
 SPEC_STEP_TOKENS = 24  # a step's tokens (decodes and proposals) below which the CPU step stays weight-bound
 PREDICTION_MAX_TOKENS = 16  # k for a prediction without --speculative-config (the configurable maximum)
 EMA_WEIGHT = 0.5  # of the newest draft's accepted count
-EMA_HEADROOM = 2  # k is the average accepted count plus this, so it can grow back
+# k is the average accepted count plus this, so it can grow back. Rows past the average cost
+# little beside a step's weight reads, and a copy that resumes after a miss runs long: +4 beat +2
+# by 8-15% one user and 4 users on AMX (docs/speculative-decoding.md#figures), and +16 lost.
+EMA_HEADROOM = 4
 
 
 class SpecProposer:
