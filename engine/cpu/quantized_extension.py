@@ -11,8 +11,8 @@ from types import ModuleType
 
 from engine.cpu.extension import KERNELS, load_extension
 
-SOURCES = [KERNELS / "cpu_quantized" / name for name in ("int8_linear.cpp", "int4_linear.cpp",
-                                                                          "embedding_rows.cpp")]
+SOURCES = [KERNELS / "cpu_quantized" / name
+           for name in ("int8_linear.cpp", "int4_linear.cpp", "embedding_rows.cpp")]
 HEADERS = [KERNELS / "cpu" / "share_out.h",  # shared with the bf16 slabs
            KERNELS / "cpu" / "work_pool.h",  # ... and the decode steps' work pool
            KERNELS / "cpu_quantized" / "vnni_io.h"]
