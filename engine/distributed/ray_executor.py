@@ -36,6 +36,7 @@ ACTOR_NAMESPACE = "tokenloom"  # workers are named in it, so `ray.get_actor` (an
 PLACEMENT_TIMEOUT_S = 60.0  # a cluster without room for the group says so rather than hang
 CHECK_INTERVAL_S = 0.5  # Ray's own view of the actors, at most this often (the sockets see a death at once)
 LOOPBACK = "127.0.0.1"
+FREE_CPUS_SETTLE_S = 15.0  # how long a busy cluster is asked again before whole CPUs are asked for
 CPU_UNITS = 10_000  # Ray counts a resource in 1/10,000ths: a bundle's fraction is rounded down to them
 
 
@@ -68,9 +69,9 @@ class RayExecutor(Executor):
         return RayActors(config.world_size, device.type == "cuda", config.ray_num_cpus_per_worker)
 
 
-def bundle_num_cpus(size: int, free_cpus: dict[str, float], node_id: str) -> float:
+def bundle_num_cpus(size: int, free_cpus: dict[str, float], node_id: str) -> float | None:
     """CPUs per bundle: the largest of 1, 1/2, ..., 1/size with which `size` bundles fit the nodes'
-    free CPUs, bundle 0 on `node_id` (1 if none fits: the placement then times out, saying so).
+    free CPUs, bundle 0 on `node_id`; None if none fits.
 
     Why a fraction at all: a Ray CPU only places a rank; its threads are its host's cores, shared
     among the host's ranks (`RayActors.start`), so ranks sharing a Ray CPU lose nothing but the
@@ -82,7 +83,22 @@ def bundle_num_cpus(size: int, free_cpus: dict[str, float], node_id: str) -> flo
         num_slots = {node: round(free * CPU_UNITS) // unit for node, free in free_cpus.items()}
         if num_slots.get(node_id, 0) >= 1 and sum(num_slots.values()) >= size:
             return unit / CPU_UNITS
-    return 1.0
+    return None
+
+
+def settle_bundle_num_cpus(size: int, node_id: str, timeout_s: float = FREE_CPUS_SETTLE_S) -> float:
+    """bundle_num_cpus over the nodes' free CPUs, asked again while none fits for up to `timeout_s`:
+    the actors of an engine just shut down give their CPUs back a moment later, and a choice made
+    before that would ask for more than the cluster has. 1 if none fits by then (the placement then
+    waits for room, and times out saying so)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        num_cpus = bundle_num_cpus(size, free_cpus_by_node(), node_id)
+        if num_cpus is not None:
+            return num_cpus
+        if time.monotonic() >= deadline:
+            return 1.0
+        time.sleep(CHECK_INTERVAL_S)
 
 
 def free_cpus_by_node() -> dict[str, float]:
@@ -110,7 +126,7 @@ class RayActors(Workers):
         node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
         if num_cpus is None:
-            num_cpus = bundle_num_cpus(size, free_cpus_by_node(), node_id)
+            num_cpus = settle_bundle_num_cpus(size, node_id)
         self.bundle = bundle = {"CPU": num_cpus, "GPU": 1.0} if is_cuda else {"CPU": num_cpus}
         # Bundle 0 on this node by its id (several nodes may share an IP: raylets on one host).
         this_node = [{"ray.io/node-id": node_id}] + [{} for _ in range(size - 1)]

@@ -73,9 +73,23 @@ def test_ray_bundles_take_a_whole_cpu_where_there_is_room_else_the_largest_fract
     assert bundle_num_cpus(3, three_nodes, "head") == 1.0  # TP=3: one rank a node
     assert bundle_num_cpus(4, three_nodes, "head") == 0.5  # TP=2 x PP=2: two nodes of two ranks
     assert bundle_num_cpus(7, three_nodes, "head") == 0.3333  # 3 + 3 + 1, in Ray's 1/10,000ths
-    assert bundle_num_cpus(2, {"head": 0.0, "b": 2.0}, "head") == 1.0  # rank 0's node is full: nothing fits
+    assert bundle_num_cpus(2, {"head": 0.0, "b": 2.0}, "head") is None  # rank 0's node is full: nothing fits
+    assert bundle_num_cpus(4, {"head": 1.0, "b": 1.0, "c": 0.0}, "head") == 0.5  # a node still busy: 2 + 2
     assert bundle_num_cpus(4, {"head": 0.5, "b": 0.7, "c": 0.7}, "head") == 0.3333  # 1 + 2 + 2 (at 1/2: 1 + 1 + 1)
     assert bundle_num_cpus(2, {"head": 16.0}, "head") == 1.0
+
+
+def test_ray_bundles_wait_for_the_cpus_a_shut_down_engine_gives_back(monkeypatch):
+    """Its actors free their CPUs a moment after the engine goes: asked too early, rank 0's node
+    looks full and whole CPUs would be asked of a cluster that cannot hold them."""
+    import engine.distributed.ray_executor as ray_executor
+
+    views = iter([{"head": 0.0, "b": 1.0, "c": 1.0}] * 3 + [{"head": 1.0, "b": 1.0, "c": 1.0}])
+    monkeypatch.setattr(ray_executor, "free_cpus_by_node", lambda: next(views))
+    monkeypatch.setattr(ray_executor, "CHECK_INTERVAL_S", 0.0)
+    assert ray_executor.settle_bundle_num_cpus(4, "head", timeout_s=5.0) == 0.5
+    monkeypatch.setattr(ray_executor, "free_cpus_by_node", lambda: {"head": 0.0, "b": 2.0})
+    assert ray_executor.settle_bundle_num_cpus(2, "head", timeout_s=0.0) == 1.0  # still full: placement says so
 
 
 def test_ray_cpus_per_worker_is_a_flag_and_must_be_positive():
