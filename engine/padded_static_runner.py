@@ -21,6 +21,7 @@ from engine.distributed.messages import StepInputs
 from engine.model_runner import ModelRunner
 from engine.padded_static_scheduler import PaddedSchedulerOutput, PaddingRow
 from engine.scheduler_output import SampledToken
+from engine.step_inputs import append_chunk, pad_block_tables
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +52,9 @@ def add_padding_rows(inputs: StepInputs, padding: list[PaddingRow], pad_token_id
         return
     for row in padding:
         end = row.start + row.num_tokens
-        inputs.input_ids.extend([pad_token_id] * row.num_tokens)
-        inputs.positions.extend(range(row.start, end))
-        inputs.slot_mapping.extend(row.block_ids[p // block_size] * block_size + p % block_size
-                                   for p in range(row.start, end))
-        inputs.query_start_loc.append(len(inputs.input_ids))
-        inputs.query_lens.append(row.num_tokens)
-        inputs.seq_lens.append(end)
+        # A pad row's table stops at its last block, so a decode step keeps to the CUDA graphs' width.
+        append_chunk(inputs, [pad_token_id] * row.num_tokens, row.start,
+                     row.block_ids[: num_blocks_for(end, block_size)], block_size)
         if row.is_sampling:
             inputs.sample_rows.append(len(inputs.input_ids) - 1)
-        # A pad row's table stops at its last block, so a decode step keeps to the CUDA graphs' width.
-        inputs.block_tables.append(row.block_ids[: num_blocks_for(end, block_size)])
-    max_num_blocks = max(map(len, inputs.block_tables))
-    inputs.block_tables = [table + [0] * (max_num_blocks - len(table)) for table in inputs.block_tables]
+    inputs.block_tables = pad_block_tables(inputs.block_tables)

@@ -50,21 +50,31 @@ class ChunkBatch:
         self.block_tables: list[list[int]] = []
 
     def add(self, token_ids: list[int], start: int, block_ids: list[int]) -> None:
-        block_size = self.block_size
-        end = start + len(token_ids)
-        self.input_ids.extend(token_ids)
-        self.positions.extend(range(start, end))
-        self.slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
-        self.query_start_loc.append(len(self.input_ids))
-        self.query_lens.append(len(token_ids))
-        self.seq_lens.append(end)
-        self.block_tables.append(block_ids)
+        append_chunk(self, token_ids, start, block_ids, self.block_size)
 
     def to_inputs(self, sample_rows: list[int]) -> StepInputs:
-        max_num_blocks = max(map(len, self.block_tables))
-        block_tables = [table + [0] * (max_num_blocks - len(table)) for table in self.block_tables]
         return StepInputs(self.input_ids, self.positions, self.slot_mapping, self.query_start_loc, self.seq_lens,
-                          self.query_lens, block_tables, sample_rows)
+                          self.query_lens, pad_block_tables(self.block_tables), sample_rows)
+
+
+def append_chunk(batch: ChunkBatch | StepInputs, token_ids: list[int], start: int, block_ids: list[int],
+                 block_size: int) -> None:
+    """One sequence's tokens at positions start.. onto a batch's flat lists (a ChunkBatch being
+    built, or a built step's StepInputs: the padded baseline's pad rows), KV slots from `block_ids`."""
+    end = start + len(token_ids)
+    batch.input_ids.extend(token_ids)
+    batch.positions.extend(range(start, end))
+    batch.slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+    batch.query_start_loc.append(len(batch.input_ids))
+    batch.query_lens.append(len(token_ids))
+    batch.seq_lens.append(end)
+    batch.block_tables.append(block_ids)
+
+
+def pad_block_tables(block_tables: list[list[int]]) -> list[list[int]]:
+    """Every table as long as the longest, padded with block 0 (never read: seq_lens bound it)."""
+    max_num_blocks = max(map(len, block_tables))
+    return [table + [0] * (max_num_blocks - len(table)) for table in block_tables]
 
 
 def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logprobs: PromptLogprobsCollector) -> PreparedStep:
