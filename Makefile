@@ -26,7 +26,7 @@ browser:
 	sh scripts/install_chromium.sh
 
 model: $(STAMP)
-	$(PY) -m engine.model_files $(MODEL)
+	$(PY) -m engine.loader.model_files $(MODEL)
 
 # The C++ CPU kernels, compiled once per machine (engines fall back to torch without a compiler),
 # and the int8 and int4 matmuls where the CPU has AVX512_VNNI.

@@ -1,7 +1,7 @@
 """tokenloom's engine: paged KV cache, continuous batching, our own model code.
 
 `from engine import LLM, SamplingParams` is the offline API. Names load
-lazily so that torch-free parts (`engine.model_files`) stay torch-free.
+lazily so that torch-free parts (`engine.loader.model_files`) stay torch-free.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def __getattr__(name: str):
 
         return EngineConfig
     if name == "EngineCore":
-        from engine.engine_core import EngineCore
+        from engine.core.engine_core import EngineCore
 
         return EngineCore
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

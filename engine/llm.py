@@ -20,7 +20,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.engine_core import EngineCore, StepError
+from engine.core.engine_core import EngineCore, StepError
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
 from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from ipc.sampling_params import SamplingParams, tokenize_bad_words
@@ -119,7 +119,7 @@ class LLM:
     def embed(self, prompts: str | list[int] | list[str] | list[list[int]],
               pooling_params: PoolingParams | None = None) -> list[EmbeddingOutput]:
         """One embedding per prompt (text or token ids), in input order (vLLM's `LLM.embed`): last-token
-        pooling, normalized, unless `pooling_params` says otherwise (engine.pooler)."""
+        pooling, normalized, unless `pooling_params` says otherwise (engine.worker.pooler)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         pooling_params = pooling_params or PoolingParams()

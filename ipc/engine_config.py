@@ -2,7 +2,7 @@
 
 `EngineConfig` is what the offline `LLM(**kwargs)` and the core process fill in. The
 frontend starts cores with flags, so the flags are part of the contract between the
-two processes: both parsers (`engine.core_process` and `frontend.server_args`) add
+two processes: both parsers (`engine.core.core_process` and `frontend.server_args`) add
 them with `add_engine_args`, one flag per field, and the frontend turns what the user
 gave back into a core's argv with `engine_argv`. No torch here.
 """
@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from ipc.speculative_config import SpeculativeConfig
 
-DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, converted by engine.model_files
+DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, converted by engine.loader.model_files
 AUTO_DTYPE = "auto"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 BATCHING_MODES = ("continuous", "static", "static-padded")
@@ -68,11 +68,11 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata=_flag(
         "CPU: torch intra-op threads (default: torch's own)"))
     adaptive_threads: bool = field(default=True, metadata=_flag(
-        "CPU, served: step with fewer threads while other processes use the cores (engine.thread_governor)"))
+        "CPU, served: step with fewer threads while other processes use the cores (engine.cpu.thread_governor)"))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "CUDA: no CUDA graphs; CPU: no torch.compile even with --compile"))
     compile: bool = field(default=False, metadata=_flag(
-        "CPU: torch.compile the forward (engine.compilation): faster steps, the first start compiles for minutes"))
+        "CPU: torch.compile the forward (engine.worker.compilation): faster steps, the first start compiles for minutes"))
     load_format: str = field(default="auto", metadata=_flag(
         "dummy: random weights of the checkpoint's shape, for timing", choices=("auto", "dummy")))
     # ~2x faster steps here; the primitive caches that would grow with the variety of step
@@ -115,7 +115,7 @@ class EngineConfig:
     speculative_config: str | None = field(default=None, metadata=_flag(
         'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
         '\'{"method": "draft", "model": "self-int4", "num_speculative_tokens": 4}\' (default: off)'))
-    # Embeddings only: no generation, and a KV pool sized for prefill alone (engine.pooler).
+    # Embeddings only: no generation, and a KV pool sized for prefill alone (engine.worker.pooler).
     runner: str = field(default="generate", metadata=_flag(
         "generate: text generation, and embeddings beside it; pooling: embeddings only (/v1/embeddings), "
         "with a KV pool sized for one step's prefills", choices=RUNNERS))

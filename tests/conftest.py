@@ -29,7 +29,7 @@ def event_log(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from engine.model_files import DEFAULT_MODEL, resolve_model
+    from engine.loader.model_files import DEFAULT_MODEL, resolve_model
 
     return resolve_model(DEFAULT_MODEL)
 

@@ -4,10 +4,10 @@ torch backend), with attention in C++ kernels.
 The kernels read each sequence's blocks in place through its block table
 instead of gathering them into copies:
 
-- decodes (one query token) in engine/kernels/cpu/paged_decode_attention.cpp,
+- decodes (one query token) in engine/cpu/csrc/paged_decode_attention.cpp,
   one (sequence, KV head) per task, the whole GQA group per K/V row;
 - prefill chunks (a whole prompt, a chunk after earlier context or after a
-  cached prefix) in engine/kernels/cpu/paged_prefill_attention.cpp, flash-style
+  cached prefix) in engine/cpu/csrc/paged_prefill_attention.cpp, flash-style
   over tiles of queries, causal by position with no mask tensor. The torch path
   gathered every context block per layer and ran SDPA with a boolean mask, which
   on a short chunk after a long cached prefix reached a small part of the

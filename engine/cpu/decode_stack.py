@@ -1,4 +1,4 @@
-"""Decode steps' decoder layers in one C++ call (engine/kernels/cpu/decode_stack.cpp).
+"""Decode steps' decoder layers in one C++ call (engine/cpu/csrc/decode_stack.cpp).
 
 A one-token step of a small model spent about as long in Python as in its weight read:
 SmolLM2-135M ran ~450 module and kernel calls per token (figures: docs/performance.md,
@@ -7,7 +7,7 @@ uses to a C++ loop over the layers, built once from the model after the runner a
 its fast paths (engine/cpu/fast_paths.py), so the result has the eager path's bits.
 
 It takes decode-only steps (every row one sequence's next token) and verification steps
-(engine.step_inputs.to_row_tensors: each token a row) on the CPU attention backend, with no
+(engine.worker.step_inputs.to_row_tensors: each token a row) on the CPU attention backend, with no
 shared-prefix decode groups (those take the shared kernel, from Python), and models whose every layer is the plain decoder layer with the fused kernels: RMSNorm,
 fused rotary + KV store (q/k RMSNorm allowed), SiLU-gated dense MLP, and matmuls on bf16
 slabs, int8 or int4 panels, oneDNN's prepacked weights or plain weights. Anything else (MoE, Gemma's

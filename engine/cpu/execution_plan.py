@@ -26,7 +26,7 @@ from engine.cpu.fused import CpuFusedOps, select_fused_ops
 from engine.cpu.packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.cpu.quantized_plan import QuantizedPlan, plan_quantization
 from engine.dtype_policy import CpuFeatures
-from engine.gguf_blocks import blocks_for_model
+from engine.loader.gguf_blocks import blocks_for_model
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Builds and loads the C++ CPU kernels (sources in engine/kernels/cpu/*.cpp) once per machine.
+"""Builds and loads the C++ CPU kernels (sources in engine/cpu/csrc/*.cpp) once per machine.
 
 torch.utils.cpp_extension compiles them with the host compiler the first time
 (about 20 s) into <cache>/torch_extensions/<cpu key>-<source key>, and later
@@ -31,14 +31,14 @@ from engine.cpu.build_lock import exclusive_build
 
 logger = logging.getLogger(__name__)
 
-KERNELS = Path(__file__).parents[1] / "kernels"  # the sources; built from here
+CSRC = Path(__file__).parent / "csrc"  # the sources; built from here
 SOURCES = [
-    KERNELS / "cpu" / name
+    CSRC / name
     for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "paged_shared_decode_attention.cpp",
                  "fused_ops.cpp", "small_batch_linear.cpp", "sample_rows.cpp", "apply_penalties.cpp", "apply_token_bitmask.cpp",
                  "decode_stack.cpp", "bindings.cpp")
 ]
-HEADERS = [KERNELS / "cpu" / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h",
+HEADERS = [CSRC / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h",
                                                      "share_out.h", "work_pool.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 

@@ -4,7 +4,7 @@ from, so a new family gets them without code of its own:
 - int8 or int4 matmuls with `--quantization int8|int4` (engine/cpu/int8_linear.py,
   int4_linear.py), in place of the prepacked ones: every nn.Linear and RowParallelLinear,
   the LM head too; of a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks where the model came from one
-  (engine/gguf_blocks.py);
+  (engine/loader/gguf_blocks.py);
 - prepacked matmuls (engine/cpu/packing.py): every nn.Linear (attention, MLPs, MoE
   experts, the LM head, tied or not) becomes a PackedLinear, on oneDNN's blocked layout or
   on bf16 slabs per the SlabPlan; a RowParallelLinear packs its matmul and keeps its
@@ -41,7 +41,7 @@ from engine.models.layers import OffsetRMSNorm, RMSNorm, SwiGLUMLP
 from engine.models.moe import MoEBlock
 
 if TYPE_CHECKING:
-    from engine.gguf_blocks import GgufBlocks
+    from engine.loader.gguf_blocks import GgufBlocks
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Fused C++ element-wise ops for the eager CPU path (engine/kernels/cpu/fused_ops.cpp).
+"""Fused C++ element-wise ops for the eager CPU path (engine/cpu/csrc/fused_ops.cpp).
 
 Between the matmuls, a decoder layer runs a dozen small torch ops (RMSNorm's five,
 the residual adds, rotary's six, the KV store's index_put, SiLU and the multiply),

@@ -1,11 +1,11 @@
 """`--quantization int4`: W4A8 linears in llama.cpp's Q4_1 format, on our vpdpbusd kernel
-(engine/kernels/cpu_quantized/int4_linear.cpp).
+(engine/cpu/csrc/quantized/int4_linear.cpp).
 
 A single user's decode step reads every weight once, so its speed is the weight bytes over the
 memory's read rate: Q4_1 holds a weight in 0.625 bytes (a 4-bit code, and an fp16 scale d and
 minimum m per block of 32: w = d * q + m), 0.31 of bf16's. Any bf16/fp32 checkpoint is quantized
 at load time as llama.cpp's quantize_row_q4_1 does (d = (max - min) / 15, m = min, q rounded);
-a GGUF's Q4_1 or Q4_0 blocks are packed as they are (engine/gguf_blocks.py; Q4_0's
+a GGUF's Q4_1 or Q4_0 blocks are packed as they are (engine/loader/gguf_blocks.py; Q4_0's
 d (q - 8) is d q + m with m = -8 d), with no second rounding. Activations are quantized inside the kernel per token and block of 32, as
 llama.cpp's Q8_1, and stay in fp32 between matmuls (engine/dtype_policy.py).
 

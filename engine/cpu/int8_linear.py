@@ -1,4 +1,4 @@
-"""`--quantization int8`: W8A8 linears on our vpdpbusd kernel (engine/kernels/cpu_quantized/int8_linear.cpp).
+"""`--quantization int8`: W8A8 linears on our vpdpbusd kernel (engine/cpu/csrc/quantized/int8_linear.cpp).
 
 Every weight is quantized once, at load time, from the checkpoint's bf16/fp32 values:
 symmetric int8 with one scale per output row and group of 64 inputs (the input features
@@ -7,7 +7,7 @@ scale per token and group of 64. One scale per whole row and token drifts far fr
 (an outlier sets the step for its whole row); per group, greedy answers stay about as close
 to fp32 as with llama.cpp's Q8_0 (scripts/bench/probes/quant_drift.py measures both). The
 activations between matmuls stay in fp32 by default (engine/dtype_policy.py says why).
-A GGUF's Q8_0 blocks (engine/gguf_blocks.py) are packed as they are, in groups of 32: the
+A GGUF's Q8_0 blocks (engine/loader/gguf_blocks.py) are packed as they are, in groups of 32: the
 same kernel, which reads the group from the scales' shape.
 
 `Int8Linear` replaces each nn.Linear (and the matmul of each RowParallelLinear) through
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from engine.cpu.quantized_plan import INT8_GROUP, PANEL, QuantizedPlan
-from engine.huge_pages import move_onto_huge_pages
+from engine.cpu.huge_pages import move_onto_huge_pages
 
 if TYPE_CHECKING:
-    from engine.gguf_blocks import GgufBlocks
+    from engine.loader.gguf_blocks import GgufBlocks
 
 GROUP = INT8_GROUP  # inputs per scale
 GGUF_GROUP = 32  # a GGUF Q8_0 block's inputs per scale (the kernel's kGgufGroup)
@@ -176,7 +176,7 @@ class QuantizedEmbedding(nn.Module):
 
 def gather_panels_on_huge_pages(model: nn.Module) -> int:
     """Every quantized linear's panels in `model` (Int8Linear's, Int4Linear's) copied into one
-    tensor on huge pages, where Linux gives them (engine.huge_pages); returns the bytes moved
+    tensor on huge pages, where Linux gives them (engine.cpu.huge_pages); returns the bytes moved
     (0: nothing moved)."""
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     return move_onto_huge_pages(linears, lambda m: m.panels, _put_panels)

@@ -15,7 +15,7 @@ capped below (a step needs about five primitives, one per weight shape); a step
 whose size is not cached builds its primitives again.
 
 bf16 on a CPU with AVX512_BF16 but no AMX (this project's Zen 4) takes the slabs
-of engine/kernels/cpu/small_batch_linear.cpp instead: oneDNN streamed a small
+of engine/cpu/csrc/small_batch_linear.cpp instead: oneDNN streamed a small
 step's weights well below the machine's read rate, and the slabs match or beat it
 at every step size (figures: docs/performance.md, "CPU matmuls"). With AMX, oneDNN's tiles win
 big steps: slabs then take only steps of up to SMALL_BATCH_MAX_TOKENS tokens, as
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from engine.dtype_policy import CpuFeatures
-from engine.huge_pages import move_onto_huge_pages
+from engine.cpu.huge_pages import move_onto_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _bf16_reorder_works() -> bool:
 
 @dataclass(frozen=True)
 class SlabPlan:
-    """Which steps run on bf16 slabs (engine/kernels/cpu/small_batch_linear.cpp)."""
+    """Which steps run on bf16 slabs (engine/cpu/csrc/small_batch_linear.cpp)."""
 
     kernels: ModuleType
     max_tokens: int | None  # steps of up to this many tokens; None: every step, and no oneDNN copy

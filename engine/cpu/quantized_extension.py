@@ -1,4 +1,4 @@
-"""Builds and loads the quantized matmul kernels (engine/kernels/cpu_quantized/: int8_linear.cpp, W8A8,
+"""Builds and loads the quantized matmul kernels (engine/cpu/csrc/quantized/: int8_linear.cpp, W8A8,
 and int4_linear.cpp, W4A8 in Q4_1's format).
 
 A module of its own, beside engine/cpu/extension.py's (same compiler flags, same
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from engine.cpu.extension import KERNELS, load_extension
+from engine.cpu.extension import CSRC, load_extension
 
-SOURCES = [KERNELS / "cpu_quantized" / name
+SOURCES = [CSRC / "quantized" / name
            for name in ("int8_linear.cpp", "int4_linear.cpp", "embedding_rows.cpp")]
-HEADERS = [KERNELS / "cpu" / "share_out.h",  # shared with the bf16 slabs
-           KERNELS / "cpu" / "work_pool.h",  # ... and the decode steps' work pool
-           KERNELS / "cpu_quantized" / "vnni_io.h"]
+HEADERS = [CSRC / "share_out.h",  # shared with the bf16 slabs
+           CSRC / "work_pool.h",  # ... and the decode steps' work pool
+           CSRC / "quantized" / "vnni_io.h"]
 
 _module: ModuleType | None = None
 

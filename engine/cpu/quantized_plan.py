@@ -1,5 +1,5 @@
 """The plan for `--quantization int8|int4`: the quantized kernels' module (both schemes' kernels
-are in one extension, engine/kernels/cpu_quantized/), checked against this CPU and against the
+are in one extension, engine/cpu/csrc/quantized/), checked against this CPU and against the
 layouts int8_linear.py and int4_linear.py pack.
 
 The plan is a pure function of the CPU's features (tested on faked ones): the kernels need

@@ -53,7 +53,7 @@ class StepInputs(_Message, tag=int(WorkerMessageType.STEP_INPUTS)):
     query_lens: Ints  # [num_seqs]
     block_tables: list[Ints]  # [num_seqs][max_num_blocks], padded with block 0
     sample_rows: Ints  # [num_sampled]: the rows whose logits are sampled
-    # [num_pooled]: rows whose final hidden states an embedding request pools (engine.pooler); they
+    # [num_pooled]: rows whose final hidden states an embedding request pools (engine.worker.pooler); they
     # leave the last layer after the sampled rows, so every rank must select them too
     pooling_rows: Ints = msgspec.field(default_factory=list)
 

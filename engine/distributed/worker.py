@@ -43,9 +43,9 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0, device_inde
     actor sees only its own GPU, device 0)."""
     import torch
 
-    from engine.model_files import resolve_model
-    from engine.device_and_dtype import resolve_device_and_dtype
-    from engine.model_runner import ModelRunner
+    from engine.loader.model_files import resolve_model
+    from engine.worker.device_and_dtype import resolve_device_and_dtype
+    from engine.worker.model_runner import ModelRunner
     from engine.models.config import ModelConfig
 
     if parent_pid:

@@ -10,7 +10,7 @@ output back before o_proj: rotary, the KV store and attention run in the cache's
 Three ways through, chosen by what the engine handed the module; in each, the backend
 is the KV cache's one writer:
 
-- compiled (engine.compilation calls the model with `backend=None`, COMPILED): plain
+- compiled (engine.worker.compilation calls the model with `backend=None`, COMPILED): plain
   torch ops for inductor to fuse, attention (the KV store with it) as the opaque op
   `tokenloom::paged_attention`;
 - eager with rotary fused into the KV store (`is_rotary_fused`, set by
@@ -31,7 +31,7 @@ from engine.models.config import ModelConfig
 from engine.models.layers import RMSNorm
 from engine.models.rotary import apply_rotary
 
-COMPILED = None  # the `backend` engine.compilation passes: the step's cache and backend reach its op another way
+COMPILED = None  # the `backend` engine.worker.compilation passes: the step's cache and backend reach its op another way
 
 
 class Attention(nn.Module):

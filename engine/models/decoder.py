@@ -145,7 +145,7 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-        backend: AttentionBackend | None,  # prepared for the step; COMPILED (None): engine.compilation's op
+        backend: AttentionBackend | None,  # prepared for the step; COMPILED (None): engine.worker.compilation's op
         output_rows: torch.Tensor | None = None,  # [num_out] int64: the rows to return; None: all
         carried: tuple[torch.Tensor, torch.Tensor] | None = None,  # (hidden, residual) from the previous stage
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +188,7 @@ class DecoderForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors in, each renamed by `checkpoint_names` and its parts
         written to their rows of our merged weights. Under TP each rank keeps its shard (the
         tensors may be safetensors slices). `into`: write into these tensors, by our parameter
-        name, instead (row by row, any dtype and width: a GGUF's blocks, engine/gguf_blocks.py),
+        name, instead (row by row, any dtype and width: a GGUF's blocks, engine/loader/gguf_blocks.py),
         skipping the names it lacks; at TP = 1 only."""
         params = dict(self.named_parameters()) if into is None else into
         if into is not None and self.tp.size != 1:

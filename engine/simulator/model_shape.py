@@ -53,7 +53,7 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token in every layer (as engine.model_runner.kv_bytes_per_block, per token)."""
+        """K and V of one token in every layer (as engine.worker.model_runner.kv_bytes_per_block, per token)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
 
     @property
@@ -94,7 +94,7 @@ def load_model_shape(model: str, dtype: str) -> ModelShape:
     elif path.is_dir():
         folder = path
     else:
-        from engine.model_files import resolve_model
+        from engine.loader.model_files import resolve_model
 
         folder = Path(resolve_model(model))
     architecture = json.loads((folder / "config.json").read_text()).get("architectures", ["?"])[0]

@@ -7,7 +7,7 @@ The token is a fixed id that is no EOS, so a request ends exactly as in the benc
 
 from __future__ import annotations
 
-from engine.scheduler_output import SampledToken, SchedulerOutput
+from engine.core.scheduler_output import SampledToken, SchedulerOutput
 from engine.simulator.step_cost import StepCost, StepCostModel, StepShape
 
 FIRST_SAFE_TOKEN_ID = 100  # as scripts/lib/workload.py: clear of the special tokens

@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.engine_core import SCHEDULER_CLASSES, make_step_stats
-from engine.step_stats import StepStats
-from engine.request import Request
-from engine.scheduler import Scheduler
+from engine.core.block_manager import BlockManager
+from engine.core.engine_core import SCHEDULER_CLASSES, make_step_stats
+from engine.core.step_stats import StepStats
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.simulator.hardware_profile import HardwareProfile
 from engine.simulator.model_shape import ModelShape
 from engine.simulator.simulated_runner import FIRST_SAFE_TOKEN_ID, SimulatedRunner

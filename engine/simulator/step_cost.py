@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.padded_static_scheduler import PaddedSchedulerOutput
+from engine.baselines.padded_static_scheduler import PaddedSchedulerOutput
 from engine.simulator.hardware_profile import HardwareProfile
 from engine.simulator.model_shape import ModelShape
 

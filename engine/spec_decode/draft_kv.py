@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_manager import num_blocks_for
-from engine.request import Request
+from engine.core.block_manager import num_blocks_for
+from engine.core.request import Request
 
 
 @dataclass

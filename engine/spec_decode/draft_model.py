@@ -19,8 +19,8 @@ import logging
 import os
 
 from engine.config import EngineConfig
-from engine.model_files import resolve_model
-from engine.model_runner import ModelRunner
+from engine.loader.model_files import resolve_model
+from engine.worker.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from ipc.engine_config import AUTO_DTYPE
 from ipc.speculative_config import SELF_INT4, SpeculativeConfig

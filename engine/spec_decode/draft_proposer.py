@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import num_blocks_for
+from engine.core.block_manager import num_blocks_for
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from engine.models.config import ModelConfig
-from engine.request import Request
+from engine.core.request import Request
 from engine.spec_decode.draft_kv import DraftKv
 from engine.spec_decode.draft_model import load_draft_runner
-from engine.step_inputs import ChunkBatch
+from engine.worker.step_inputs import ChunkBatch
 from ipc.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ the request's tokens never change, so it survives preemption.
 
 from __future__ import annotations
 
-from engine.request import Request
+from engine.core.request import Request
 from engine.spec_decode.ngram_proposer import encode, find_after
 from ipc.messages import SpecMethod
 

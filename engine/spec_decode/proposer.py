@@ -21,7 +21,7 @@ proposed position would cost more than the proposal saves at these batch sizes.
 
 from __future__ import annotations
 
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.spec_decode.ngram_proposer import propose_ngram
 from engine.spec_decode.prediction_proposer import propose_prediction
 from ipc.messages import SpecMethod

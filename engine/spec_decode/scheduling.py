@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.block_manager import BlockManager, num_blocks_for
-from engine.request import Request
+from engine.core.block_manager import BlockManager, num_blocks_for
+from engine.core.request import Request
 from ipc.messages import RequestOutput, SpecMethod
 
 if TYPE_CHECKING:
-    from engine.scheduler_output import SampledToken, SchedulerOutput
+    from engine.core.scheduler_output import SampledToken, SchedulerOutput
 
 
 def add_proposals(output: SchedulerOutput, block_manager: BlockManager, budget: int, max_model_len: int) -> None:

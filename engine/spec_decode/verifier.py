@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler, SamplingBatch, sample_from, token_logprobs
-from engine.scheduler_output import SampledToken
+from engine.sample.sampler import Sampler, SamplingBatch, sample_from, token_logprobs
+from engine.core.scheduler_output import SampledToken
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]]) -> list[SampledToken]:

@@ -2,7 +2,7 @@
 
 One int32 bitmask ([num_rows, ceil(vocab_size / 32)], 1 = allowed) is kept and grown
 as needed; each grammar row is filled by its matcher and applied by our CPU kernel
-(engine/kernels/cpu/apply_token_bitmask.cpp), which skips whole words of allowed
+(engine/cpu/csrc/apply_token_bitmask.cpp), which skips whole words of allowed
 tokens where xgrammar's CPU apply visits every token. Without the kernels, and off
 the CPU, xgrammar's own apply (its triton or CUDA kernel on a GPU) does it.
 """
@@ -19,7 +19,7 @@ MIN_BITMASK_ROWS = 64
 class GrammarBitmask:
     def __init__(self, kernels: ModuleType | None = None) -> None:
         self._bitmask: torch.Tensor | None = None
-        self._kernels = kernels  # engine/kernels/cpu's module, or None
+        self._kernels = kernels  # engine/cpu/csrc's module, or None
 
     def apply(self, logits: torch.Tensor, rows: list[int], grammars: list) -> None:
         """logits: [num_rows, vocab_size] fp32, in place; grammars[i] masks logits[rows[i]]."""

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from engine.model_files import resolve_model
+    from engine.loader.model_files import resolve_model
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

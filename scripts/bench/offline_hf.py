@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engine.step_stats import PaddedStepStats
+from engine.core.step_stats import PaddedStepStats
 from scripts.lib.offline_result import ModeResult, useful_positions
 from scripts.lib.workload import WorkloadRequest
 
@@ -17,7 +17,7 @@ def run_hf(workload: list[WorkloadRequest], args, model_path: str) -> ModeResult
     from transformers.generation.streamers import BaseStreamer
 
     from engine.config import EngineConfig
-    from engine.device_and_dtype import resolve_device_and_dtype
+    from engine.worker.device_and_dtype import resolve_device_and_dtype
 
     class StepTimes(BaseStreamer):
         """generate() calls put() with the prompt, then once per new token column."""

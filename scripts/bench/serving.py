@@ -178,7 +178,7 @@ def load_workload(args) -> tuple[list[WorkloadRequest], list | None]:
     turn by turn from the replies). Sets args.vocab_size and args.tokenizer_obj."""
     from transformers import AutoTokenizer
 
-    from engine.model_files import resolve_model
+    from engine.loader.model_files import resolve_model
 
     folder = Path(resolve_model(args.tokenizer))
     args.tokenizer_obj = AutoTokenizer.from_pretrained(folder)  # multi_turn re-tokenizes the replies

@@ -58,7 +58,7 @@ GGUF_DIR = REPO_ROOT / ".peers" / "gguf"
 LLAMA_GGUFS = {"llama-bf16": "smollm2-bf16.gguf", "llama-q8_0": "smollm2-q8_0.gguf", "llama-q4_1": "smollm2-q4_1.gguf"}
 OURS_FLAGS = {"ours-bf16": [], "ours-int8": ["--quantization", "int8"], "ours-int4": ["--quantization", "int4"],
               "ours-int8-q8_0": ["--quantization", "int8"], "ours-int4-q4_1": ["--quantization", "int4"]}
-# Ours on llama.cpp's own files: the GGUF's blocks as they are (engine/gguf_blocks.py), the very weights it runs.
+# Ours on llama.cpp's own files: the GGUF's blocks as they are (engine/loader/gguf_blocks.py), the very weights it runs.
 OURS_GGUFS = {"ours-int8-q8_0": "smollm2-q8_0.gguf", "ours-int4-q4_1": "smollm2-q4_1.gguf"}
 DEFAULT_SERVERS = "llama-bf16,llama-q8_0,llama-q4_1,ours-bf16,ours-int8,ours-int4"
 VOCAB_SIZE = 49152  # SmolLM2's

@@ -286,7 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
-    from engine.model_files import resolve_model
+    from engine.loader.model_files import resolve_model
     from ipc.text.tokenizer import Tokenizer
     from scripts.bench.speculative_batched import run_batched
 

@@ -52,7 +52,7 @@ def run_offline(args: argparse.Namespace) -> dict:
     from scripts.bench import offline
     from scripts.lib.workload import make_workload
 
-    from engine.model_files import resolve_model
+    from engine.loader.model_files import resolve_model
 
     oargs = offline.parse_args(["--model", args.model, "--modes", "continuous",
                                 "--num-requests", str(args.num_offline_requests), *shlex.split(args.offline_args)])

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from engine.step_stats import padding_of
+from engine.core.step_stats import padding_of
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class LiveRun:
 
     name: str
     state: str = "waiting"  # waiting, running, done
-    steps: list = field(default_factory=list)  # engine.step_stats.StepStats
+    steps: list = field(default_factory=list)  # engine.core.step_stats.StepStats
     start_time: float = 0.0
     elapsed_s: float = 0.0
     summary: dict = field(default_factory=dict)  # the benchmark's figures once done

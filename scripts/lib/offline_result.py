@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.step_stats import padding_of
+from engine.core.step_stats import padding_of
 from scripts.lib.bench_metrics import percentile
 from scripts.lib.workload import WorkloadRequest
 
@@ -29,7 +29,7 @@ class ModeResult:
     prefix_caching: bool | None = None  # None: not our engine
     num_prefix_cache_queries: int = 0  # prompt tokens looked up, measured run only
     num_prefix_cache_hits: int = 0
-    # static-padded's waste (engine.padded_static_scheduler), and every mode's batch size
+    # static-padded's waste (engine.baselines.padded_static_scheduler), and every mode's batch size
     num_padding_tokens: int = 0  # left padding computed
     num_finished_row_tokens: int = 0  # finished rows' pad-token decodes computed
     max_batch_rows: int = 0  # most rows in one step: running sequences, finished padded rows included

@@ -21,7 +21,7 @@ def plot_occupancy(step_stats_by_mode: dict[str, list], path: str) -> None:
     tokens per step (right, log scale) against time since the mode's first step.
 
     Each step record needs `start_time`, `end_time`, `num_seqs` and `num_tokens`
-    (engine.step_stats.StepStats, or anything with those attributes)."""
+    (engine.core.step_stats.StepStats, or anything with those attributes)."""
     modes = [mode for mode, steps in step_stats_by_mode.items() if steps]
     if not modes:
         raise ValueError("no step stats to plot")

@@ -108,7 +108,7 @@ run_serving() {  # run_serving PORT RATE JSON SEED: vLLM's own client, the same 
 install_vllm
 [[ "$INSTALL_ONLY" == 1 ]] && exit 0
 
-MODEL_DIR="$("$OUR_PY" -m engine.model_files smollm2 | tail -n 1)"
+MODEL_DIR="$("$OUR_PY" -m engine.loader.model_files smollm2 | tail -n 1)"
 [[ -f "$MODEL_DIR/config.json" ]] || { echo "no model folder: '$MODEL_DIR'" >&2; exit 1; }
 log "model folder: $MODEL_DIR"
 mkdir -p "$OUT_DIR" "$LOG_DIR"

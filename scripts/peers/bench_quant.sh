@@ -21,7 +21,7 @@ OUT_DIR=results/quant_peers
 WORKLOAD=(--num-requests "${NUM_REQUESTS:-64}" --input-len 16 256 --output-len 16 256 --seed 0)
 install_vllm
 mkdir -p "$OUT_DIR"
-MODEL_DIR="$("$OUR_PY" -m engine.model_files smollm2 | tail -n 1)"
+MODEL_DIR="$("$OUR_PY" -m engine.loader.model_files smollm2 | tail -n 1)"
 
 for round in $(seq 1 "$ROUNDS"); do
   log "round $round: vLLM (defaults)"

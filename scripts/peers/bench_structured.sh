@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=scripts/peers/lib.sh
 source scripts/peers/lib.sh
-MODEL_DIR=$("$OUR_PY" -c "from engine.model_files import resolve_model; print(resolve_model('smollm2'))")
+MODEL_DIR=$("$OUR_PY" -c "from engine.loader.model_files import resolve_model; print(resolve_model('smollm2'))")
 PORT=${PORT:-8100}
 ARGS=(--num-requests "${NUM_REQUESTS:-32}" --max-tokens "${MAX_TOKENS:-128}")
 ROUNDS="${ROUNDS:-3}"

@@ -87,7 +87,7 @@ make_llamacpp_ggufs() {
 import sys
 from pathlib import Path
 from gguf import GGMLQuantizationType
-from engine.model_files import resolve_model
+from engine.loader.model_files import resolve_model
 from tests.helpers.gguf_writer import write_llama_gguf
 out = Path(sys.argv[1])
 tmp = out.with_suffix(".tmp")
@@ -106,7 +106,7 @@ EOF
     "$py" - "$GGUF_DIR" <<'EOF' || return 1
 import sys, tempfile
 from pathlib import Path
-from engine.model_files import DEFAULT_MODEL, download_known_gguf, find_known_model
+from engine.loader.model_files import DEFAULT_MODEL, download_known_gguf, find_known_model
 with tempfile.TemporaryDirectory(dir=sys.argv[1]) as work:
     download_known_gguf(find_known_model(DEFAULT_MODEL), Path(work)).rename(Path(sys.argv[1]) / "smollm2-q4_1.gguf")
 EOF

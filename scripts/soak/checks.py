@@ -2,7 +2,7 @@
 snapshots (scrape_metrics' dicts) and what the clients saw, each returning the list of
 failures, empty when the server passed.
 
-The prefix-cache counters, as engine/scheduler.py defines them, count prompt tokens:
+The prefix-cache counters, as engine/core/scheduler.py defines them, count prompt tokens:
 each time a request is admitted (again after a preemption) `prefix_cache_queries_total`
 grows by its length and `prefix_cache_hits_total` by the tokens it found cached, a whole
 number of blocks. A request's usage.prompt_tokens_details.cached_tokens is its first

@@ -54,10 +54,10 @@ def make_tiny_model(tmp_path, architecture: str, **overrides):
 
 
 def cached_default_model():
-    """The default model's converted folder, found where engine.model_files puts it
+    """The default model's converted folder, found where engine.loader.model_files puts it
     ($TOKENLOOM_CACHE included). Missing, it skips the test, except under CI, where
     `make test` converts it first and a missing model is a failure."""
-    from engine.model_files import DEFAULT_MODEL, cache_dir, find_known_model
+    from engine.loader.model_files import DEFAULT_MODEL, cache_dir, find_known_model
 
     folder = cache_dir() / "models" / find_known_model(DEFAULT_MODEL).folder_name
     if not (folder / "tokenizer.json").is_file():

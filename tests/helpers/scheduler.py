@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.block_manager import BlockManager
-from engine.request import Request
-from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
-from engine.static_scheduler import StaticScheduler
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request
+from engine.core.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine.baselines.static_scheduler import StaticScheduler
 from ipc.messages import RequestOutput
 from ipc.sampling_params import SamplingParams
 

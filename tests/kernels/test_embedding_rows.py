@@ -1,5 +1,5 @@
 """A tied embedding's rows read back out of the LM head's quantized panels in one kernel call
-(engine/kernels/cpu_quantized/embedding_rows.cpp, int8 and int4 alike): bit for bit the Python
+(engine/cpu/csrc/quantized/embedding_rows.cpp, int8 and int4 alike): bit for bit the Python
 reference's values (each scheme's dequantize_rows), for any rows in any order; none gives an
 empty result, and a row outside the weight is refused."""
 

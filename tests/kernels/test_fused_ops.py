@@ -1,4 +1,4 @@
-"""The fused C++ CPU ops (engine/kernels/cpu/fused_ops.cpp) against the torch code they
+"""The fused C++ CPU ops (engine/cpu/csrc/fused_ops.cpp) against the torch code they
 replace (engine/models/layers.py, the head-major backends' store_kv): the same bits in
 fp32, bf16 and fp16, and a KV store that writes its slots and nothing else."""
 

@@ -1,4 +1,4 @@
-"""int8 W8A8 linears (engine/kernels/cpu_quantized/int8_linear.cpp, engine/cpu/int8_linear.py):
+"""int8 W8A8 linears (engine/cpu/csrc/quantized/int8_linear.cpp, engine/cpu/int8_linear.py):
 the activations' quantization against torch's, the kernel against an fp32 matmul of the
 dequantized weights and activations at every step size and odd shapes, the panels read
 back, the plan on faked CPU features and the config's checks."""
@@ -156,19 +156,19 @@ def test_panels_gathered_on_huge_pages_give_the_same_outputs(monkeypatch):
     inputs = [torch.randn(3, linear.in_features, generator=generator) for linear in model]
     before = [linear(x) for linear, x in zip(model, inputs)]
     old_panels = [linear.panels.clone() for linear in model]
-    monkeypatch.setattr("engine.huge_pages.huge_pages_on_request", lambda: True)
+    monkeypatch.setattr("engine.cpu.huge_pages.huge_pages_on_request", lambda: True)
     assert gather_panels_on_huge_pages(model) == sum(p.numel() * 4 for p in old_panels)
     storage = model[0].panels.untyped_storage().data_ptr()
     for linear, old, x, out in zip(model, old_panels, inputs, before):
         assert linear.panels.untyped_storage().data_ptr() == storage
         assert linear.quantized.panels is linear.panels
         assert torch.equal(linear.panels, old) and torch.equal(linear(x), out)
-    monkeypatch.setattr("engine.huge_pages.huge_pages_on_request", lambda: False)
+    monkeypatch.setattr("engine.cpu.huge_pages.huge_pages_on_request", lambda: False)
     assert gather_panels_on_huge_pages(model) == 0
 
 
 def q8_0_blocks(out_features: int, in_features: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF Q8_0 weight's blocks, as engine/gguf_blocks.py unpacks them: int8 values and an
+    """A GGUF Q8_0 weight's blocks, as engine/loader/gguf_blocks.py unpacks them: int8 values and an
     fp16 d per 32 inputs."""
     q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
     d = (torch.rand(out_features, in_features // GGUF_GROUP, generator=gen) * 0.01 + 1e-4).half()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.penalties import PenaltyState
+from engine.sample.penalties import PenaltyState
 
 VOCAB_SIZE = 1000
 NUM_NEW_TOKENS = 40

@@ -1,4 +1,4 @@
-"""bf16 linears on slabs (engine/kernels/cpu/small_batch_linear.cpp) against torch's
+"""bf16 linears on slabs (engine/cpu/csrc/small_batch_linear.cpp) against torch's
 matmul, and the plan that decides which steps take them (engine/cpu/packing.py)."""
 
 import pytest
@@ -162,7 +162,7 @@ def test_gathering_slabs_onto_huge_pages_keeps_every_output(monkeypatch):
     inputs = [torch.randn(5, linear.in_features, generator=generator).bfloat16() for linear in model]
     before = [linear(x) for linear, x in zip(model, inputs)]
     old_slabs = [linear.slabs.clone() for linear in model]
-    monkeypatch.setattr("engine.huge_pages.huge_pages_on_request", lambda: True)
+    monkeypatch.setattr("engine.cpu.huge_pages.huge_pages_on_request", lambda: True)
     moved = gather_slabs_on_huge_pages(model)
     assert moved == sum(s.numel() * 4 for s in old_slabs)
     storage = model[0].slabs.untyped_storage().data_ptr()
@@ -170,5 +170,5 @@ def test_gathering_slabs_onto_huge_pages_keeps_every_output(monkeypatch):
         assert linear.slabs.untyped_storage().data_ptr() == storage  # one tensor: one run of huge pages
         assert torch.equal(linear.slabs, old)
         assert torch.equal(linear(x), out)
-    monkeypatch.setattr("engine.huge_pages.huge_pages_on_request", lambda: False)
+    monkeypatch.setattr("engine.cpu.huge_pages.huge_pages_on_request", lambda: False)
     assert gather_slabs_on_huge_pages(model) == 0  # where Linux will not give them, nothing moves

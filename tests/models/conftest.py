@@ -11,7 +11,7 @@ import pytest
 def gguf_cache(tmp_path_factory):
     """A cache folder for this session's conversions (each SmolLM2 one is 540 MB). It links
     to the real cache's compiled CPU kernels and inductor code, which take minutes to build."""
-    from engine.model_files import cache_dir
+    from engine.loader.model_files import cache_dir
 
     folder = tmp_path_factory.mktemp("tokenloom-cache")
     real_cache = cache_dir()

@@ -1,4 +1,4 @@
-"""The opt-in compiled forward (engine.compilation): same greedy tokens as eager in fp32,
+"""The opt-in compiled forward (engine.worker.compilation): same greedy tokens as eager in fp32,
 one graph for every step size, and its cache kept per CPU under tokenloom's cache."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import compilation
-from engine.compilation import INDUCTOR_CACHE_ENV, inductor_cache_dir
+from engine.worker import compilation
+from engine.worker.compilation import INDUCTOR_CACHE_ENV, inductor_cache_dir
 from engine.cpu.host import cpu_key
 from tests.helpers.models import make_tiny_model
 

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (engine/cuda_graphs.py).
+"""CUDA graphs for decode steps (engine/worker/cuda_graphs.py).
 
 On the CPU: bucket choice, padding a decode batch into the static buffers, the
 synthetic validation batch, the cases that leave graphs off, and the forward a
@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.cuda_graphs import (  # noqa: E402
+from engine.worker.cuda_graphs import (  # noqa: E402
     PAD_BLOCK_ID,
     PAD_SEQ_LEN,
     PAD_SLOT_ID,
@@ -33,7 +33,7 @@ from engine.cuda_graphs import (  # noqa: E402
     disabled_reason,
     pad_decode_inputs,
 )
-from engine.cuda_graph_check import check_replays, make_validation_batch, max_row_error  # noqa: E402
+from engine.worker.cuda_graph_check import check_replays, make_validation_batch, max_row_error  # noqa: E402
 from tests.helpers.models import make_tiny_model  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -239,7 +239,7 @@ class FakeGraph:
 @pytest.fixture
 def fake_cuda_graphs(monkeypatch):
     """Lets CudaGraphRunner run its whole flow (capture, validate, pad and replay) on the CPU."""
-    import engine.cuda_graphs as cuda_graphs
+    import engine.worker.cuda_graphs as cuda_graphs
 
     def fake_capture(self, size):
         graph = FakeGraph(lambda: decode_forward(self.model, self.kv_caches, self.static, size, self.max_model_len))
@@ -312,7 +312,7 @@ def test_mismatching_replay_turns_graphs_off(tiny_model_path, fake_cuda_graphs, 
         self.output[0] += 1.0  # e.g. a stale address: the first row is wrong
 
     monkeypatch.setattr(FakeGraph, "replay", corrupted_replay)
-    with caplog.at_level("WARNING", logger="engine.cuda_graphs"):
+    with caplog.at_level("WARNING", logger="engine.worker.cuda_graphs"):
         tokens, llm = greedy_tokens(tiny_model_path, max_tokens=(2, 2, 2), device=DEVICE, dtype="float32",
                                     max_num_seqs=2, max_model_len=64, num_kv_blocks=16)
     runner = llm.engine.model_runner.cuda_graphs

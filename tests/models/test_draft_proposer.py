@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager, num_blocks_for
+from engine.core.block_manager import BlockManager, num_blocks_for
 from engine.config import EngineConfig
 from engine.dtype_policy import detect_cpu_features
 from engine.models.config import ModelConfig
-from engine.request import Request
+from engine.core.request import Request
 from engine.spec_decode.draft_proposer import DraftModelProposer
 from ipc.speculative_config import SpeculativeConfig
 from tests.helpers.models import make_tiny_model

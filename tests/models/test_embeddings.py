@@ -1,4 +1,4 @@
-"""Embeddings (engine.pooler) end to end on a tiny random Llama in fp32, against transformers.
+"""Embeddings (engine.worker.pooler) end to end on a tiny random Llama in fp32, against transformers.
 
 The reference is transformers' own forward: `model.model(ids).last_hidden_state`, the
 final hidden states after the final norm, pooled the same way (the last token's, or the
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, EngineCore, PoolingParams, SamplingParams
-from engine.pooler import check_pooling_request
+from engine.worker.pooler import check_pooling_request
 from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingType
 from tests.helpers.models import make_tiny_model
 

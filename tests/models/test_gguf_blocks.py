@@ -1,5 +1,5 @@
 """A GGUF's Q8_0, Q4_0 and Q4_1 blocks kept as they are under `--quantization int8|int4`
-(engine/gguf_blocks.py): unpacked to exactly gguf-py's dequantized values; placed into our
+(engine/loader/gguf_blocks.py): unpacked to exactly gguf-py's dequantized values; placed into our
 merged weights (q/k rows un-permuted as transformers' loader does, q, k, v and gate, up merged,
 the tied head from the embedding) so each quantized linear reads back the converted folder's
 weights bit for bit; and the engine on them gives the same tokens as on the folder's weights
@@ -17,8 +17,8 @@ from gguf.quants import dequantize, quantize
 
 from engine import LLM, SamplingParams
 from engine.dtype_policy import detect_cpu_features
-from engine.gguf_blocks import read_gguf_blocks, unpack_blocks
-from engine.model_files import resolve_model
+from engine.loader.gguf_blocks import read_gguf_blocks, unpack_blocks
+from engine.loader.model_files import resolve_model
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.cpu.int8_linear import QuantizedLinear
@@ -117,7 +117,7 @@ def test_folder_and_other_schemes_quantize_as_before(tiny, in_gguf_cache):
 def test_blocks_that_disagree_with_the_folder_are_not_kept(tiny, in_gguf_cache, monkeypatch, caplog):
     """A mapping gone wrong (here: one weight's rows reversed) is caught at load: that weight is
     quantized from the folder instead, the others keep their blocks, and the log says so."""
-    import engine.gguf_blocks as gguf_blocks
+    import engine.loader.gguf_blocks as gguf_blocks
 
     _, files = tiny
     read = gguf_blocks.read_gguf_blocks
@@ -139,7 +139,7 @@ def test_blocks_that_disagree_with_the_folder_are_not_kept(tiny, in_gguf_cache, 
 
 
 def test_the_load_check_reads_every_row_in_chunks():
-    from engine.gguf_blocks import _equals_weight
+    from engine.loader.gguf_blocks import _equals_weight
 
     raw = quantize(np.random.default_rng(1).normal(0, 0.1, (10, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
     blocks = unpack_blocks(raw, "Q8_0")

@@ -1,4 +1,4 @@
-"""GGUF files as models: `LLM(model="x.gguf")`, `python -m engine.model_files x.gguf`.
+"""GGUF files as models: `LLM(model="x.gguf")`, `python -m engine.loader.model_files x.gguf`.
 
 Fast tests use a tiny random Llama with its own byte-level BPE tokenizer, written as a
 GGUF by tests/helpers/gguf_writer.py. Slow ones use the default model three ways: the Q4_1 file
@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from engine import LLM, SamplingParams
-from engine.model_files import DEFAULT_MODEL, download_known_gguf, find_known_model, gguf_folder, resolve_model
+from engine.loader.model_files import DEFAULT_MODEL, download_known_gguf, find_known_model, gguf_folder, resolve_model
 from tests.helpers import REPO_ROOT
 from tests.helpers.gguf_writer import permute_for_llama_cpp, write_llama_gguf
 from scripts.lib.greedy_drift import hf_greedy
@@ -126,7 +126,7 @@ def test_second_resolve_reuses_the_folder_without_torch(tiny_llama, in_gguf_cach
     _, _, gguf_path = tiny_llama
     folder = Path(resolve_model(str(gguf_path)))
     weights_mtime = (folder / "model.safetensors").stat().st_mtime_ns
-    script = ("import sys, time; from engine.model_files import resolve_model; start = time.monotonic(); "
+    script = ("import sys, time; from engine.loader.model_files import resolve_model; start = time.monotonic(); "
               "print(resolve_model(sys.argv[1])); print('torch' in sys.modules, time.monotonic() - start)")
     result = subprocess.run([sys.executable, "-c", script, str(gguf_path)], cwd=REPO_ROOT, capture_output=True,
                             text=True, check=True)
@@ -253,7 +253,7 @@ def test_smollm2_gguf_answers_paris(smollm2_gguf, default_model_path, in_gguf_ca
 
     # The server's path: the child process prints the folder, converting nothing again.
     weights_mtime = (folder / "model.safetensors").stat().st_mtime_ns
-    result = subprocess.run([sys.executable, "-m", "engine.model_files", str(smollm2_gguf)], cwd=REPO_ROOT,
+    result = subprocess.run([sys.executable, "-m", "engine.loader.model_files", str(smollm2_gguf)], cwd=REPO_ROOT,
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == str(folder)
     assert (folder / "model.safetensors").stat().st_mtime_ns == weights_mtime

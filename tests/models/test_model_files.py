@@ -1,4 +1,4 @@
-"""Tests for engine.model_files: name resolution (fast) and the converted default model (slow)."""
+"""Tests for engine.loader.model_files: name resolution (fast) and the converted default model (slow)."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_files import DEFAULT_MODEL, resolve_model
+from engine.loader.model_files import DEFAULT_MODEL, resolve_model
 from tests.helpers import REPO_ROOT
 
 
@@ -33,7 +33,7 @@ def test_alias_uses_cached_folder_without_torch(tmp_path):
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"")
     script = (
-        "import sys; from engine.model_files import resolve_model; "
+        "import sys; from engine.loader.model_files import resolve_model; "
         "print(resolve_model(sys.argv[1])); print('torch' in sys.modules)"
     )
     env = dict(os.environ, TOKENLOOM_CACHE=str(tmp_path))

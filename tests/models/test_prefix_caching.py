@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.block_manager import ROOT_HASH, hash_block
+from engine.core.block_manager import ROOT_HASH, hash_block
 from tests.helpers.models import make_tiny_model
 
 BLOCK_SIZE = 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingBatch
+from engine.sample.sampler import Sampler, SamplingBatch
 from scripts.lib.greedy_drift import hf_greedy
 from tests.helpers.models import make_tiny_model
 
@@ -32,7 +32,7 @@ def load_kernels():
 
 @pytest.fixture(params=["torch ops", "cpu kernel"])
 def kernels(request):
-    """None: the torch ops sample; else engine/kernels/cpu/sample_rows.cpp does, for the rows
+    """None: the torch ops sample; else engine/cpu/csrc/sample_rows.cpp does, for the rows
     without top-k, top-p or min-p (those rows stay on the torch ops either way)."""
     return None if request.param == "torch ops" else load_kernels()
 

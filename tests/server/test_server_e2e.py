@@ -1,7 +1,7 @@
 """The real two-process server on the default model, through real HTTP.
 
 One frontend (`python -m frontend.api_server`) starts one real engine core
-(`python -m engine.core_process`) on SmolLM2; the clients are the ones vLLM
+(`python -m engine.core.core_process`) on SmolLM2; the clients are the ones vLLM
 users already have: the seed's `requests.post` script and the `openai` package.
 """
 
@@ -37,7 +37,7 @@ def test_seed_client_unchanged(server):
 
 def test_models_card_reports_the_dtype_the_core_chose(server):
     from engine.config import EngineConfig
-    from engine.device_and_dtype import resolve_device_and_dtype
+    from engine.worker.device_and_dtype import resolve_device_and_dtype
 
     _, want = resolve_device_and_dtype(EngineConfig())  # the server passes no --dtype: "auto"
     card = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]

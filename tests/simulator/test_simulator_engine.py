@@ -14,7 +14,7 @@ import pytest
 from engine.simulator.hardware_profile import HardwareProfile, load_profile
 from engine.simulator.model_shape import load_model_shape
 from engine.simulator.simulator import SimulatedRequest, Simulator, SimulatorConfig
-from engine.step_stats import padding_of
+from engine.core.step_stats import padding_of
 from scripts.lib.make_model_config import write_model_config
 
 PROFILE = HardwareProfile("test", "test", {"float32": 1e12}, 1e11, overlap=False, step_overhead_s=1e-3)
@@ -36,7 +36,7 @@ def workload(num_requests: int, seed: int = 0) -> list[SimulatedRequest]:
 
 def engine_steps(folder, requests, **config) -> tuple[list[tuple[int, int]], list[int]]:
     from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
     from ipc.sampling_params import SamplingParams
 
     engine = EngineCore(EngineConfig(model=str(folder), load_format="dummy", dtype="float32",

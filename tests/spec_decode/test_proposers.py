@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 
-from engine.request import Request
+from engine.core.request import Request
 from engine.spec_decode.ngram_proposer import encode, find_after, propose_ngram
 from engine.spec_decode.prediction_proposer import propose_prediction
 from ipc.messages import SpecMethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sampler, SamplingBatch
+from engine.sample.sampler import Sampler, SamplingBatch
 from engine.spec_decode.verifier import verify
 
 CRITICAL_5_DOF = 20.515  # chi-square, 5 degrees of freedom, upper 0.1%

@@ -1,4 +1,4 @@
-"""Verification steps on the C++ decode stack (engine.step_inputs.to_row_tensors and DecodeStack.forward_rows): each proposed token a
+"""Verification steps on the C++ decode stack (engine.worker.step_inputs.to_row_tensors and DecodeStack.forward_rows): each proposed token a
 one-token row of its own, attending to the positions before it. The same greedy tokens as
 speculation off, and log-probabilities within rounding of the eager path's prefill-kernel rows."""
 

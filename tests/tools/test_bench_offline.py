@@ -14,7 +14,7 @@ def test_report_records_the_resolved_dtype_and_compile_mode(tmp_path):
     from scripts.bench import offline as bench_offline
 
     from engine.config import EngineConfig
-    from engine.device_and_dtype import resolve_device_and_dtype
+    from engine.worker.device_and_dtype import resolve_device_and_dtype
 
     out = tmp_path / "offline.json"
     bench_offline.main(["--quick", "--modes", "continuous,hf", "--json", str(out)])  # --dtype auto

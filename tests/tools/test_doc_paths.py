@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TOP_LEVEL = ("docs", "engine", "frontend", "ipc", "scripts", "tests")
-# `engine/cpu/packing.py`, `scripts/bench/`, [text](docs/models.md#gguf-files), engine/kernels/cpu/x.cpp's
+# `engine/cpu/packing.py`, `scripts/bench/`, [text](docs/models.md#gguf-files), engine/cpu/csrc/x.cpp's
 PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*[\w/])" % "|".join(map(re.escape, TOP_LEVEL)))
 
 

@@ -116,7 +116,7 @@ def test_no_module_docstring_quotes_a_figure():
 
 
 def test_no_kernel_header_quotes_a_figure():
-    kernels = ROOT / "engine" / "kernels" / "cpu"
+    kernels = ROOT / "engine" / "cpu" / "csrc"
     found = [f"{p.relative_to(ROOT)}: {m.group(0)!r}"
              for p in sorted([*kernels.glob("*.cpp"), *kernels.glob("*.h")])
              for m in FIGURE.finditer(leading_comment(p))]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager, num_blocks_for
+from engine.core.block_manager import BlockManager, num_blocks_for
 
 
 def assert_consistent(manager: BlockManager, held: list[list[int]]) -> None:

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import ROOT_HASH, BlockManager, hash_block, num_blocks_for
-from engine.request import Request
-from engine.scheduler import SampledToken, Scheduler
-from engine.static_scheduler import StaticScheduler
+from engine.core.block_manager import ROOT_HASH, BlockManager, hash_block, num_blocks_for
+from engine.core.request import Request
+from engine.core.scheduler import SampledToken, Scheduler
+from engine.baselines.static_scheduler import StaticScheduler
 from ipc.sampling_params import SamplingParams
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.device_and_dtype import resolve_device, resolve_dtype
+from engine.worker.device_and_dtype import resolve_device, resolve_dtype
 from engine.dtype_policy import CpuFeatures, choose_dtype, choose_kv_cache_dtype, detect_cpu_features
 
 AMX = CpuFeatures(has_amx_bf16=True, has_avx512_bf16=True)  # Sapphire Rapids

@@ -1,4 +1,4 @@
-"""static-padded (engine/padded_static_scheduler.py): the scheduler without tensors, then the
+"""static-padded (engine/baselines/padded_static_scheduler.py): the scheduler without tensors, then the
 model: padding and finished rows really computed, real outputs those of the other modes."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
-from engine.padded_static_scheduler import PaddedStaticScheduler, reservation_blocks, scratch_blocks
-from engine.step_stats import PaddedStepStats
+from engine.core.block_manager import BlockManager
+from engine.baselines.padded_static_scheduler import PaddedStaticScheduler, reservation_blocks, scratch_blocks
+from engine.core.step_stats import PaddedStepStats
 from tests.helpers.scheduler import EOS, assert_pool_free, make_request, run_to_completion, scheduled, step
 
 

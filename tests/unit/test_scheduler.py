@@ -5,8 +5,8 @@ fake model step: tests/helpers/scheduler.py.
 
 from __future__ import annotations
 
-from engine.request import RequestStatus
-from engine.scheduler import SampledToken
+from engine.core.request import RequestStatus
+from engine.core.scheduler import SampledToken
 from ipc.messages import FinishReason, RequestOutput
 from tests.helpers.scheduler import (
     make_request, make_scheduler, step, scheduled, sampling, run_to_completion, assert_pool_free,

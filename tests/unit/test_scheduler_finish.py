@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from ipc.messages import FinishReason, RequestOutput
 from tests.helpers.scheduler import (
     EOS, make_request, make_scheduler, step, scheduled, run_to_completion, assert_pool_free, emit,

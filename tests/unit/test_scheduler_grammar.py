@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from engine.request import RequestStatus
-from engine.scheduler import CONTRADICTION_MESSAGE, SampledToken
+from engine.core.request import RequestStatus
+from engine.core.scheduler import CONTRADICTION_MESSAGE, SampledToken
 from engine.structured_output import RequestGrammar
 from ipc.messages import FinishReason
 from tests.helpers.scheduler import make_request, make_scheduler, scheduled, step

@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import num_blocks_for
-from engine.request import Request, RequestStatus
-from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine.core.block_manager import num_blocks_for
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import SampledToken, Scheduler, SchedulerOutput
 from tests.helpers.scheduler import EOS, make_request, make_scheduler, step, scheduled, assert_pool_free
 
 # ---- property test: random arrivals, pools, budgets; both schedulers ----

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.scheduler import SampledToken
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler import SampledToken
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from ipc.messages import StepCounts
 from tests.helpers.scheduler import make_request, make_scheduler, next_output_token
 
@@ -63,7 +63,7 @@ def test_proposed_tokens_count_with_their_decode():
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
     from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
     from tests.helpers.models import make_tiny_model
 
     path, _ = make_tiny_model(tmp_path_factory.mktemp("counts"), "LlamaForCausalLM")

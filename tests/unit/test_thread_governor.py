@@ -1,4 +1,4 @@
-"""engine.thread_governor: the served core steps with fewer threads while others take the cores.
+"""engine.cpu.thread_governor: the served core steps with fewer threads while others take the cores.
 
 The decision rule runs on a scripted clock and scripted CPU readings; the readings
 themselves (/proc/stat, getrusage) and the whole loop run for real against processes
@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from engine.thread_governor import HOLD_S, LOW_OTHER_CORES, WINDOW_S, ThreadGovernor, machine_busy_s, own_cpu_s
+from engine.cpu.thread_governor import HOLD_S, LOW_OTHER_CORES, WINDOW_S, ThreadGovernor, machine_busy_s, own_cpu_s
 
 
 class Readings:

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from engine.model_files import resolve_model
+    from engine.loader.model_files import resolve_model
     from engine.models.config import ModelConfig
 
     bench = json.loads(Path(args.bench).read_text())

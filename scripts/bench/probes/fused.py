@@ -22,8 +22,8 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
-from engine.model_files import resolve_model
-from engine.model_runner import ModelRunner
+from engine.loader.model_files import resolve_model
+from engine.worker.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 
 

@@ -13,7 +13,7 @@ Simulated schemes fake-quantize every linear's weight and input in fp32 transfor
   channel_a64  one weight scale per output feature, activations in blocks of 64 (not what it runs)
 
 `engine` is the real path: LLM(quantization="int8") on our vpdpbusd kernel (`--quantization
-int4` for int4; `--engine-model x.gguf` to run a GGUF's own blocks, engine/gguf_blocks.py,
+int4` for int4; `--engine-model x.gguf` to run a GGUF's own blocks, engine/loader/gguf_blocks.py,
 against the same fp32 reference of --model).
 
 The greedy score swings by several tokens with any rounding change (one early near-tie
@@ -34,7 +34,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from engine.model_files import DEFAULT_MODEL, resolve_model
+from engine.loader.model_files import DEFAULT_MODEL, resolve_model
 from scripts.lib.bench_report import write_report
 from scripts.lib.greedy_drift import NUM_NEW_TOKENS, QUESTIONS, hf_greedy, leading_matches
 

@@ -1,4 +1,4 @@
-"""The bf16 slab matmuls (engine/kernels/cpu/small_batch_linear.cpp) on 4 KB pages and on huge pages.
+"""The bf16 slab matmuls (engine/cpu/csrc/small_batch_linear.cpp) on 4 KB pages and on huge pages.
 
     python -m scripts.bench.probes.slab_pages --json results/bench_slab_pages.json
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.huge_pages import huge_pages_on_request
+from engine.cpu.huge_pages import huge_pages_on_request
 from engine.cpu.packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages
 from scripts.lib.bench_report import write_report
 

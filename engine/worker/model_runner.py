@@ -10,7 +10,7 @@ Under tensor parallelism every rank has a ModelRunner holding its shard. Rank 0
 turns the scheduler's output into a `StepInputs` record of lists, hands it to
 the executor (which sends it to the workers) and runs `forward_step` on it;
 the workers run `forward_step` on the same record; only rank 0 samples. The step's
-lists and tensors are made in `engine.step_inputs`.
+lists and tensors are made in `engine.worker.step_inputs`.
 """
 
 from __future__ import annotations
@@ -21,27 +21,27 @@ import torch
 
 from engine.attention import make_attention_backend, resolve_attention_backend
 from engine.attention.backend import AttentionBackend, KVCache
-from engine.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
+from engine.worker.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
-from engine.cuda_graph_check import check_replays
-from engine.cuda_graphs import CudaGraphRunner
-from engine.device_and_dtype import cpu_features_of, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from engine.worker.cuda_graph_check import check_replays
+from engine.worker.cuda_graphs import CudaGraphRunner
+from engine.worker.device_and_dtype import cpu_features_of, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from engine.distributed.messages import StepInputs
 from engine.distributed.parallel_layers import num_local_kv_heads
 from engine.distributed.parallel_state import TensorParallelGroup, threads_per_rank
 from engine.distributed.pipeline import WHOLE_MODEL, forward_stage
-from engine.huge_pages import zeros_on_huge_pages
+from engine.cpu.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.cpu.execution_plan import CpuExecutionPlan
-from engine.request import Request
-from engine.logits_processing import LogitsProcessingState
-from engine.pooler import Pooler
-from engine.prompt_logprobs import PromptLogprobsCollector
-from engine.sampler import Sampler, SamplingBatch, sampling_kernels
-from engine.scheduler_output import SampledToken, SchedulerOutput
+from engine.core.request import Request
+from engine.sample.logits_processing import LogitsProcessingState
+from engine.worker.pooler import Pooler
+from engine.sample.prompt_logprobs import PromptLogprobsCollector
+from engine.sample.sampler import Sampler, SamplingBatch, sampling_kernels
+from engine.core.scheduler_output import SampledToken, SchedulerOutput
 from engine.spec_decode.verifier import verify
-from engine.step_inputs import PreparedStep, make_sampling_batch, prepare_step, to_row_tensors, to_tensors
+from engine.worker.step_inputs import PreparedStep, make_sampling_batch, prepare_step, to_row_tensors, to_tensors
 from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class ModelRunner:
         return self.sample_step(scheduler_output, step, self.run_step(step))
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
-        """The step's inputs as lists, and which logits rows go where (engine.step_inputs)."""
+        """The step's inputs as lists, and which logits rows go where (engine.worker.step_inputs)."""
         return prepare_step(scheduler_output, self.block_size, self.prompt_logprobs)
 
     def run_step(self, step: PreparedStep) -> torch.Tensor | None:

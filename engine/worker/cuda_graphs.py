@@ -27,7 +27,7 @@ Only decode-only steps (every query_len 1) on the Triton backend are replayed.
 Steps with a prefill chunk, batches past the largest bucket, the torch backend
 (it plans each step on the host), the CPU and `enforce_eager` run eagerly.
 After capture every bucket's graph is replayed once on a synthetic batch and
-compared with the eager forward (`engine.cuda_graph_check`); any error or
+compared with the eager forward (`engine.worker.cuda_graph_check`); any error or
 mismatch logs a warning and turns graphs off for good. Logits stay eager, on the sampled rows only.
 
 References: vLLM's CUDA graph runner (capture sizes, shared memory pool,
@@ -226,7 +226,7 @@ class CudaGraphRunner:
         return bool(self.graphs)
 
     def capture(self, check_replays: Callable[[CudaGraphRunner], None]) -> None:
-        """Capture every decode batch size, then `check_replays(self)` (engine/cuda_graph_check.py,
+        """Capture every decode batch size, then `check_replays(self)` (engine/worker/cuda_graph_check.py,
         handed in: it builds on this module's inputs) before any graph serves a step."""
         if self.disabled_reason is not None:
             # Only news on CUDA; on the CPU graphs never apply.

@@ -10,7 +10,7 @@ Three kinds of model names:
   mtime, so the same file found again reuses the folder and a changed one converts again;
 - a local folder with config.json: returned unchanged.
 
-Conversions (engine/gguf_convert.py) land in
+Conversions (engine/loader/gguf_convert.py) land in
 
     <cache>/models/SmolLM2-135M-Instruct/            a known name
     <cache>/models/gguf/<file stem>-<12 hex key>/    a GGUF file
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.cpu.host import cache_dir
-from engine.gguf_convert import convert_gguf
+from engine.loader.gguf_convert import convert_gguf
 from ipc.engine_config import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)

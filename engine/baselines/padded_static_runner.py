@@ -1,6 +1,6 @@
 """The padded static baseline's model runner: `ModelRunner`, plus the pad rows its scheduler asks for.
 
-A `PaddedSchedulerOutput` (engine.padded_static_scheduler) carries the real rows and the pad
+A `PaddedSchedulerOutput` (engine.baselines.padded_static_scheduler) carries the real rows and the pad
 rows computed beside them. The real rows are prepared as in every mode; the pad rows follow
 them in the same flat batch, each its own sequence, so no real token attends to them:
 
@@ -16,12 +16,12 @@ import logging
 
 import torch
 
-from engine.block_manager import num_blocks_for
+from engine.core.block_manager import num_blocks_for
 from engine.distributed.messages import StepInputs
-from engine.model_runner import ModelRunner
-from engine.padded_static_scheduler import PaddedSchedulerOutput, PaddingRow
-from engine.scheduler_output import SampledToken
-from engine.step_inputs import append_chunk, pad_block_tables
+from engine.worker.model_runner import ModelRunner
+from engine.baselines.padded_static_scheduler import PaddedSchedulerOutput, PaddingRow
+from engine.core.scheduler_output import SampledToken
+from engine.worker.step_inputs import append_chunk, pad_block_tables
 
 logger = logging.getLogger(__name__)
 

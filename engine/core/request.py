@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.block_manager import ROOT_HASH, hash_block
+from engine.core.block_manager import ROOT_HASH, hash_block
 from ipc.messages import FinishReason, TokenLogprobs
 from ipc.pooling_params import PoolingParams
 from ipc.sampling_params import SamplingParams
@@ -78,7 +78,7 @@ class Request:
         self.spec_ema = float(MAX_SPECULATIVE_TOKENS)  # average accepted tokens per draft: starts high, adapts
         self.prediction_state = None  # engine.spec_decode.prediction_proposer.PredictionState
         self.num_preemptions = 0
-        # Embeddings (engine.pooler): set, the request pools its prompt's states and never samples;
+        # Embeddings (engine.worker.pooler): set, the request pools its prompt's states and never samples;
         # `embedding` is its vector once the last prompt chunk has run.
         self.pooling_params = pooling_params
         self.embedding: list[float] | None = None

@@ -20,7 +20,7 @@
 // mask the high one, each one vpdpbusd against the token's 4 bytes broadcast. A block's int32
 // sums are exact (at most 32 * 15 * 127); its epilogue adds sx * (d * sum + m * sum qx) into
 // fp32 accumulators. Up to kMaxRows tokens share each weight load; more take further passes.
-#include "share_out.h"  // from engine/kernels/cpu/, copied beside this file for the build
+#include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 #include "vnni_io.h"
 
 #include <torch/extension.h>

@@ -1,6 +1,6 @@
 """What one step did, recorded cheaply for benchmarks and occupancy plots (`EngineCore.step_stats`).
 
-Every mode records a StepStats a step; the padded static baseline (engine.padded_static_scheduler)
+Every mode records a StepStats a step; the padded static baseline (engine.baselines.padded_static_scheduler)
 records a PaddedStepStats, which adds the pad tokens it computed for nothing. Plain records, no
 torch: the benchmarks' scripts read them.
 """

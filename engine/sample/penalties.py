@@ -28,7 +28,7 @@ class PenaltyState:
     def __init__(self, vocab_size: int, device: torch.device, kernels: ModuleType | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        # engine/kernels/cpu/apply_penalties.cpp: one pass per row, in place. The torch ops
+        # engine/cpu/csrc/apply_penalties.cpp: one pass per row, in place. The torch ops
         # give the same bits but allocate a vocabulary-sized temporary per op.
         self._kernels = kernels if device.type == "cpu" else None
         self.output_counts = torch.zeros(0, vocab_size, device=device)  # [num_slots, vocab_size]

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cuda_graphs import DecodeInputs, cdiv, pad_decode_inputs
+from engine.worker.cuda_graphs import DecodeInputs, cdiv, pad_decode_inputs
 
 if TYPE_CHECKING:
-    from engine.cuda_graphs import CudaGraphRunner
+    from engine.worker.cuda_graphs import CudaGraphRunner
 
 # Largest per-row relative L2 error of the replayed hidden states against the
 # eager ones. The two differ by split-K and matmul shapes, so 16-bit types get a

@@ -9,8 +9,8 @@ of the two isolates scheduling.
 
 from __future__ import annotations
 
-from engine.scheduler import Scheduler, is_compiling
-from engine.scheduler_output import SchedulerOutput
+from engine.core.scheduler import Scheduler, is_compiling
+from engine.core.scheduler_output import SchedulerOutput
 
 
 class StaticScheduler(Scheduler):

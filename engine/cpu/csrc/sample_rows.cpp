@@ -1,4 +1,4 @@
-// One token per row of fp32 logits, for engine/sampler.py's common case on the CPU
+// One token per row of fp32 logits, for engine/sample/sampler.py's common case on the CPU
 // (no top-k, top-p or min-p):
 //   greedy rows (temperature 0): the first index of the row's highest logit, as torch.argmax;
 //   the others: inverse-CDF sampling from softmax(logits / temperature) with the row's

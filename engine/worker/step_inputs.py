@@ -15,13 +15,13 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed.messages import StepInputs
-from engine.logits_processing import LogitsProcessingState, bad_word_bans
+from engine.sample.logits_processing import LogitsProcessingState, bad_word_bans
 from engine.models.config import ModelConfig
-from engine.pooler import plan_pooling
-from engine.prompt_logprobs import PromptLogprobRows, PromptLogprobsCollector
-from engine.request import Request
-from engine.sampler import SamplingBatch
-from engine.scheduler_output import SchedulerOutput
+from engine.worker.pooler import plan_pooling
+from engine.sample.prompt_logprobs import PromptLogprobRows, PromptLogprobsCollector
+from engine.core.request import Request
+from engine.sample.sampler import SamplingBatch
+from engine.core.scheduler_output import SchedulerOutput
 
 
 @dataclass
@@ -32,7 +32,7 @@ class PreparedStep:
     sampled_requests: list[Request]  # in the order of their rows
     sampled_rows: list[int]  # indices into inputs.sample_rows: the sampled ones (the rest: prompt log-probs)
     prompt_plans: list[PromptLogprobRows]
-    pooling_plans: list  # engine.pooler's, for the rows in inputs.pooling_rows
+    pooling_plans: list  # engine.worker.pooler's, for the rows in inputs.pooling_rows
 
 
 class ChunkBatch:

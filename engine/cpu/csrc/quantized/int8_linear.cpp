@@ -27,7 +27,7 @@
 // accumulators. Up to kMaxRows tokens share each weight load; more take further passes
 // over the panel, then in cache. The output is rounded to the activations' dtype once (or
 // left in fp32: logits).
-#include "share_out.h"  // from engine/kernels/cpu/, copied beside this file for the build
+#include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 #include "vnni_io.h"
 
 #include <torch/extension.h>
@@ -320,7 +320,7 @@ torch::Tensor int4_rows(const torch::Tensor& panels, const torch::Tensor& dm, co
                         int64_t in_features, int64_t out_features);
 
 // Both kernels as torch ops, `tokenloom_int8::linear` and `::linear_q4`, for C++ callers in
-// another shared library (engine/kernels/cpu/decode_stack.cpp) to reach through the dispatcher.
+// another shared library (engine/cpu/csrc/decode_stack.cpp) to reach through the dispatcher.
 namespace {
 torch::Tensor int8_linear_op(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& w_scales,
                              const torch::Tensor& bias, int64_t out_features, bool out_fp32) {

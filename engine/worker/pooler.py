@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_manager import num_blocks_for
-from engine.request import Request
+from engine.core.block_manager import num_blocks_for
+from engine.core.request import Request
 from ipc.engine_config import EngineConfig
 from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams, PoolingType
 from ipc.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 // The Python module `tokenloom_cpu_kernels`: one binding per kernel, declared here
 // so each kernel file holds only its kernel (engine/cpu/extension.py builds
-// every file in engine/kernels/cpu/ into this one module).
+// every file in engine/cpu/csrc/ into this one module).
 #include <torch/extension.h>
 
 // paged_decode_attention.cpp

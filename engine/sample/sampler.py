@@ -9,7 +9,7 @@ argmax of p / Exp(1) noise, needs a vocabulary's worth of noise per row: with
 served decode step on this project's CPU.)
 
 On the CPU, rows without top-k, top-p or min-p go through one C++ kernel
-(engine/kernels/cpu/sample_rows.cpp): the same draw (the first token whose
+(engine/cpu/csrc/sample_rows.cpp): the same draw (the first token whose
 cumulative mass reaches the row's target) and the same argmax for greedy rows,
 one pass per row where torch made several (figures: docs/performance.md, "Sampling").
 """
@@ -21,8 +21,8 @@ from types import ModuleType
 
 import torch
 
-from engine.logits_processing import LogitsProcessing, LogitsProcessingState, apply_logits_processing
-from engine.scheduler_output import SampledToken
+from engine.sample.logits_processing import LogitsProcessing, LogitsProcessingState, apply_logits_processing
+from engine.core.scheduler_output import SampledToken
 from ipc.messages import TokenLogprobs
 
 
@@ -57,7 +57,7 @@ class Sampler:
     def __init__(self, generator: torch.Generator, kernels: ModuleType | None = None,
                  logits_state: LogitsProcessingState | None = None) -> None:
         self.generator = generator  # for rows without a seed of their own
-        self._kernels = kernels  # engine/kernels/cpu/sample_rows.cpp's module, or None: torch ops only
+        self._kernels = kernels  # engine/cpu/csrc/sample_rows.cpp's module, or None: torch ops only
         self.logits_state = logits_state  # the penalties' counts, kept across steps
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:

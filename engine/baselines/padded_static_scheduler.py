@@ -9,7 +9,7 @@ finished rows computing until the batch ends. The seed's baseline, on our model 
   of that, so memory bounds the batch size (nothing is allocated, nothing preempted later).
 - Prefill is padded to the batch's longest prompt. A row's left padding is a pseudo-
   sequence of pad tokens (`PaddingRow`, in the step's `PaddedSchedulerOutput`; run by
-  `engine.padded_static_runner`) computed through every layer, its KV written to
+  `engine.baselines.padded_static_runner`) computed through every layer, its KV written to
   the scratch area, in the same step as the row's real prompt; the real tokens attend
   only to their own sequence, so the padding is masked out of their attention, as a
   varlen kernel masks a left-padded row. Rows are prefilled whole, as many a step as
@@ -32,10 +32,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from engine.block_manager import num_blocks_for
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, is_compiling
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.block_manager import num_blocks_for
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, is_compiling
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class PaddingRow:
 @dataclass
 class PaddedSchedulerOutput(SchedulerOutput):
     """A padded static step: the real rows (`scheduled`), then the pad rows computed beside them
-    (engine.padded_static_runner runs them; continuous steps never carry any)."""
+    (engine.baselines.padded_static_runner runs them; continuous steps never carry any)."""
 
     padding: list[PaddingRow] = field(default_factory=list)
 

@@ -1,6 +1,6 @@
 """A GGUF's quantized blocks, kept as they are, for `--model x.gguf --quantization int8|int4`.
 
-The converted folder (engine/gguf_convert.py) holds the GGUF's weights dequantized to fp32;
+The converted folder (engine/loader/gguf_convert.py) holds the GGUF's weights dequantized to fp32;
 quantizing those again would round a second time. Where the file's blocks are a format our
 kernels run, the quantized linears take the blocks themselves instead:
 
@@ -108,7 +108,7 @@ def hf_row_sources(gguf_path: Path, folder: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from engine.gguf_convert import memoized_tensor_name_maps, replaced
+    from engine.loader.gguf_convert import memoized_tensor_name_maps, replaced
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from engine.core.request import Request
 from ipc.messages import TokenLogprobs
 
 MAX_ROWS_PER_PASS = 256  # log_softmax over a vocabulary per row: bound the temporary

@@ -1,7 +1,7 @@
 """The engine core: requests in, one step at a time, per-step token deltas out.
 
 `step()` is schedule -> execute -> update. It knows nothing of sockets: the
-core process (`engine.core_process`) and the offline `LLM` both drive it.
+core process (`engine.core.core_process`) and the offline `LLM` both drive it.
 With tensor parallelism it is rank 0 and the one scheduler; its executor
 (`engine.distributed.executor`) starts and drives the other ranks.
 """
@@ -11,23 +11,23 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.device_and_dtype import kv_bytes_per_block, resolve_kv_pool_dtype
+from engine.worker.device_and_dtype import kv_bytes_per_block, resolve_kv_pool_dtype
 from engine.distributed.backends import make_executor
 from engine.distributed.executor import WorkerDeadError
-from engine.model_files import resolve_model
-from engine.model_runner import ModelRunner
+from engine.loader.model_files import resolve_model
+from engine.worker.model_runner import ModelRunner
 from engine.models.config import ModelConfig
-from engine.request import Request
-from engine.padded_static_runner import PaddedStaticRunner
-from engine.padded_static_scheduler import PaddedSchedulerOutput, PaddedStaticScheduler
-from engine.pooler import check_pooling_request, pooling_num_kv_blocks
-from engine.scheduler import Scheduler
+from engine.core.request import Request
+from engine.baselines.padded_static_runner import PaddedStaticRunner
+from engine.baselines.padded_static_scheduler import PaddedSchedulerOutput, PaddedStaticScheduler
+from engine.worker.pooler import check_pooling_request, pooling_num_kv_blocks
+from engine.core.scheduler import Scheduler
 from engine.spec_decode.proposer import SpecProposer
-from engine.static_scheduler import StaticScheduler
-from engine.step_outputs import StepOutputs
-from engine.step_stats import PaddedStepStats, StepStats
+from engine.baselines.static_scheduler import StaticScheduler
+from engine.core.step_outputs import StepOutputs
+from engine.core.step_stats import PaddedStepStats, StepStats
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
 from ipc.messages import RequestOutput, SchedulerStats, StepCounts
 from ipc.pooling_params import PoolingParams
@@ -123,7 +123,7 @@ class EngineCore:
         pooling_params: PoolingParams | None = None,
     ) -> None:
         """Check and queue a request; raises ValueError (and changes nothing) on bad input.
-        With `pooling_params` it is an embedding request (engine.pooler), `sampling_params` unused.
+        With `pooling_params` it is an embedding request (engine.worker.pooler), `sampling_params` unused.
 
         Everything that reaches a tensor is checked here, against this model, by the same
         `check_request` the frontend runs: the offline API and the core's socket both come

@@ -2,7 +2,7 @@
 //   seen = prompt_mask[slot] | counts[slot] > 0
 //   x = seen ? (x > 0 ? x / repetition : x * repetition) : x      (where repetition != 1)
 //   x = x - frequency * count;  x = x - presence * (count > 0)
-// the same operations, in the same order, as the torch code in engine/penalties.py, so both
+// the same operations, in the same order, as the torch code in engine/sample/penalties.py, so both
 // give the same bits: no FMA contraction here.
 #pragma GCC optimize("fp-contract=off")
 

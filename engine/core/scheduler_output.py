@@ -1,6 +1,6 @@
 """What the scheduler hands the model runner each step, and what comes back.
 
-`SchedulerOutput` is one flat batch of (request, num_new_tokens) pairs (engine.scheduler
+`SchedulerOutput` is one flat batch of (request, num_new_tokens) pairs (engine.core.scheduler
 explains how it is chosen); `SampledToken` is a request's new token from the runner,
 with the proposed tokens it accepted before it.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from engine.core.request import Request
 from ipc.messages import StepCounts, TokenLogprobs
 
 
@@ -22,7 +22,7 @@ class ScheduledRequest:
     @property
     def is_sampling(self) -> bool:
         """True when this step computes the request's last token, so it yields a new one
-        (an embedding request's last chunk yields its vector instead: engine.pooler)."""
+        (an embedding request's last chunk yields its vector instead: engine.worker.pooler)."""
         num_real_tokens = self.num_new_tokens - len(self.spec_token_ids)  # proposed tokens come after it
         return (self.request.num_computed_tokens + num_real_tokens == self.request.num_tokens
                 and self.request.pooling_params is None)

@@ -4,8 +4,8 @@
     2. bad words               a word's last token -inf where the output ends with the rest of it
     3. logit_bias, min_tokens  biases added; stop tokens -inf until min_tokens is reached
     4. grammar mask            structured outputs: tokens the grammar rejects -inf (xgrammar's bitmask)
-    5. penalties               repetition, frequency, presence (engine.penalties)
-    then temperature, top-k / top-p / min-p and the draw (engine.sampler).
+    5. penalties               repetition, frequency, presence (engine.sample.penalties)
+    then temperature, top-k / top-p / min-p and the draw (engine.sample.sampler).
 
 Steps 1-3 are masks and additions, so their order changes nothing; the grammar
 and penalties leave -inf as it is. Rows that ask for none of it cost nothing: a
@@ -23,9 +23,9 @@ from types import ModuleType
 
 import torch
 
-from engine.penalties import PenaltyState
+from engine.sample.penalties import PenaltyState
 from engine.structured_output.bitmask import GrammarBitmask
-from engine.request import Request
+from engine.core.request import Request
 from ipc.sampling_params import clamp_logit_bias
 
 
