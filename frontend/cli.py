@@ -10,7 +10,7 @@
 with `serve --engine tcp://...`; it stays up when that frontend goes away. With
 tensor parallelism over several hosts (torchrun's flags), node 0 runs the core
 (with --listen) and every other node runs only its workers
-(`python -m engine.distributed.worker`), no --listen. On a Ray cluster one `serve` command does
+(`python -m engine.executor.worker_process`), no --listen. On a Ray cluster one `serve` command does
 it all: `--distributed-executor-backend ray` places the ranks, and `--data-parallel N` cores, as
 Ray actors (docs/scale-out.md).
 """
@@ -26,7 +26,7 @@ from ipc.engine_config import DEFAULT_MODEL
 from ipc.sockets import check_bind_address
 
 ENGINE_MODULE = "engine.core.core_process"
-WORKER_MODULE = "engine.distributed.worker"
+WORKER_MODULE = "engine.executor.worker_process"
 
 
 def run_serve(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> None:

@@ -84,11 +84,11 @@ class EngineConfig:
     # Off recomputes every prompt, for comparison.
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "reuse the KV of full blocks whose whole prefix matches an earlier request's"))
-    # Tensor parallelism (engine.distributed), in torchrun's terms: this core is rank 0 and
+    # Tensor parallelism (engine.parallel, engine.executor), in torchrun's terms: this core is rank 0 and
     # starts the other ranks of its host; other hosts run `tokenloom engine --node-rank R`.
     tensor_parallel_size: int = field(default=1, metadata=_flag(
         "ranks that split the model's heads and weights (gloo on CPU, NCCL on CUDA)"))
-    # Pipeline parallelism (engine.distributed.pipeline): consecutive layers per stage, each stage
+    # Pipeline parallelism (engine.parallel.pipeline): consecutive layers per stage, each stage
     # a tensor-parallel group; ranks = tensor_parallel_size x pipeline_parallel_size.
     pipeline_parallel_size: int = field(default=1, metadata=_flag(
         "stages the model's layers are split into, one step's activations passed stage to stage"))
@@ -100,7 +100,7 @@ class EngineConfig:
     master_port: int = field(default=0, metadata=_flag(
         "port of that store (0: any free port, one host only)"))
     # mp: this host's ranks as our child processes (other hosts by hand, --node-rank); ray: a Ray
-    # cluster places every rank (engine.distributed.ray_executor). Each step travels our own channel.
+    # cluster places every rank (engine.executor.ray_executor). Each step travels our own channel.
     distributed_executor_backend: str = field(default="mp", metadata=_flag(
         "who starts the tensor-parallel ranks: mp (local processes) or ray (a Ray cluster's actors; "
         "pip install tokenloom[ray])", choices=EXECUTOR_BACKENDS))
@@ -108,7 +108,7 @@ class EngineConfig:
     # among the host's ranks): a fraction lets more ranks than free CPUs share a node.
     ray_num_cpus_per_worker: float | None = field(default=None, metadata=_flag(
         "ray: CPUs each rank's placement-group bundle asks for (default: 1 where the cluster has a free "
-        "CPU for every rank, else the largest 1/k that fits; engine.distributed.ray_executor)"))
+        "CPU for every rank, else the largest 1/k that fits; engine.executor.ray_executor)"))
     grammar_compile_timeout_s: float = field(default=30.0, metadata=_flag(
         "structured outputs: a grammar still compiling after this many seconds fails its request"))
     # JSON text, in vLLM's names (ipc.speculative_config); a dict given in Python becomes its JSON.

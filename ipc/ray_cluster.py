@@ -1,5 +1,5 @@
 """How our processes join one Ray cluster: the engine's tensor-parallel executor
-(engine.distributed.ray_executor) and the frontend's data-parallel cores (frontend.ray_engines)
+(engine.executor.ray_executor) and the frontend's data-parallel cores (frontend.ray_engines)
 both come through here. Ray is an optional extra; no torch here.
 
     init_ray          RAY_ADDRESS, or the cluster `ray start` made on this host; else a local one

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from engine.core.block_manager import num_blocks_for
-from engine.distributed.messages import StepInputs
+from engine.worker.step_inputs import StepInputs
 from engine.worker.model_runner import ModelRunner
 from engine.baselines.padded_static_scheduler import PaddedSchedulerOutput, PaddingRow
 from engine.core.scheduler_output import SampledToken

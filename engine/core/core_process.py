@@ -28,8 +28,8 @@ import time
 import zmq
 
 from engine.config import DEFAULT_MODEL
-from engine.distributed.executor import WorkerDeadError
-from engine.distributed.process_checks import check_master_addr, die_with_parent
+from engine.executor.executor import WorkerDeadError
+from engine.executor.process_checks import check_master_addr, die_with_parent
 from engine.core.engine_core import StepError
 from engine.cpu.thread_governor import ThreadGovernor
 from ipc.codec import DecodeError

@@ -3,7 +3,7 @@
 `step()` is schedule -> execute -> update. It knows nothing of sockets: the
 core process (`engine.core.core_process`) and the offline `LLM` both drive it.
 With tensor parallelism it is rank 0 and the one scheduler; its executor
-(`engine.distributed.executor`) starts and drives the other ranks.
+(`engine.executor.executor`) starts and drives the other ranks.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 from engine.core.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.worker.device_and_dtype import kv_bytes_per_block, resolve_kv_pool_dtype
-from engine.distributed.backends import make_executor
-from engine.distributed.executor import WorkerDeadError
+from engine.executor.backends import make_executor
+from engine.executor.executor import WorkerDeadError
 from engine.loader.model_files import resolve_model
 from engine.worker.model_runner import ModelRunner
 from engine.models.config import ModelConfig
@@ -57,7 +57,7 @@ class EngineCore:
         self.model_config = ModelConfig.from_folder(self.model_path)
         # The pool is sized from the memory budget unless its block count is given.
         if config.node_rank != 0:
-            raise ValueError("node_rank > 0 runs workers only (engine.distributed.worker), not an engine core")
+            raise ValueError("node_rank > 0 runs workers only (engine.executor.worker_process), not an engine core")
         device, kv_dtype = resolve_kv_pool_dtype(config)
         tp_size = config.tensor_parallel_size
         # Per rank: each holds its share of the KV heads, so the same budget buys more blocks.

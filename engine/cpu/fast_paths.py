@@ -35,7 +35,7 @@ from engine.cpu.int4_linear import BLOCK, Int4Linear
 from engine.cpu.int8_linear import GROUP, Int8Linear, QuantizedEmbedding, QuantizedLinear, gather_panels_on_huge_pages
 from engine.cpu.packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
 from engine.cpu.quantized_plan import QuantizedPlan
-from engine.distributed.parallel_layers import RowParallelLinear
+from engine.parallel.parallel_layers import RowParallelLinear
 from engine.models.attention import Attention
 from engine.models.layers import OffsetRMSNorm, RMSNorm, SwiGLUMLP
 from engine.models.moe import MoEBlock

@@ -47,7 +47,7 @@ def load_model(
 ) -> DecoderForCausalLM:
     """Build the model for config.json's architecture; `load_format="dummy"` fills random
     weights instead of reading a checkpoint (timing a model's shape without its weights).
-    `tp` (engine.distributed.parallel_state.TensorParallelGroup): build and load this rank's shard."""
+    `tp` (engine.parallel.parallel_state.TensorParallelGroup): build and load this rank's shard."""
     from safetensors import safe_open
 
     if load_format not in LOAD_FORMATS:

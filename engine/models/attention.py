@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.distributed.parallel_layers import num_local_kv_heads, row_parallel_linear
-from engine.distributed.parallel_state import NO_TP, TensorParallelGroup
+from engine.parallel.parallel_layers import num_local_kv_heads, row_parallel_linear
+from engine.parallel.parallel_state import NO_TP, TensorParallelGroup
 from engine.models.config import ModelConfig
 from engine.models.layers import RMSNorm
 from engine.models.rotary import apply_rotary

@@ -8,10 +8,10 @@ on a GPU. A family (llama.py, qwen3.py, phi3.py, mixtral.py) says how to build i
 attention and MLP and how its checkpoint names map onto these modules; the CPU fast
 paths are applied from outside (engine/cpu/fast_paths.py), to whatever blocks it has.
 
-With tensor parallelism (`tp`, engine.distributed) each rank builds the same module with
+With tensor parallelism (`tp`, engine.parallel) each rank builds the same module with
 its share of the heads, the intermediate size and the vocabulary; at TP = 1 (`NO_TP`)
 every layer is the plain one. Under pipeline parallelism (`tp.stage`,
-engine.distributed.pipeline) a rank builds, loads and runs only its stage's layers; the
+engine.parallel.pipeline) a rank builds, loads and runs only its stage's layers; the
 others are `MissingLayer`s.
 """
 
@@ -25,10 +25,10 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import NO_WINDOW
-from engine.distributed.parallel_layers import (
+from engine.parallel.parallel_layers import (
     num_local_kv_heads, row_parallel_linear, shard_checkpoint_tensor, shard_rows, vocab_parallel_embedding,
 )
-from engine.distributed.parallel_state import NO_TP, TensorParallelGroup
+from engine.parallel.parallel_state import NO_TP, TensorParallelGroup
 from engine.models.attention import Attention, take_rows
 from engine.models.config import ModelConfig
 from engine.models.layers import RMSNorm, SwiGLUMLP
@@ -44,7 +44,7 @@ class CheckpointName:
     ours: str
     # The row blocks the tensor holds, in order ("q", "k", "v", "gate", "up"), each written to its
     # place in our merged weight and sharded on its own under TP. (): the tensor is one whole
-    # parameter, sharded by its name (engine.distributed.parallel_layers.shard_checkpoint_tensor).
+    # parameter, sharded by its name (engine.parallel.parallel_layers.shard_checkpoint_tensor).
     parts: tuple[str, ...] = ()
 
 

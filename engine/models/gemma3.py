@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.distributed.parallel_state import TensorParallelGroup
+from engine.parallel.parallel_state import TensorParallelGroup
 from engine.models.attention import Attention, take_rows
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM, dense_mlp

@@ -95,7 +95,7 @@ class SwiGLUMLP(nn.Module):
         self.activation = activation  # a key of ACTIVATIONS_AND_MUL
         # gate and up in one matmul: one weight read instead of two.
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        # Tensor parallelism passes its row-parallel down_proj (engine.distributed.parallel_layers).
+        # Tensor parallelism passes its row-parallel down_proj (engine.parallel.parallel_layers).
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False) if down_proj is None else down_proj
         self.fused = None  # engine.cpu.fused.CpuFusedOps, set by engine.cpu.fast_paths
 

@@ -3,7 +3,7 @@ Mixtral-8x7B, the router's top-k probabilities always renormalised)."""
 
 from __future__ import annotations
 
-from engine.distributed.parallel_state import TensorParallelGroup
+from engine.parallel.parallel_state import TensorParallelGroup
 from engine.models.attention import Attention
 from engine.models.config import ModelConfig
 from engine.models.decoder import CheckpointName, DecoderForCausalLM, DecoderLayer

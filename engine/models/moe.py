@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed.parallel_state import NO_TP, TensorParallelGroup
+from engine.parallel.parallel_state import NO_TP, TensorParallelGroup
 from engine.models.config import MoEConfig
 from engine.models.layers import SwiGLUMLP, silu_and_mul
 

@@ -9,7 +9,7 @@ and the store as torch ops (the norms themselves take the fused RMSNorm kernel o
 
 from __future__ import annotations
 
-from engine.distributed.parallel_state import TensorParallelGroup
+from engine.parallel.parallel_state import TensorParallelGroup
 from engine.models.attention import Attention
 from engine.models.config import ModelConfig
 from engine.models.decoder import CheckpointName, DecoderForCausalLM, DecoderLayer, dense_mlp, moe_or_dense_mlp

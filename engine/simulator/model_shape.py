@@ -64,7 +64,7 @@ class ModelShape:
     @property
     def num_allreduces_per_step(self) -> int:
         """Tensor parallelism reduces the hidden state twice per layer (after attention and
-        MLP) and once after the vocab-parallel embedding, as engine.distributed's layers do."""
+        MLP) and once after the vocab-parallel embedding, as engine.parallel's layers do."""
         return 2 * self.num_layers + 1
 
     @property

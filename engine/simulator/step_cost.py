@@ -11,7 +11,7 @@
     pipeline    (PP-1) stage hand-offs of (hidden, residual): 2 · tokens · hidden bytes / link + latency,
                 and the sampled rows' logits back to rank 0: sampled · vocab bytes / link + latency
 
-Pipeline stages run one after another within a step (engine.distributed.pipeline: no
+Pipeline stages run one after another within a step (engine.parallel.pipeline: no
 overlap), so their compute adds up to the whole model's: PP divides the memory, not the
 time, and adds its hand-offs; TP divides the compute and adds its all-reduces.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed.parallel_layers import num_local_kv_heads
+from engine.parallel.parallel_layers import num_local_kv_heads
 from engine.dtype_policy import CpuFeatures, choose_dtype, choose_kv_cache_dtype, detect_cpu_features
 from engine.models.config import ModelConfig
 

@@ -26,10 +26,10 @@ from engine.config import EngineConfig
 from engine.worker.cuda_graph_check import check_replays
 from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.worker.device_and_dtype import cpu_features_of, resolve_device, resolve_dtype, resolve_kv_cache_dtype
-from engine.distributed.messages import StepInputs
-from engine.distributed.parallel_layers import num_local_kv_heads
-from engine.distributed.parallel_state import TensorParallelGroup, threads_per_rank
-from engine.distributed.pipeline import WHOLE_MODEL, forward_stage
+from engine.worker.step_inputs import StepInputs
+from engine.parallel.parallel_layers import num_local_kv_heads
+from engine.parallel.parallel_state import TensorParallelGroup, threads_per_rank
+from engine.parallel.pipeline import WHOLE_MODEL, forward_stage
 from engine.cpu.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
 from engine.models.config import ModelConfig
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int,
                  tp: TensorParallelGroup | None = None, executor=None) -> None:
-        """`tp`: this rank's group (a worker's); `executor`: rank 0's engine.distributed.executor,
+        """`tp`: this rank's group (a worker's); `executor`: rank 0's engine.executor.executor,
         whose group it is. Neither: one process, the model whole."""
         self.config = config
         self.model_config = model_config

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.distributed.messages import StepInputs
 from engine.sample.logits_processing import LogitsProcessingState, bad_word_bans
 from engine.models.config import ModelConfig
 from engine.worker.pooler import plan_pooling
@@ -22,6 +22,26 @@ from engine.sample.prompt_logprobs import PromptLogprobRows, PromptLogprobsColle
 from engine.core.request import Request
 from engine.sample.sampler import SamplingBatch
 from engine.core.scheduler_output import SchedulerOutput
+
+STEP_INPUTS_TAG = 3
+Ints = list[int]
+
+
+class StepInputs(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=STEP_INPUTS_TAG):
+    """One step's flat batch as Python lists; every rank builds the same tensors from it (rank 0 sends
+    it to its workers as one of engine.executor.messages' records, tagged like them)."""
+
+    input_ids: Ints  # [num_tokens]
+    positions: Ints  # [num_tokens]
+    slot_mapping: Ints  # [num_tokens]: block_id * block_size + offset
+    query_start_loc: Ints  # [num_seqs + 1]
+    seq_lens: Ints  # [num_seqs]
+    query_lens: Ints  # [num_seqs]
+    block_tables: list[Ints]  # [num_seqs][max_num_blocks], padded with block 0
+    sample_rows: Ints  # [num_sampled]: the rows whose logits are sampled
+    # [num_pooled]: rows whose final hidden states an embedding request pools (engine.worker.pooler); they
+    # leave the last layer after the sampled rows, so every rank must select them too
+    pooling_rows: Ints = msgspec.field(default_factory=list)
 
 
 @dataclass

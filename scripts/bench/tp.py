@@ -110,7 +110,7 @@ def run_engine(model: str, tensor_parallel_size: int, num_threads: int, backend:
 
 
 def _all_reduce_latency_rank(rank: int, port: int, shapes: list[tuple[int, int]], repeats: int, out: str) -> None:
-    from engine.distributed.parallel_state import create_group, create_store
+    from engine.parallel.parallel_state import create_group, create_store
 
     torch.set_num_threads(1)
     store = create_store("127.0.0.1", port, 2, is_master=rank == 0)
@@ -156,7 +156,7 @@ def step_handoff_us(num_requests: int, repeats: int = 300) -> dict:
     import ray
     import zmq
 
-    from engine.distributed import messages
+    from engine.executor import messages
 
     inputs = messages.StepInputs(list(range(num_requests)), [128] * num_requests, list(range(num_requests)),
                                  list(range(num_requests + 1)), [129] * num_requests, [1] * num_requests,

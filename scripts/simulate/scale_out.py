@@ -6,7 +6,7 @@ Ethernet link, for a decode step and a prefill step (docs/scale-out.md).
 
 TP splits every layer across the hosts (2 all-reduces a layer over the link); PP gives each
 host consecutive layers and passes (hidden, residual) on once per stage, the stages one after
-another (no overlap in engine.distributed.pipeline), so PP's step is the whole model's compute
+another (no overlap in engine.parallel.pipeline), so PP's step is the whole model's compute
 plus its hand-offs, and TP's is 1/N of it plus its all-reduces. Memory per host: weights / N.
 """
 

@@ -167,7 +167,7 @@ def tp2_greedy_token_ids(path, prompt_token_ids: list[list[int]]) -> list[list[i
 
 
 def test_tensor_parallel_refuses_experts_that_do_not_split(tmp_path):
-    from engine.distributed.parallel_layers import check_tensor_parallel
+    from engine.parallel.parallel_layers import check_tensor_parallel
 
     path, _ = make_tiny_model(tmp_path, "Qwen3MoeForCausalLM", **SMALL | dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24))

@@ -55,7 +55,7 @@ def test_pipeline_parallel_matches_one_process(tiny_llama, reference, kwargs):
 
 
 def test_a_stage_holds_only_its_layers_and_their_kv_cache(tiny_llama):
-    from engine.distributed.pipeline import PipelineStage
+    from engine.parallel.pipeline import PipelineStage
     from engine.models.decoder import MissingLayer
 
     llm = LLM(tiny_llama, pipeline_parallel_size=2, **ENGINE_KWARGS)

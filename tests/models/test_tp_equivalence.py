@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.distributed.parallel_layers import check_tensor_parallel
+from engine.parallel.parallel_layers import check_tensor_parallel
 from engine.models.config import ModelConfig
 from ipc.engine_config import EngineConfig
 from tests.helpers.models import make_tiny_model

@@ -124,7 +124,7 @@ def test_a_killed_ray_core_fails_its_requests_the_other_serves_and_ray_restarts_
 def test_a_killed_tp_worker_actor_gives_503_until_the_group_is_restarted(ray_cluster, tiny_model_with_tokenizer):
     import ray
 
-    from engine.distributed.ray_executor import ACTOR_NAMESPACE
+    from engine.executor.ray_executor import ACTOR_NAMESPACE
 
     args = (*REAL_CORE_ARGS, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
             "--restart-engine", "--engine-timeout", "30")
@@ -137,7 +137,7 @@ def test_a_killed_tp_worker_actor_gives_503_until_the_group_is_restarted(ray_clu
         assert thread.is_alive(), results[0].text
         ray.kill(ray.get_actor(worker.name, namespace=ACTOR_NAMESPACE))
         killed_at = time.monotonic()
-        thread.join(60)  # a bound: the 503 comes within a second or so (engine.distributed.peer_wait)
+        thread.join(60)  # a bound: the 503 comes within a second or so (engine.parallel.peer_wait)
         (response,) = results
         failed_after_s = time.monotonic() - killed_at
         assert response.status_code == 503, response.text

@@ -128,12 +128,12 @@ def process_state(pid: int) -> str:
 def test_a_worker_actor_killed_mid_run_fails_the_engine_with_a_clear_error(tmp_path):
     """Even while its process lingers: Ray reports an actor dead at ray.kill, and its process may
     exit seconds later (its raylet's force-kill), its sockets open until then. Rank 0, waiting in
-    an all-reduce, must take Ray's word (engine.distributed.peer_wait) rather than wait for them:
+    an all-reduce, must take Ray's word (engine.parallel.peer_wait) rather than wait for them:
     the worker is stopped first (SIGSTOP), so it is still there, stopped, when the engine fails."""
     import ray
 
-    from engine.distributed.executor import WorkerDeadError
-    from engine.distributed.ray_executor import ACTOR_NAMESPACE
+    from engine.executor.executor import WorkerDeadError
+    from engine.executor.ray_executor import ACTOR_NAMESPACE
 
     path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **TINY)
     llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_KWARGS)

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from engine.distributed import messages
-from engine.distributed.parallel_layers import shard_checkpoint_tensor, vocab_rows_per_rank
-from engine.distributed.parallel_state import TensorParallelGroup
+from engine.executor import messages
+from engine.parallel.parallel_layers import shard_checkpoint_tensor, vocab_rows_per_rank
+from engine.parallel.parallel_state import TensorParallelGroup
 from engine.models.config import ModelConfig
 from frontend import cli
 from frontend.server_args import engine_client_config, make_parser
@@ -61,13 +61,13 @@ def test_engine_on_a_later_node_execs_workers_only(monkeypatch):
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: calls.append(argv))
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29500"]
     cli.main(["engine", "--model", "m", "--node-rank", "1", *flags])
-    assert calls == [[sys.executable, "-m", "engine.distributed.worker", "--model", "m", "--node-rank", "1", *flags]]
+    assert calls == [[sys.executable, "-m", "engine.executor.worker_process", "--model", "m", "--node-rank", "1", *flags]]
     with pytest.raises(SystemExit):
         cli.main(["engine", "--model", "m", *flags])  # node 0 needs --listen
 
 
 def test_ray_bundles_take_a_whole_cpu_where_there_is_room_else_the_largest_fraction_that_fits():
-    from engine.distributed.ray_executor import bundle_num_cpus
+    from engine.executor.ray_executor import bundle_num_cpus
 
     three_nodes = {"head": 1.0, "b": 1.0, "c": 1.0}  # CI's cluster
     assert bundle_num_cpus(3, three_nodes, "head") == 1.0  # TP=3: one rank a node
@@ -82,7 +82,7 @@ def test_ray_bundles_take_a_whole_cpu_where_there_is_room_else_the_largest_fract
 def test_ray_bundles_wait_for_the_cpus_a_shut_down_engine_gives_back(monkeypatch):
     """Its actors free their CPUs a moment after the engine goes: asked too early, rank 0's node
     looks full and whole CPUs would be asked of a cluster that cannot hold them."""
-    import engine.distributed.ray_executor as ray_executor
+    import engine.executor.ray_executor as ray_executor
 
     views = iter([{"head": 0.0, "b": 1.0, "c": 1.0}] * 3 + [{"head": 1.0, "b": 1.0, "c": 1.0}])
     monkeypatch.setattr(ray_executor, "free_cpus_by_node", lambda: next(views))

@@ -8,7 +8,7 @@ several engines (tests build one `LLM` after another) and each engine's group is
 the `TensorParallelGroup` it was given.
 
 At TP = 1 the model is built with `NO_TP`, and nothing here runs. With pipeline
-parallelism (engine.distributed.pipeline) each stage is a tensor-parallel group of its own,
+parallelism (engine.parallel.pipeline) each stage is a tensor-parallel group of its own,
 and the group carries this rank's `PipelineStage`.
 """
 
@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from engine.distributed.peer_wait import wait_for_peers
-from engine.distributed.pipeline import WHOLE_MODEL, PipelineStage
+from engine.parallel.peer_wait import wait_for_peers
+from engine.parallel.pipeline import WHOLE_MODEL, PipelineStage
 
 # A rank that waits longer than this in a collective gives up (gloo raises). A killed
 # peer is noticed at once (its socket closes); this bounds a hung one.
@@ -41,7 +41,7 @@ class TensorParallelGroup:
         self.size = size
         self.process_group = process_group
         self.stage = stage
-        self.check_alive = check_alive  # rank 0's check between slices of a wait (engine.distributed.peer_wait)
+        self.check_alive = check_alive  # rank 0's check between slices of a wait (engine.parallel.peer_wait)
         self.num_all_reduces = 0
         self.all_reduce_seconds = 0.0  # includes waiting for the slowest rank
 
@@ -83,7 +83,7 @@ def create_group(store: dist.Store, rank: int, tensor_parallel_size: int, device
                  pipeline_parallel_size: int = 1, check_alive: Callable[[], None] | None = None) -> TensorParallelGroup:
     """Join this rank's groups (blocks until every rank has): its stage's tensor-parallel group
     and, with several stages, every rank's group for the sends between them. `check_alive`
-    (rank 0's executor) runs while a collective waits, on the CPU (engine.distributed.peer_wait)."""
+    (rank 0's executor) runs while a collective waits, on the CPU (engine.parallel.peer_wait)."""
     if device.type == "cuda":
         check_alive = None
     stage_index, tp_rank = divmod(rank, tensor_parallel_size)

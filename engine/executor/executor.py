@@ -5,10 +5,10 @@ the one thing the two executors differ in (`--distributed-executor-backend`):
 
     mp   `MultiprocExecutor`: this host's ranks as our child processes; other hosts'
          by hand (`tokenloom engine --node-rank R`, torchrun's layout)
-    ray  `engine.distributed.ray_executor.RayExecutor`: one Ray actor per rank,
+    ray  `engine.executor.ray_executor.RayExecutor`: one Ray actor per rank,
          placed by a placement group anywhere in a Ray cluster
 
-Both run the same worker code (`engine.distributed.worker.run_worker`) and the same
+Both run the same worker code (`engine.executor.worker_process.run_worker`) and the same
 per-step channel, ours, not Ray's: a Ray actor call costs an order of magnitude more than
 a ZeroMQ send (figures in docs/scale-out.md), a sizeable share of a GPU's decode step. Ray places and starts the workers and restarts what it lost; steps never
 go through it (vLLM does the same with its compiled graphs). Start-up:
@@ -47,15 +47,15 @@ import weakref
 
 import zmq
 
-from engine.distributed import messages
-from engine.distributed.parallel_layers import check_tensor_parallel
-from engine.distributed.pipeline import check_pipeline_parallel
-from engine.distributed.parallel_state import RENDEZVOUS_TIMEOUT_S, create_group, create_store, num_local_ranks
+from engine.executor import messages
+from engine.parallel.parallel_layers import check_tensor_parallel
+from engine.parallel.pipeline import check_pipeline_parallel
+from engine.parallel.parallel_state import RENDEZVOUS_TIMEOUT_S, create_group, create_store, num_local_ranks
 from ipc.engine_config import EngineConfig, engine_argv
 
 logger = logging.getLogger(__name__)
 
-WORKER_MODULE = "engine.distributed.worker"
+WORKER_MODULE = "engine.executor.worker_process"
 # Keys rank 0 publishes in the store for every worker, wherever it runs.
 STEP_ADDRESS_KEY = "tokenloom/step_address"
 NUM_KV_BLOCKS_KEY = "tokenloom/num_kv_blocks"
@@ -145,7 +145,7 @@ class Executor:
                 self.sock.send_multipart([identity, payload])
             return forward_step(inputs)
         except WorkerDeadError:
-            raise  # a collective's wait found a rank gone (engine.distributed.peer_wait)
+            raise  # a collective's wait found a rank gone (engine.parallel.peer_wait)
         except Exception as e:
             self.check_workers()  # name the dead rank if we can
             raise WorkerDeadError(f"a tensor-parallel step failed: {type(e).__name__}: {str(e)[:200]}") from e

@@ -9,7 +9,7 @@ cluster places them (vLLM's RayDistributedExecutor, without its per-step Ray cal
                       (Ray gives the other actors other GPUs), as vLLM's driver does
     actors            one `RayWorker` in each other bundle; ranks 1.. ordered by node, this one first
     rendezvous        rank 0's store on loopback when every rank is on this host, else on its IP
-    each actor        engine.distributed.worker.run_worker: mp's worker, mp's channel (executor.py)
+    each actor        engine.executor.worker_process.run_worker: mp's worker, mp's channel (executor.py)
 
 Ray starts, places and watches the workers; every step goes over our own ZeroMQ channel.
 A worker's actor is not restarted by Ray (a lost rank leaves the group out of step): the
@@ -25,8 +25,8 @@ import logging
 import os
 import time
 
-from engine.distributed.executor import Executor, Workers
-from engine.distributed.parallel_state import RENDEZVOUS_TIMEOUT_S
+from engine.executor.executor import Executor, Workers
+from engine.parallel.parallel_state import RENDEZVOUS_TIMEOUT_S
 from ipc.engine_config import EngineConfig
 from ipc.ray_cluster import actor_runtime_env, init_ray
 
@@ -57,7 +57,7 @@ class RayWorker:
 
     def run(self, config: EngineConfig, rank: int, device_index: int | None) -> int:
         """Serve steps until rank 0 says stop or goes away; the exit code."""
-        from engine.distributed.worker import run_worker
+        from engine.executor.worker_process import run_worker
 
         logging.basicConfig(level=os.environ.get("TOKENLOOM_LOG_LEVEL", "info").upper(),
                             format=f"%(asctime)s %(levelname)s [tp-rank {rank}] %(name)s: %(message)s")

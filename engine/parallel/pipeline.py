@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from engine.distributed.peer_wait import wait_for_peers
+from engine.parallel.peer_wait import wait_for_peers
 
 SEND_TAG = 0
 

@@ -7,6 +7,7 @@ they live here rather than in `ipc/`, the frontend's contract.
     worker ── WorkerHello ──► rank 0     connected (before the process group forms)
     worker ── WorkerReady ──► rank 0     model loaded, KV pool allocated
     rank 0 ── StepInputs ───► workers    once per step: what the model runner turns into tensors
+                                         (declared with the runner, engine/worker/step_inputs.py)
     rank 0 ── StopWorker ───► workers    the engine is shutting down
 """
 
@@ -18,14 +19,15 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta, Struct
 
+from engine.worker.step_inputs import STEP_INPUTS_TAG, StepInputs
+
 MAX_STEP_BYTES = 256 * 1024 * 1024
-Ints = list[int]
 
 
 class WorkerMessageType(enum.IntEnum):
     HELLO = 1
     READY = 2
-    STEP_INPUTS = 3
+    STEP_INPUTS = STEP_INPUTS_TAG  # StepInputs is the model runner's record (engine.worker.step_inputs)
     STOP = 4
 
 
@@ -40,22 +42,6 @@ class WorkerHello(_Message, tag=int(WorkerMessageType.HELLO)):
 
 class WorkerReady(_Message, tag=int(WorkerMessageType.READY)):
     rank: Annotated[int, Meta(ge=1)]
-
-
-class StepInputs(_Message, tag=int(WorkerMessageType.STEP_INPUTS)):
-    """One step's flat batch as Python lists; every rank builds the same tensors from it."""
-
-    input_ids: Ints  # [num_tokens]
-    positions: Ints  # [num_tokens]
-    slot_mapping: Ints  # [num_tokens]: block_id * block_size + offset
-    query_start_loc: Ints  # [num_seqs + 1]
-    seq_lens: Ints  # [num_seqs]
-    query_lens: Ints  # [num_seqs]
-    block_tables: list[Ints]  # [num_seqs][max_num_blocks], padded with block 0
-    sample_rows: Ints  # [num_sampled]: the rows whose logits are sampled
-    # [num_pooled]: rows whose final hidden states an embedding request pools (engine.worker.pooler); they
-    # leave the last layer after the sampled rows, so every rank must select them too
-    pooling_rows: Ints = msgspec.field(default_factory=list)
 
 
 class StopWorker(_Message, tag=int(WorkerMessageType.STOP)):

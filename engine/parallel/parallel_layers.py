@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed.parallel_state import TensorParallelGroup
+from engine.parallel.parallel_state import TensorParallelGroup
 
 if TYPE_CHECKING:  # engine.models imports this module
     from engine.models.config import ModelConfig

@@ -1,6 +1,6 @@
 """A worker rank (tensor- and/or pipeline-parallel): load this rank's shard, then run each step rank 0 sends.
 
-    python -m engine.distributed.worker --model PATH --tensor-parallel-size N [--pipeline-parallel-size P] \\
+    python -m engine.executor.worker_process --model PATH --tensor-parallel-size N [--pipeline-parallel-size P] \\
         [--nnodes K --node-rank R] --master-addr HOST --master-port PORT [--rank r] [engine flags]
 
 Rank 0's executor starts its own host's workers with --rank. On another host,
@@ -25,12 +25,12 @@ import sys
 
 import zmq
 
-from engine.distributed import messages
-from engine.distributed.executor import (
+from engine.executor import messages
+from engine.executor.executor import (
     MAX_MODEL_LEN_KEY, NUM_KV_BLOCKS_KEY, STEP_ADDRESS_KEY, start_worker,
 )
-from engine.distributed.parallel_state import create_group, create_store, num_local_ranks
-from engine.distributed.process_checks import check_master_addr, die_with_parent
+from engine.parallel.parallel_state import create_group, create_store, num_local_ranks
+from engine.executor.process_checks import check_master_addr, die_with_parent
 from ipc.engine_config import DEFAULT_MODEL, EngineConfig, add_engine_args, engine_config_from_args
 
 logger = logging.getLogger(__name__)
