@@ -27,7 +27,7 @@ def __getattr__(name: str):
 
         return EngineConfig
     if name == "EngineCore":
-        from engine.core.engine_core import EngineCore
+        from engine.loop.engine_core import EngineCore
 
         return EngineCore
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

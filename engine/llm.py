@@ -20,7 +20,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.core.engine_core import EngineCore, StepError
+from engine.loop.engine_core import EngineCore, StepError
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
 from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from ipc.sampling_params import SamplingParams, tokenize_bad_words

@@ -6,7 +6,7 @@
     tokenloom engine --tensor-parallel-size N --nnodes K --node-rank R --master-addr HOST --master-port P ...
 
 `serve` is `python -m frontend.api_server`. `engine` replaces itself with an engine core
-(`python -m engine.core.core_process`) bound at --listen, for a frontend elsewhere to reach
+(`python -m engine.loop.core_process`) bound at --listen, for a frontend elsewhere to reach
 with `serve --engine tcp://...`; it stays up when that frontend goes away. With
 tensor parallelism over several hosts (torchrun's flags), node 0 runs the core
 (with --listen) and every other node runs only its workers
@@ -25,7 +25,7 @@ from frontend.server_args import add_server_args, check_speculative_config
 from ipc.engine_config import DEFAULT_MODEL
 from ipc.sockets import check_bind_address
 
-ENGINE_MODULE = "engine.core.core_process"
+ENGINE_MODULE = "engine.loop.core_process"
 WORKER_MODULE = "engine.executor.worker_process"
 
 

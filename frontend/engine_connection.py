@@ -25,7 +25,7 @@ from ipc.sockets import connect_dealer, new_ipc_address, send_message, unpack_fr
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ENGINE_COMMAND = (sys.executable, "-m", "engine.core.core_process")
+DEFAULT_ENGINE_COMMAND = (sys.executable, "-m", "engine.loop.core_process")
 # Time a local core gets to exit after Shutdown before it is terminated, then killed.
 SHUTDOWN_GRACE_S = 5.0
 # After a disconnect, time to wait for a local core's exit code so the error can name it.

@@ -2,7 +2,7 @@
 
 `EngineConfig` is what the offline `LLM(**kwargs)` and the core process fill in. The
 frontend starts cores with flags, so the flags are part of the contract between the
-two processes: both parsers (`engine.core.core_process` and `frontend.server_args`) add
+two processes: both parsers (`engine.loop.core_process` and `frontend.server_args`) add
 them with `add_engine_args`, one flag per field, and the frontend turns what the user
 gave back into a core's argv with `engine_argv`. No torch here.
 """
@@ -53,12 +53,12 @@ class EngineConfig:
     device: str | None = field(default=None, metadata=_flag("default: cuda when available, else cpu"))
     dtype: str | None = field(default=AUTO_DTYPE, metadata=_flag(
         "weights and activations: auto (bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512_BF16, "
-        "else float32, and float32 under --quantization; see engine.dtype_policy), float32, bfloat16, float16",
+        "else float32, and float32 under --quantization; see engine.worker.dtype_policy), float32, bfloat16, float16",
         choices=(AUTO_DTYPE, *DTYPE_NAMES)))
     # A decode reads every context token's K and V each step; the pool's bytes bound how many tokens it holds.
     kv_cache_dtype: str = field(default=AUTO_DTYPE, metadata=_flag(
         "KV cache and attention: auto (the activations' dtype, except bfloat16 beside --quantization's float32 "
-        "activations on CPUs with native bf16; see engine.dtype_policy), float32, bfloat16, float16",
+        "activations on CPUs with native bf16; see engine.worker.dtype_policy), float32, bfloat16, float16",
         choices=(AUTO_DTYPE, *DTYPE_NAMES)))
     # Weight bytes bound a decode step: int8 halves them (engine.cpu.int8_linear).
     quantization: str | None = field(default=None, metadata=_flag(

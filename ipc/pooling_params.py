@@ -39,3 +39,8 @@ class PoolingParams(Struct, array_like=True, forbid_unknown_fields=True):
 # What an embedding request carries where a generation request has its sampling: nothing is
 # sampled, but the prompt must leave one position of context, as any request's must.
 POOLING_SAMPLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def needs_every_position(params: PoolingParams | None) -> bool:
+    """Mean pooling reads every prompt position's state: no prefix-cache hits for it."""
+    return params is not None and params.pooling_type == PoolingType.MEAN

@@ -55,7 +55,7 @@ def main() -> None:
         return
     from engine.loader.model_files import DEFAULT_MODEL, resolve_model
 
-    server = FrontendServer(Path(resolve_model(DEFAULT_MODEL)), "--engine-command", f"{sys.executable} -m engine.core.core_process",
+    server = FrontendServer(Path(resolve_model(DEFAULT_MODEL)), "--engine-command", f"{sys.executable} -m engine.loop.core_process",
                             "--max-num-seqs", "64", "--served-model-name", "smollm2")
     # start() rather than `with server`, whose __enter__ starts with the default 60 s wait;
     # `with server.start(...)` would start a second server and leave the first one running.

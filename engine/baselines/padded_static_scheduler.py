@@ -36,6 +36,7 @@ from engine.core.block_manager import num_blocks_for
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, is_compiling
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.step_stats import PaddedStepStats
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ class PaddedSchedulerOutput(SchedulerOutput):
     def num_finished_row_tokens(self) -> int:
         """Finished rows' pad-token decodes."""
         return sum(p.num_tokens for p in self.padding if p.is_sampling)
+
+    def step_stats(self, **fields) -> PaddedStepStats:
+        """The record with the pad tokens, computed for nothing."""
+        return PaddedStepStats(**fields, num_padding_tokens=self.num_padding_tokens,
+                               num_finished_row_tokens=self.num_finished_row_tokens)
 
 
 @dataclass

@@ -1,3 +1,4 @@
-"""The engine core: the busy loop and its process (core_process, engine_core), the scheduler and
-block manager, and the records a step passes around (request, scheduler_output, step_outputs,
-step_stats). Plain objects: nothing here imports the worker, the models or the baselines."""
+"""The scheduling core (vLLM V1's `core/`): the scheduler, the block manager, a request's state and
+the records a step passes around (scheduler_output, step_outputs, step_stats), with the
+scheduler's share of speculation (spec_scheduling, spec_stats). Plain objects, no tensors: the
+floor everything else stands on; it imports no other room of the engine."""

@@ -39,12 +39,11 @@ import time
 from collections import deque
 
 from engine.core.block_manager import BlockManager
-from engine.worker.pooler import needs_every_position
+from ipc.pooling_params import needs_every_position
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
-from engine.spec_decode.proposer import record_acceptance
-from engine.spec_decode.scheduling import add_proposals, emitted_tokens, make_output, roll_back
-from engine.spec_decode.spec_stats import SpecStats
+from engine.core.spec_scheduling import add_proposals, emitted_tokens, make_output, record_acceptance, roll_back
+from engine.core.spec_stats import SpecStats
 from engine.core.step_outputs import RequestError, StepOutputs
 from ipc.messages import RequestOutput, SchedulerStats
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.request import Request
+from engine.core.step_stats import StepStats
 from ipc.messages import StepCounts, TokenLogprobs
 
 
@@ -61,6 +62,10 @@ class SchedulerOutput:
                 counts.num_prefill_requests += 1
                 counts.num_prefill_tokens += s.num_new_tokens
         return counts
+
+    def step_stats(self, **fields) -> StepStats:
+        """The step's record (engine.core.step_stats); a baseline's output adds its own fields."""
+        return StepStats(**fields)
 
 
 @dataclass

@@ -11,6 +11,7 @@ compiled) the plan is empty and `prepare` only logs what runs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -25,8 +26,7 @@ from engine.cpu.fast_paths import apply_fast_paths
 from engine.cpu.fused import CpuFusedOps, select_fused_ops
 from engine.cpu.packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.cpu.quantized_plan import QuantizedPlan, plan_quantization
-from engine.dtype_policy import CpuFeatures
-from engine.loader.gguf_blocks import blocks_for_model
+from engine.cpu.host import CpuFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -42,25 +42,30 @@ class CpuExecutionPlan:
     batch_size_hint: int  # oneDNN packs for steps of about this many rows
     has_decode_stack: bool  # config allows it, on the CPU, eager, one pipeline stage
     gguf_source: tuple[str, Path] | None  # (model as given, its folder): quantize from a GGUF's own blocks
+    read_gguf_blocks: Callable | None  # the loader's (engine.loader.gguf_blocks.blocks_for_model), handed in
 
     @classmethod
     def make(cls, config: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype,
-             cpu: CpuFeatures, backend_name: str, is_compiled: bool, is_tensor_parallel: bool) -> CpuExecutionPlan:
+             cpu: CpuFeatures, backend_name: str, is_compiled: bool, is_tensor_parallel: bool,
+             read_gguf_blocks: Callable | None = None) -> CpuExecutionPlan:
         """Called before the weights load: int8 on a CPU without VNNI is refused at once, and
-        oneDNN's primitive caches are capped before the weights make primitives."""
+        oneDNN's primitive caches are capped before the weights make primitives. `read_gguf_blocks`
+        (model, model as given, folder, scheme) -> blocks: how a GGUF's own blocks are read, the
+        loader's business; without it quantized weights are always quantized from the folder."""
         quantization = (plan_quantization(device.type, cpu.has_avx512_vnni, config.quantization)
                         if config.quantization else None)
         is_prepacked = (config.cpu_prepack and not is_compiled and quantization is None
                         and can_prepack(device, dtype))
         if is_prepacked or is_compiled:
             bound_primitive_caches()
-        may_use_gguf = quantization is not None and not is_tensor_parallel and config.load_format == "auto"
+        may_use_gguf = (quantization is not None and not is_tensor_parallel and config.load_format == "auto"
+                        and read_gguf_blocks is not None)
         return cls(
             cpu=cpu, dtype=dtype, quantization=quantization, is_prepacked=is_prepacked, is_compiled=is_compiled,
             fused_ops=select_fused_ops(device, backend_name, is_compiled),
             batch_size_hint=config.max_num_seqs,
             has_decode_stack=_has_decode_stack(config, device, is_compiled),
-            gguf_source=(config.model, model_path) if may_use_gguf else None,
+            gguf_source=(config.model, model_path) if may_use_gguf else None, read_gguf_blocks=read_gguf_blocks,
         )
 
     @property
@@ -75,7 +80,7 @@ class CpuExecutionPlan:
         slabs = plan_slabs(self.dtype, num_weight_bytes, self.cpu) if self.is_prepacked else None
         gguf_blocks = None
         if self.gguf_source is not None:
-            gguf_blocks = blocks_for_model(model, *self.gguf_source, self.quantization.scheme)
+            gguf_blocks = self.read_gguf_blocks(model, *self.gguf_source, self.quantization.scheme)
         apply_fast_paths(model, batch_size_hint=self.batch_size_hint if self.is_prepacked else None, slabs=slabs,
                          fused_ops=self.fused_ops, backend=backend, is_compiled=self.is_compiled,
                          int8=self.quantization, gguf_blocks=gguf_blocks)

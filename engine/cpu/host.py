@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -52,3 +53,28 @@ def cpu_key() -> str:
     if not description:
         description = platform.processor()
     return platform.machine() + "-" + hashlib.sha256(description.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    has_amx_bf16: bool = False  # AMX tiles with bf16 dot products (Sapphire Rapids and later)
+    has_avx512_bf16: bool = False  # AVX512_BF16's vdpbf16ps (Cooper Lake, Zen 4 and later)
+    has_avx512_vnni: bool = False  # vpdpbusd, the int8 kernel's dot product (Cascade Lake, Zen 4 and later)
+
+
+@functools.cache
+def detect_cpu_features() -> CpuFeatures:
+    """The host CPU's bf16 support, from torch's cpuinfo probe, else /proc/cpuinfo's flags."""
+    try:
+        import torch
+
+        capabilities = torch.cpu.get_capabilities()
+        return CpuFeatures(
+            has_amx_bf16=bool(capabilities.get("amx_bf16")), has_avx512_bf16=bool(capabilities.get("avx512_bf16")),
+            has_avx512_vnni=bool(capabilities.get("avx512_vnni")),
+        )
+    except (AttributeError, RuntimeError):  # an older torch without the probe
+        pass
+    flags = cpu_flags()
+    return CpuFeatures(has_amx_bf16="amx_bf16" in flags, has_avx512_bf16="avx512_bf16" in flags,
+                       has_avx512_vnni="avx512_vnni" in flags)

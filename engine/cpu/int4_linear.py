@@ -7,7 +7,7 @@ minimum m per block of 32: w = d * q + m), 0.31 of bf16's. Any bf16/fp32 checkpo
 at load time as llama.cpp's quantize_row_q4_1 does (d = (max - min) / 15, m = min, q rounded);
 a GGUF's Q4_1 or Q4_0 blocks are packed as they are (engine/loader/gguf_blocks.py; Q4_0's
 d (q - 8) is d q + m with m = -8 d), with no second rounding. Activations are quantized inside the kernel per token and block of 32, as
-llama.cpp's Q8_1, and stay in fp32 between matmuls (engine/dtype_policy.py).
+llama.cpp's Q8_1, and stay in fp32 between matmuls (engine/worker/dtype_policy.py).
 
 `Int4Linear` replaces each nn.Linear (the LM head's too) through engine/cpu/fast_paths.py,
 as Int8Linear does; a tied embedding reads its rows back out of the head's blocks

@@ -6,7 +6,7 @@ padded with zeros to a multiple of 64). Activations are quantized inside the ker
 scale per token and group of 64. One scale per whole row and token drifts far from fp32
 (an outlier sets the step for its whole row); per group, greedy answers stay about as close
 to fp32 as with llama.cpp's Q8_0 (scripts/bench/probes/quant_drift.py measures both). The
-activations between matmuls stay in fp32 by default (engine/dtype_policy.py says why).
+activations between matmuls stay in fp32 by default (engine/worker/dtype_policy.py says why).
 A GGUF's Q8_0 blocks (engine/loader/gguf_blocks.py) are packed as they are, in groups of 32: the
 same kernel, which reads the group from the scales' shape.
 

@@ -41,7 +41,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.dtype_policy import CpuFeatures
+from engine.cpu.host import CpuFeatures
 from engine.cpu.huge_pages import move_onto_huge_pages
 
 logger = logging.getLogger(__name__)

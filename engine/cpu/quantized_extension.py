@@ -33,7 +33,7 @@ def main() -> None:
     int8 or int4 engine's start nor a test pays the compile."""
     import logging
 
-    from engine.dtype_policy import detect_cpu_features
+    from engine.cpu.host import detect_cpu_features
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not detect_cpu_features().has_avx512_vnni:

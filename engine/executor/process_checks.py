@@ -1,6 +1,6 @@
 """What every engine process checks at start: it dies with its parent, and its ranks'
 unauthenticated rendezvous stays on loopback unless allowed. Shared by the engine core
-(engine/core/core_process.py) and the ranks' workers (engine/executor/worker_process.py)."""
+(engine/loop/core_process.py) and the ranks' workers (engine/executor/worker_process.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ in one matmul (optional bias), optional per-head q/k RMSNorm before rotary (Qwen
 a sliding window (config.window_of) hands it to the backend, which reads only the blocks
 inside it; the scale is head_dim ** -0.5 unless the config sets query_pre_attn_scalar.
 Where the KV cache has a dtype other than the activations' (bf16 beside int8 weights'
-fp32 activations: engine.dtype_policy), qkv is cast to it after its matmul and attention's
+fp32 activations: engine.worker.dtype_policy), qkv is cast to it after its matmul and attention's
 output back before o_proj: rotary, the KV store and attention run in the cache's dtype.
 
 Three ways through, chosen by what the engine handed the module; in each, the backend

@@ -86,7 +86,7 @@ def measure_machine(weight_bytes: int, hidden: int, intermediate: int, dtype, de
     at an MLP-shaped matmul of 512 tokens, as the engine runs it: prepacked on the CPU."""
     import torch
 
-    from engine.dtype_policy import detect_cpu_features
+    from engine.cpu.host import detect_cpu_features
     from engine.cpu.packing import PackedLinear, bound_primitive_caches, can_prepack, plan_slabs
 
     bound_primitive_caches()

@@ -18,7 +18,8 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
-from engine.core.engine_core import SCHEDULER_CLASSES, make_step_stats
+from engine.loop.batching import batching_mode
+from engine.loop.engine_core import make_step_stats
 from engine.core.step_stats import StepStats
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
@@ -103,7 +104,7 @@ class Simulator:
         self.max_model_len = min(config.max_model_len or limit, limit)
 
     def make_scheduler(self) -> Scheduler:
-        return SCHEDULER_CLASSES[self.config.batching](
+        return batching_mode(self.config).scheduler_class(
             BlockManager(self.num_kv_blocks, self.config.block_size),
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,

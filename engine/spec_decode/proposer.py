@@ -29,7 +29,6 @@ from ipc.speculative_config import SpeculativeConfig
 
 SPEC_STEP_TOKENS = 24  # a step's tokens (decodes and proposals) below which the CPU step stays weight-bound
 PREDICTION_MAX_TOKENS = 16  # k for a prediction without --speculative-config (the configurable maximum)
-EMA_WEIGHT = 0.5  # of the newest draft's accepted count
 # k is the average accepted count plus this, so it can grow back. Rows past the average cost
 # little beside a step's weight reads, and a copy that resumes after a miss runs long: +4 beat +2
 # by 8-15% one user and 4 users on AMX (docs/speculative-decoding.md#figures), and +16 lost.
@@ -91,9 +90,3 @@ class SpecProposer:
                 and (self.config is not None or bool(params.prediction_token_ids))
                 and request.num_computed_tokens == request.num_tokens - 1  # decoding, not prefilling
                 and not params.needs_logits_processing and request.num_output_tokens >= params.min_tokens)
-
-
-def record_acceptance(request: Request, num_proposed: int, num_accepted: int) -> None:
-    """Fold one verified draft into the request's average accepted count (adaptive k)."""
-    if num_proposed:
-        request.spec_ema = (1 - EMA_WEIGHT) * request.spec_ema + EMA_WEIGHT * num_accepted

@@ -1,6 +1,6 @@
 """The device, dtype and KV cache dtype a `ModelRunner` for a config runs in, and one KV
 block's bytes: the engine core sizes the KV pool from them before any runner exists.
-The choices for "auto" are engine.dtype_policy's; this module turns them into torch dtypes.
+The choices for "auto" are engine.worker.dtype_policy's; this module turns them into torch dtypes.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.parallel.parallel_layers import num_local_kv_heads
-from engine.dtype_policy import CpuFeatures, choose_dtype, choose_kv_cache_dtype, detect_cpu_features
+from engine.cpu.host import CpuFeatures, detect_cpu_features
+from engine.worker.dtype_policy import choose_dtype, choose_kv_cache_dtype
 from engine.models.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,14 +22,14 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device, cpu: CpuFeatures) -> tuple[torch.dtype, str]:
-    """(dtype, why): as asked, or by engine.dtype_policy for "auto"."""
+    """(dtype, why): as asked, or by engine.worker.dtype_policy for "auto"."""
     name, reason = choose_dtype(config.dtype, device.type, cpu, config.quantization)
     return DTYPES[name], reason
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, cpu: CpuFeatures,
                            dtype: torch.dtype) -> tuple[torch.dtype, str]:
-    """(KV cache dtype, why) beside activations in `dtype`: as asked, or by engine.dtype_policy for "auto"."""
+    """(KV cache dtype, why) beside activations in `dtype`: as asked, or by engine.worker.dtype_policy for "auto"."""
     name, reason = choose_kv_cache_dtype(config.kv_cache_dtype, str(dtype).removeprefix("torch."), device.type, cpu,
                                          config.quantization)
     if DTYPES[name] != dtype and config.compile:

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from engine.attention import make_attention_backend, resolve_attention_backend
+from engine.worker.attention_choice import make_attention_backend, resolve_attention_backend
 from engine.attention.backend import AttentionBackend, KVCache
 from engine.worker.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
@@ -34,13 +34,14 @@ from engine.cpu.huge_pages import zeros_on_huge_pages
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.cpu.execution_plan import CpuExecutionPlan
+from engine.loader.gguf_blocks import blocks_for_model
 from engine.core.request import Request
 from engine.sample.logits_processing import LogitsProcessingState
 from engine.worker.pooler import Pooler
 from engine.sample.prompt_logprobs import PromptLogprobsCollector
 from engine.sample.sampler import Sampler, SamplingBatch, sampling_kernels
 from engine.core.scheduler_output import SampledToken, SchedulerOutput
-from engine.spec_decode.verifier import verify
+from engine.sample.verifier import verify
 from engine.worker.step_inputs import PreparedStep, make_sampling_batch, prepare_step, to_row_tensors, to_tensors
 from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
 
@@ -68,7 +69,8 @@ class ModelRunner:
         self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
         backend_name = resolve_attention_backend(config.attention_backend, self.device.type, self.kv_dtype, cpu)
         cpu_plan = CpuExecutionPlan.make(config, model_config.path, self.device, self.dtype, cpu, backend_name,
-                                         self.is_compiled, is_tensor_parallel=self.tp is not None)
+                                         self.is_compiled, is_tensor_parallel=self.tp is not None,
+                                         read_gguf_blocks=blocks_for_model)
         self.model = self._load_model()
         if self.kv_dtype != self.dtype:
             self.model.set_attention_dtype(self.kv_dtype)
@@ -181,7 +183,7 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> list[SampledToken]:
         """A step with proposed tokens: the rows without any are sampled as usual, the others verified
-        (engine.spec_decode.verifier). logits: each request's 1 + len(draft) rows, in order."""
+        (engine.sample.verifier). logits: each request's 1 + len(draft) rows, in order."""
         starts = [0]
         for draft in drafts:
             starts.append(starts[-1] + 1 + len(draft))

@@ -28,7 +28,7 @@ import torch
 from engine.core.block_manager import num_blocks_for
 from engine.core.request import Request
 from ipc.engine_config import EngineConfig
-from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams, PoolingType
+from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams, PoolingType, needs_every_position
 from ipc.sampling_params import SamplingParams
 
 
@@ -41,11 +41,6 @@ class PoolingRows:
     first_row: int
     start: int
     num_rows: int
-
-
-def needs_every_position(params: PoolingParams | None) -> bool:
-    """Mean pooling reads every prompt position's state: no prefix-cache hits for it."""
-    return params is not None and params.pooling_type == PoolingType.MEAN
 
 
 def positions_to_pool(request: Request, start: int, end: int) -> range:

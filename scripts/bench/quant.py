@@ -1,7 +1,7 @@
 """bf16 against --quantization int8 and int4 in one run, JSON out (issue #28's single-user and batched rows).
 
 All in `--dtype auto`: bf16 where the CPU multiplies it natively, and fp32 activations
-beside the int8 or int4 weights (engine/dtype_policy.py); `--int8-dtype bfloat16` runs them
+beside the int8 or int4 weights (engine/worker/dtype_policy.py); `--int8-dtype bfloat16` runs them
 with bf16 activations instead.
 
 Single user: one request, a 128-token prompt, 256 greedy tokens (EOS ignored): TTFT and

@@ -54,7 +54,7 @@ def write_even_smollm2(folder: Path) -> str:
 
 
 def run_engine(model: str, tensor_parallel_size: int, num_threads: int, backend: str, args) -> dict:
-    from engine.core.engine_core import EngineCore
+    from engine.loop.engine_core import EngineCore
     from ipc.engine_config import EngineConfig
     from ipc.sampling_params import SamplingParams
 

@@ -162,14 +162,14 @@ class Target:
         return result
 
     def core_pids(self) -> list[int]:
-        """The engine cores this script's server started: its children running engine.core.core_process."""
+        """The engine cores this script's server started: its children running engine.loop.core_process."""
         if self.server_pid is None:
             return []
         pids = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                if ppid == self.server_pid and b"engine.core.core_process" in (stat.parent / "cmdline").read_bytes():
+                if ppid == self.server_pid and b"engine.loop.core_process" in (stat.parent / "cmdline").read_bytes():
                     pids.append(int(stat.parent.name))
             except (OSError, ValueError, IndexError):
                 continue  # the process went away while we read it

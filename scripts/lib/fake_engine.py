@@ -1,6 +1,6 @@
 """A fake engine core for frontend tests and the IPC benchmark: the real protocol, no model.
 
-It speaks what `engine.core.core_process` speaks (a ROUTER; Hello -> EngineReady; AddRequest,
+It speaks what `engine.loop.core_process` speaks (a ROUTER; Hello -> EngineReady; AddRequest,
 AbortRequests, Shutdown in; one EngineOutputs per step out) but "generates" by reading
 a fixed script: the choice with seed s emits the script's token ids from offset s, so
 output text is readable and deterministic. Every running request gets one token per

@@ -28,7 +28,8 @@ def auto_dtype(profile: HardwareProfile | None) -> str:
     """A calibrated profile's own dtype; the engine's choice here when calibrating; bf16 on GPUs."""
     if profile is not None:
         return profile.dtype or "bfloat16"
-    from engine.dtype_policy import choose_dtype, detect_cpu_features
+    from engine.cpu.host import detect_cpu_features
+    from engine.worker.dtype_policy import choose_dtype
 
     return choose_dtype("auto", "cpu", detect_cpu_features())[0]
 

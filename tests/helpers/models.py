@@ -72,7 +72,7 @@ def quantized_llm(model_path: str, quantization: str):
     """An offline LLM with --quantization int8 or int4; skips on a CPU without AVX512_VNNI,
     which both need (make kernels builds them where the CPU has it)."""
     from engine import LLM
-    from engine.dtype_policy import detect_cpu_features
+    from engine.cpu.host import detect_cpu_features
 
     if not detect_cpu_features().has_avx512_vnni:
         pytest.skip(f"{quantization} needs AVX512_VNNI")

@@ -15,7 +15,7 @@ import requests
 
 from scripts.lib.fake_engine import FAKE_ENGINE_ARGV, FrontendServer
 
-REAL_ENGINE = f"{sys.executable} -m engine.core.core_process"
+REAL_ENGINE = f"{sys.executable} -m engine.loop.core_process"
 REAL_ENGINE_ARGS = ("--engine-command", REAL_ENGINE, "--served-model-name", "smollm2")
 
 

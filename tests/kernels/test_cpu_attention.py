@@ -10,11 +10,12 @@ import random
 import pytest
 import torch
 
-from engine.attention import head_major, resolve_attention_backend
+from engine.attention import head_major
+from engine.worker.attention_choice import resolve_attention_backend
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.dtype_policy import CpuFeatures
+from engine.cpu.host import CpuFeatures
 
 try:
     from engine.cpu.extension import load_cpu_kernels

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from engine.cpu import int4_linear, int8_linear
 from engine.cpu.quantized_plan import plan_quantization
 

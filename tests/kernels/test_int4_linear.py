@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from engine.cpu.int4_linear import BLOCK, Int4Linear, dequantize_rows, pack_panels, quantize_weight
 from engine.cpu.quantized_plan import plan_quantization
 

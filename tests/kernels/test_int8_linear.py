@@ -6,12 +6,12 @@ back, the plan on faked CPU features and the config's checks."""
 import pytest
 import torch
 
-from engine.dtype_policy import CpuFeatures
+from engine.cpu.host import CpuFeatures
 from engine.cpu.int8_linear import (GGUF_GROUP, GROUP, Int8Linear, dequantize_rows, gather_panels_on_huge_pages,
                                      pack_panels, quantize_weight, unpack_rows)
 from ipc.engine_config import EngineConfig
 
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from engine.cpu.quantized_plan import check_quantization_supported, plan_quantization
 
 # Without VNNI the refusal and packing tests below still run; with it the kernel must build

@@ -4,7 +4,7 @@ matmul, and the plan that decides which steps take them (engine/cpu/packing.py).
 import pytest
 import torch
 
-from engine.dtype_policy import CpuFeatures
+from engine.cpu.host import CpuFeatures
 from engine.cpu.packing import (
     SMALL_BATCH_MAX_TOKENS, PackedLinear, gather_slabs_on_huge_pages, pack_slabs, plan_slabs,
 )

@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.block_manager import BlockManager, num_blocks_for
 from engine.config import EngineConfig
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from engine.models.config import ModelConfig
 from engine.core.request import Request
 from engine.spec_decode.draft_proposer import DraftModelProposer

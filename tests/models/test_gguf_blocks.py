@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine import LLM, SamplingParams
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from engine.loader.gguf_blocks import read_gguf_blocks, unpack_blocks
 from engine.loader.model_files import resolve_model
 from engine.models import load_model

@@ -1,4 +1,4 @@
-"""A KV cache in a dtype of its own (kv_cache_dtype; engine.dtype_policy): bf16 K and V beside
+"""A KV cache in a dtype of its own (kv_cache_dtype; engine.worker.dtype_policy): bf16 K and V beside
 fp32 activations hold twice the tokens in the same bytes, attention runs in bf16 on every
 path (fused rotary + KV store, the torch rotary of Gemma 3's (1 + w) q/k norm and local
 layers), and the answers move from the fp32 cache's by less than a whole bf16 model's do."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from tests.helpers.models import make_tiny_model
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

@@ -67,7 +67,7 @@ def complete(url: str, max_tokens: int) -> requests.Response:
                                                        "ignore_eos": True}, timeout=60)
 
 
-REAL_CORE_ARGS = ("--engine-command", f"{sys.executable} -m engine.core.core_process", "--dtype", "float32",
+REAL_CORE_ARGS = ("--engine-command", f"{sys.executable} -m engine.loop.core_process", "--dtype", "float32",
                   "--num-kv-blocks", "512", "--max-num-seqs", "16")
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore, StepError
+from engine.loop.engine_core import EngineCore, StepError
 from engine.llm import LLM
 from ipc.sampling_params import SamplingParams
 from tests.helpers.models import make_tiny_model
@@ -145,7 +145,7 @@ def test_a_raw_request_on_the_core_socket_fails_alone(engine):
     import msgpack
     import zmq
 
-    from engine.core.core_process import EngineCoreProcess
+    from engine.loop.core_process import EngineCoreProcess
     from ipc.messages import EngineError, EngineOutputs, EngineReady, Hello, MessageType, Shutdown
     from ipc.sockets import bind_router, connect_dealer, new_ipc_address, recv_message, send_message
 

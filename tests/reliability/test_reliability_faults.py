@@ -217,7 +217,7 @@ def test_core_drops_malformed_and_oversized_messages_and_keeps_serving(default_m
     address = f"tcp://127.0.0.1:{free_port()}"
     log = tmp_path / "core.log"
     with open(log, "wb") as out:
-        core = subprocess.Popen([sys.executable, "-m", "engine.core.core_process", "--model", default_model_path,
+        core = subprocess.Popen([sys.executable, "-m", "engine.loop.core_process", "--model", default_model_path,
                                  "--address", address, "--max-num-seqs", "4"], stdout=out, stderr=subprocess.STDOUT,
                                 env=subprocess_env(), cwd=REPO_ROOT)
     ctx = zmq.Context()

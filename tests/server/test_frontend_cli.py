@@ -61,7 +61,7 @@ def test_engine_execs_the_core_with_pass_through_flags(monkeypatch):
     cli.main(["engine", "--listen", "tcp://127.0.0.1:5555", "--model", "smollm2", "--max-num-seqs", "4"])
     path, argv = calls[0]
     assert path == sys.executable
-    assert argv == [sys.executable, "-m", "engine.core.core_process", "--model", "smollm2", "--address",
+    assert argv == [sys.executable, "-m", "engine.loop.core_process", "--model", "smollm2", "--address",
                     "tcp://127.0.0.1:5555", "--engine-id", "0", "--max-num-seqs", "4"]
 
 
@@ -69,7 +69,7 @@ def test_every_engine_flag_reaches_the_core_as_given():
     """serve declares no engine flag of its own: each EngineConfig field is a flag (--seed,
     --device and --load-format included), and what serve passes on parses in the core to
     the same config; --log-level reaches the cores too."""
-    from engine.core.core_process import parse_args
+    from engine.loop.core_process import parse_args
     from ipc.engine_config import EngineConfig, engine_config_from_args
 
     given = ["--seed", "7", "--device", "cpu", "--load-format", "dummy", "--num-threads", "2", "--compile",

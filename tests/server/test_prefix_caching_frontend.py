@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine.core.core_process import parse_args
+from engine.loop.core_process import parse_args
 from frontend.engine_client import AsyncEngineClient, EngineClientConfig
 from frontend.metrics import FrontendMetrics
 from frontend.server_args import engine_args_from, make_parser

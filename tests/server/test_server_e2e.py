@@ -1,7 +1,7 @@
 """The real two-process server on the default model, through real HTTP.
 
 One frontend (`python -m frontend.api_server`) starts one real engine core
-(`python -m engine.core.core_process`) on SmolLM2; the clients are the ones vLLM
+(`python -m engine.loop.core_process`) on SmolLM2; the clients are the ones vLLM
 users already have: the seed's `requests.post` script and the `openai` package.
 """
 

@@ -88,7 +88,7 @@ def test_two_nodes_started_apart_serve_one_frontend(tiny_model_with_tokenizer):
 
 
 def test_killed_worker_fails_requests_with_503_and_the_group_restarts(tiny_model_with_tokenizer):
-    args = ("--engine-command", f"{sys.executable} -m engine.core.core_process", "--tensor-parallel-size", "2",
+    args = ("--engine-command", f"{sys.executable} -m engine.loop.core_process", "--tensor-parallel-size", "2",
             "--restart-engine", *ENGINE_FLAGS)
     with FrontendServer(tiny_model_with_tokenizer, *args) as server:
         (core_pid,) = server.child_pids()

@@ -36,7 +36,7 @@ def workload(num_requests: int, seed: int = 0) -> list[SimulatedRequest]:
 
 def engine_steps(folder, requests, **config) -> tuple[list[tuple[int, int]], list[int]]:
     from engine.config import EngineConfig
-    from engine.core.engine_core import EngineCore
+    from engine.loop.engine_core import EngineCore
     from ipc.sampling_params import SamplingParams
 
     engine = EngineCore(EngineConfig(model=str(folder), load_format="dummy", dtype="float32",

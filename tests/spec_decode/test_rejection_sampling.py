@@ -1,5 +1,5 @@
 """Rejection sampling keeps the target distribution: whatever the proposed tokens, each emitted
-token is distributed as the target model's own next token (engine.spec_decode.verifier).
+token is distributed as the target model's own next token (engine.sample.verifier).
 
 Chi-square tests over a 6-token vocabulary, 6,000 verifications, a fixed seed. Each statistic is
 compared with the chi-square critical value at 0.1% (5 degrees of freedom: 20.52), so with a fresh
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.sample.sampler import Sampler, SamplingBatch
-from engine.spec_decode.verifier import verify
+from engine.sample.verifier import verify
 
 CRITICAL_5_DOF = 20.515  # chi-square, 5 degrees of freedom, upper 0.1%
 NUM_DRAWS = 6000

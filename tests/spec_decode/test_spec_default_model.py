@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from ipc.messages import SpecMethod
 
 CODE = """def total_price(items, tax_rate):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from ipc.messages import SpecMethod
 from tests.helpers.models import make_tiny_model
 

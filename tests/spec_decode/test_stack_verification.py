@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from tests.helpers.models import make_tiny_model
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

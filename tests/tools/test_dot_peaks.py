@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from engine.dtype_policy import detect_cpu_features
+from engine.cpu.host import detect_cpu_features
 from scripts.bench.probes import dot_peaks
 
 CPU = detect_cpu_features()

@@ -110,8 +110,8 @@ def test_without_kernels_attention_fused_ops_and_sampling_fall_back_to_torch(mon
     import torch
 
     import engine.cpu.extension as cpu_extension
-    from engine.attention import resolve_attention_backend
-    from engine.dtype_policy import CpuFeatures
+    from engine.worker.attention_choice import resolve_attention_backend
+    from engine.cpu.host import CpuFeatures
     from engine.cpu.fused import select_fused_ops
 
     def no_compiler():

@@ -8,7 +8,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.worker.device_and_dtype import resolve_device, resolve_dtype
-from engine.dtype_policy import CpuFeatures, choose_dtype, choose_kv_cache_dtype, detect_cpu_features
+from engine.cpu.host import CpuFeatures, detect_cpu_features
+from engine.worker.dtype_policy import choose_dtype, choose_kv_cache_dtype
 
 AMX = CpuFeatures(has_amx_bf16=True, has_avx512_bf16=True)  # Sapphire Rapids
 AVX512_BF16_ONLY = CpuFeatures(has_avx512_bf16=True)  # Cooper Lake, Zen 4

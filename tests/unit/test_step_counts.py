@@ -63,7 +63,7 @@ def test_proposed_tokens_count_with_their_decode():
 @pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory):
     from engine.config import EngineConfig
-    from engine.core.engine_core import EngineCore
+    from engine.loop.engine_core import EngineCore
     from tests.helpers.models import make_tiny_model
 
     path, _ = make_tiny_model(tmp_path_factory.mktemp("counts"), "LlamaForCausalLM")

@@ -18,23 +18,13 @@ of a batched int8 run's time) and halved the tokens the pool holds; the rounding
 bf16 model's, on attention alone, and the residual stream and matmuls stay as they were.
 
 The decision is a pure function of the detected capabilities, so it is tested
-on faked ones; `detect_cpu_features` is the only part that looks at the machine.
+on faked ones; engine.cpu.host's `detect_cpu_features` is the only part that looks at the machine.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
-from engine.cpu.host import cpu_flags
+from engine.cpu.host import CpuFeatures
 from ipc.engine_config import AUTO_DTYPE as AUTO, DTYPE_NAMES  # declared with the engine flags
-
-
-@dataclass(frozen=True)
-class CpuFeatures:
-    has_amx_bf16: bool = False  # AMX tiles with bf16 dot products (Sapphire Rapids and later)
-    has_avx512_bf16: bool = False  # AVX512_BF16's vdpbf16ps (Cooper Lake, Zen 4 and later)
-    has_avx512_vnni: bool = False  # vpdpbusd, the int8 kernel's dot product (Cascade Lake, Zen 4 and later)
 
 
 def choose_dtype(requested: str | None, device_type: str, cpu: CpuFeatures,
@@ -68,21 +58,3 @@ def choose_kv_cache_dtype(requested: str | None, dtype: str, device_type: str, c
             and (cpu.has_amx_bf16 or cpu.has_avx512_bf16)):
         return "bfloat16", f"auto: beside {quantization} weights, half fp32's bytes for every KV read"
     return dtype, "auto: the activations' dtype"
-
-
-@functools.cache
-def detect_cpu_features() -> CpuFeatures:
-    """The host CPU's bf16 support, from torch's cpuinfo probe, else /proc/cpuinfo's flags."""
-    try:
-        import torch
-
-        capabilities = torch.cpu.get_capabilities()
-        return CpuFeatures(
-            has_amx_bf16=bool(capabilities.get("amx_bf16")), has_avx512_bf16=bool(capabilities.get("avx512_bf16")),
-            has_avx512_vnni=bool(capabilities.get("avx512_vnni")),
-        )
-    except (AttributeError, RuntimeError):  # an older torch without the probe
-        pass
-    flags = cpu_flags()
-    return CpuFeatures(has_amx_bf16="amx_bf16" in flags, has_avx512_bf16="avx512_bf16" in flags,
-                       has_avx512_vnni="avx512_vnni" in flags)

@@ -12,7 +12,7 @@ in a row, or an exception outside a model call, are fatal: reported, then exit.
 An idle core sends an empty EngineOutputs every HEARTBEAT_S, so the frontend can
 tell a hung core (no message for --engine-timeout) from an idle one.
 
-Run: python -m engine.core.core_process --model smollm2 --address ipc:///tmp/x --engine-id 0
+Run: python -m engine.loop.core_process --model smollm2 --address ipc:///tmp/x --engine-id 0
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import zmq
 from engine.config import DEFAULT_MODEL
 from engine.executor.executor import WorkerDeadError
 from engine.executor.process_checks import check_master_addr, die_with_parent
-from engine.core.engine_core import StepError
+from engine.loop.engine_core import StepError
 from engine.cpu.thread_governor import ThreadGovernor
 from ipc.codec import DecodeError
 from ipc.engine_config import add_engine_args, engine_config_from_args
@@ -274,7 +274,7 @@ def _remove_ipc_socket(address: str, parent_pid: int) -> None:
 
 
 def run_engine_core(args: argparse.Namespace) -> int:
-    from engine.core.engine_core import EngineCore
+    from engine.loop.engine_core import EngineCore
 
     die_with_parent()
     process: EngineCoreProcess | None = None

@@ -1,7 +1,7 @@
 """The engine core: requests in, one step at a time, per-step token deltas out.
 
 `step()` is schedule -> execute -> update. It knows nothing of sockets: the
-core process (`engine.core.core_process`) and the offline `LLM` both drive it.
+core process (`engine.loop.core_process`) and the offline `LLM` both drive it.
 With tensor parallelism it is rank 0 and the one scheduler; its executor
 (`engine.executor.executor`) starts and drives the other ranks.
 """
@@ -17,17 +17,13 @@ from engine.worker.device_and_dtype import kv_bytes_per_block, resolve_kv_pool_d
 from engine.executor.backends import make_executor
 from engine.executor.executor import WorkerDeadError
 from engine.loader.model_files import resolve_model
-from engine.worker.model_runner import ModelRunner
+from engine.loop.batching import batching_mode
 from engine.models.config import ModelConfig
 from engine.core.request import Request
-from engine.baselines.padded_static_runner import PaddedStaticRunner
-from engine.baselines.padded_static_scheduler import PaddedSchedulerOutput, PaddedStaticScheduler
 from engine.worker.pooler import check_pooling_request, pooling_num_kv_blocks
-from engine.core.scheduler import Scheduler
 from engine.spec_decode.proposer import SpecProposer
-from engine.baselines.static_scheduler import StaticScheduler
 from engine.core.step_outputs import StepOutputs
-from engine.core.step_stats import PaddedStepStats, StepStats
+from engine.core.step_stats import StepStats
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
 from ipc.messages import RequestOutput, SchedulerStats, StepCounts
 from ipc.pooling_params import PoolingParams
@@ -36,8 +32,6 @@ from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# EngineConfig.batching -> its scheduler (the capacity simulator picks from here too)
-SCHEDULER_CLASSES = {"continuous": Scheduler, "static": StaticScheduler, "static-padded": PaddedStaticScheduler}
 
 
 class StepError(RuntimeError):
@@ -71,12 +65,12 @@ class EngineCore:
         # A sequence must fit in the whole pool by itself, or preemption could not save it.
         # Sliding windows do not cap it: the attention kernels compute them per layer.
         self.max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
+        mode = batching_mode(config)
         self.executor = None
         if config.world_size > 1:
             self.executor = make_executor(config, self.model_config, num_kv_blocks, self.max_model_len, device)
         try:
-            runner_class = PaddedStaticRunner if config.batching == "static-padded" else ModelRunner
-            self.model_runner = runner_class(config, self.model_config, num_kv_blocks, self.max_model_len,
+            self.model_runner = mode.runner_class(config, self.model_config, num_kv_blocks, self.max_model_len,
                                              executor=self.executor)
             if self.executor is not None:
                 self.executor.wait_until_ready()
@@ -84,7 +78,7 @@ class EngineCore:
             self.shutdown()
             raise
         self.block_manager = BlockManager(num_kv_blocks, config.block_size)
-        self.scheduler = SCHEDULER_CLASSES[config.batching](
+        self.scheduler = mode.scheduler_class(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -95,7 +89,7 @@ class EngineCore:
         # Speculative decoding (engine.spec_decode): proposals for --speculative-config and for requests'
         # predictions; the static baselines keep one token per step.
         self.proposer = None
-        if config.batching == "continuous":
+        if mode.speculates:
             self.proposer = SpecProposer(config.speculative, self.max_model_len, self._load_draft(num_kv_blocks))
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
@@ -235,7 +229,4 @@ def make_step_stats(scheduler_output, counts: StepCounts, start_time: float, end
         num_prefill_requests=counts.num_prefill_requests,
         num_decode_requests=counts.num_decode_requests,
     )
-    if isinstance(scheduler_output, PaddedSchedulerOutput):  # the baseline's pad tokens, computed for nothing
-        return PaddedStepStats(**fields, num_padding_tokens=scheduler_output.num_padding_tokens,
-                               num_finished_row_tokens=scheduler_output.num_finished_row_tokens)
-    return StepStats(**fields)
+    return scheduler_output.step_stats(**fields)

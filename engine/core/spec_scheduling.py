@@ -76,3 +76,12 @@ def make_output(request: Request, new_tokens: list[SampledToken], prompt_logprob
         output.num_accepted_prediction_tokens = num_accepted
         output.num_rejected_prediction_tokens = num_proposed - num_accepted
     return output
+
+
+EMA_WEIGHT = 0.5  # of the newest draft's accepted count
+
+
+def record_acceptance(request: Request, num_proposed: int, num_accepted: int) -> None:
+    """Fold one verified draft into the request's average accepted count (adaptive k)."""
+    if num_proposed:
+        request.spec_ema = (1 - EMA_WEIGHT) * request.spec_ema + EMA_WEIGHT * num_accepted
