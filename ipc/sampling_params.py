@@ -49,7 +49,7 @@ class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
     min_tokens: Int64 = 0
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] = field(default_factory=list)
-    # stop strings: the text is cut at the first (frontend.stop_checker.StopChecker)
+    # stop strings: the text is cut at the first (ipc.text.stop_checker.StopChecker)
     stop: Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)] = field(default_factory=list)
     logprobs: Int64 | None = None  # None: no log-probs; N: chosen token plus top-N
     skip_special_tokens: bool = True

@@ -1,4 +1,4 @@
-"""The import graph of engine/, frontend/ and ipc/ has no circle.
+"""The import graph of engine/, frontend/ and ipc/ has no circle, and engine/'s rooms stand on floors.
 
 An AST walk: imports inside functions count (a lazy import still ties two modules together);
 those under `if TYPE_CHECKING:` do not (they never run). And engine/models/ (what the network
@@ -128,3 +128,71 @@ def test_the_walk_sees_lazy_imports_and_not_type_only_ones():
     known = {"engine", "engine.a", "engine.b", "engine.c"}
     assert _imported(tree, "engine.a", False, known) == {"engine.c"}
     assert _circles({"engine.a": {"engine.c"}, "engine.c": {"engine.a"}, "engine.b": set()}) == [["engine.a", "engine.c"]]
+
+
+# engine/'s rooms by floor, lowest first (docs/architecture.md): a room imports only rooms on
+# floors below its own. A room is a subpackage of engine/ or a module loose at its root.
+FLOORS = (
+    ("engine.config", "engine.kernels", "engine.structured_output", "engine.parallel", "engine.core"),
+    ("engine.attention",),
+    ("engine.models",),
+    ("engine.cpu",),  # the CPU wing builds on the model interfaces, never the other way
+    ("engine.loader", "engine.sample"),
+    ("engine.worker",),
+    ("engine.executor", "engine.baselines", "engine.spec_decode"),
+    ("engine.loop",),
+    ("engine.llm", "engine.simulator"),
+    ("engine",),
+)
+FLOOR_OF = {room: floor for floor, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def room_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def room_graph() -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for module, deps in import_graph().items():
+        if module.split(".")[0] != "engine":
+            continue
+        room = room_of(module)
+        rooms.setdefault(room, set()).update(
+            room_of(dep) for dep in deps if dep.startswith("engine.") and room_of(dep) != room)
+    return rooms
+
+
+def test_every_room_has_a_floor():
+    assert set(room_graph()) - set(FLOOR_OF) == set()
+
+
+def test_no_room_imports_its_own_floor_or_one_above():
+    upward = sorted(f"{room} -> {dep}" for room, deps in room_graph().items() for dep in deps
+                    if FLOOR_OF[dep] >= FLOOR_OF[room])
+    assert upward == []
+
+
+def test_rooms_form_no_circle_and_stand_at_most_ten_deep():
+    graph = room_graph()
+    assert _circles(graph) == []
+
+    def depth(room: str) -> int:
+        return 1 + max((depth(dep) for dep in graph.get(room, ())), default=0)
+
+    assert max(depth(room) for room in graph) <= 10
+
+
+def test_core_imports_no_other_room_and_only_the_loop_knows_the_baselines():
+    graph = room_graph()
+    assert graph["engine.core"] == set()
+    importers = {room for room, deps in graph.items() if "engine.baselines" in deps}
+    assert importers <= {"engine.loop", "engine.simulator"}  # the simulator steps the baselines' schedulers too
+
+
+def test_the_cpu_wing_imports_only_the_model_interfaces_below_it():
+    assert room_graph()["engine.cpu"] <= {"engine.config", "engine.models", "engine.attention", "engine.parallel"}
+
+
+def test_a_room_on_its_floor_is_told_apart_from_one_above():
+    assert room_of("engine.worker.model_runner") == "engine.worker" and room_of("engine.llm") == "engine.llm"
+    assert FLOOR_OF["engine.core"] < FLOOR_OF["engine.worker"] < FLOOR_OF["engine.loop"]

@@ -1,4 +1,4 @@
-// A decode step's decoder layers in one call from Python (engine/models/decode_stack.py).
+// A decode step's decoder layers in one call from Python (engine/cpu/decode_stack.py).
 //
 // On the eager path a one-token step runs ~15 torch or kernel calls per layer from Python:
 // for SmolLM2's 30 layers ~450 calls, whose interpreter and module dispatch cost about as much
@@ -34,7 +34,7 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor slabs, torch::Te
 
 namespace {
 
-// The kinds of matmul a layer's linears may be (engine/models/decode_stack.py's constants).
+// The kinds of matmul a layer's linears may be (engine/cpu/decode_stack.py's constants).
 // kQuantized: an op of the quantized-kernels library, named by the layer, with the schema
 // (Tensor x, Tensor weight, Tensor scales, Tensor bias, int out_features, bool out_fp32) -> Tensor.
 enum class LinearKind : int64_t { kSlabs = 0, kQuantized = 1, kOneDnn = 2, kPlain = 3 };
@@ -193,7 +193,7 @@ class DecodeStack {
     k.copy_(rms_norm(k.reshape({-1, head_dim_}), layer.k_norm, eps_, sum_lanes_).view(k.sizes()));
   }
 
-  // engine.models.fused.CpuFusedOps.silu_and_mul: torch's own op where the kernel cannot give its fp32 bits.
+  // engine.cpu.fused.CpuFusedOps.silu_and_mul: torch's own op where the kernel cannot give its fp32 bits.
   torch::Tensor silu_mul(const torch::Tensor& gate_up) const {
     if (gate_up.scalar_type() == at::kFloat && !is_silu_exact_) {
       auto halves = gate_up.chunk(2, -1);

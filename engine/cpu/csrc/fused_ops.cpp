@@ -14,7 +14,7 @@
 //  * RMSNorm's sum of squares follows ATen's cascade_sum order (aten/src/ATen/native/cpu/
 //    SumKernel.cpp) for a vector width passed in as `lanes`; SiLU's exp is ATen's own
 //    (SLEEF's expf u10) on the elements ATen vectorizes, glibc's expf on its scalar tail.
-//    Which widths this torch build uses is probed once from Python (engine/models/fused.py).
+//    Which widths this torch build uses is probed once from Python (engine/cpu/fused.py).
 #pragma GCC optimize("fp-contract=off")
 
 #include "share_out.h"  // tokenloom_cpu::parallel_for: a decode step's work pool

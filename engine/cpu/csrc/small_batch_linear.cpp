@@ -1,5 +1,5 @@
 // bf16 linear layers on CPUs with the AVX512_BF16 dot product: every step where the CPU
-// has no AMX, steps of a few tokens where it has (engine/models/cpu_packing.py decides).
+// has no AMX, steps of a few tokens where it has (engine/cpu/packing.py decides).
 //
 // With few tokens a linear layer is a stream of its weights: each weight is used once
 // per token, so the kernel must read them at the machine's memory rate; oneDNN's
@@ -197,7 +197,7 @@ constexpr bool kHasSmallBatchLinear = false;
 bool has_small_batch_linear() { return kHasSmallBatchLinear; }
 
 // x: [num_tokens, in_features] bf16; slabs: [out_features / 16, in_features / 2, 16] int32
-// (engine.models.cpu_packing.pack_slabs' layout); bias: [out_features] bf16 or empty.
+// (engine.cpu.packing.pack_slabs' layout); bias: [out_features] bf16 or empty.
 // Returns [num_tokens, out_features], bf16, or with out_fp32 the fp32 sums unrounded (logits:
 // rounded to bf16, near-equal top logits tie, at 25 a bf16 step is 0.125).
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor slabs, torch::Tensor bias, bool out_fp32) {

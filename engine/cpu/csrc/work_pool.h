@@ -14,7 +14,7 @@
 // or null (then they run on torch's threads as before). share_out.h shares out items on it;
 // parallel_for below stands in for at::parallel_for in the kernels a decode step runs.
 // The quantized kernels are another shared library: they hold their own pointer to this
-// library's pool, set once through use_work_pool (engine/models/decode_stack.py).
+// library's pool, set once through use_work_pool (engine/cpu/decode_stack.py).
 #pragma once
 
 #include <ATen/Parallel.h>

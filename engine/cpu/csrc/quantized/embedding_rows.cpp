@@ -1,5 +1,5 @@
 // A tied embedding's rows read back out of the LM head's quantized panels (int8 or int4), in one
-// call: the Python reference (engine/models/int8_linear.py and int4_linear.py, dequantize_rows)
+// call: the Python reference (engine/cpu/int8_linear.py and int4_linear.py, dequantize_rows)
 // takes a dozen torch ops for the one row a decode step looks up. Same values, bit for bit:
 // int8 q * scale is one rounding; int4 d * q is exact in fp32 (an 11-bit by 4-bit product), so
 // d * q + m rounds once, fused or not.

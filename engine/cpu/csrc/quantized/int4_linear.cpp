@@ -1,6 +1,6 @@
 // W4A8 linear layers on AVX512_VNNI's vpdpbusd, in llama.cpp's Q4_1 format: blocks of 32
 // inputs, each with a scale d and a minimum m (fp16), the weights 4-bit codes q in [0, 15]
-// with w = d * q + m (engine/models/int4_linear.py packs them, from any checkpoint or straight
+// with w = d * q + m (engine/cpu/int4_linear.py packs them, from any checkpoint or straight
 // from a GGUF's Q4_1 blocks).
 //
 //   y[t, n] = sum_b sx[t, b] * (d[n, b] * sum_{k in b} q[n, k] * qx[t, k] + m[n, b] * sum_{k in b} qx[t, k])
@@ -214,7 +214,7 @@ std::vector<torch::Tensor> quantize_activations_q4(torch::Tensor x, int64_t num_
 }
 
 // x: [num_tokens, in_features] bf16 or fp32; panels: [padded_out / 32, num_blocks * 4, 32] int32
-// and dm: [padded_out / 32, num_blocks, 2, 32] fp16 (engine.models.int4_linear's layout); bias:
+// and dm: [padded_out / 32, num_blocks, 2, 32] fp16 (engine.cpu.int4_linear's layout); bias:
 // [padded_out] fp32 or empty. Returns [num_tokens, out_features] in x's dtype, or with out_fp32
 // in fp32 (logits).
 torch::Tensor int4_linear(const torch::Tensor& x_in, const torch::Tensor& panels, const torch::Tensor& dm,

@@ -1,5 +1,5 @@
 // W8A8 linear layers on AVX512_VNNI's vpdpbusd, with scales per group of 64 inputs, or of 32
-// for a GGUF's Q8_0 blocks packed as they are (engine/models/int8_linear.py packs the weights
+// for a GGUF's Q8_0 blocks packed as they are (engine/cpu/int8_linear.py packs the weights
 // and decides where this runs).
 //
 //   y[t, n] = sum_g sx[t, g] * sw[n, g] * sum_{k in g} qx[t, k] * qw[n, k]  (+ bias[n])
@@ -257,7 +257,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t num_gro
 }
 
 // x: [num_tokens, in_features] bf16 or fp32; panels: [padded_out / 32, num_groups * group / 4, 32]
-// int32 and w_scales: [padded_out / 32, num_groups, 32] fp32 (engine.models.int8_linear's
+// int32 and w_scales: [padded_out / 32, num_groups, 32] fp32 (engine.cpu.int8_linear's
 // layout; group 64, or 32 for a GGUF's Q8_0 blocks); bias: [padded_out] fp32 or empty. Returns
 // [num_tokens, out_features] in x's dtype, or with out_fp32 in fp32 (logits).
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor w_scales, torch::Tensor bias,
