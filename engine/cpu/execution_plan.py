@@ -27,6 +27,8 @@ from engine.cpu.fused import CpuFusedOps, select_fused_ops
 from engine.cpu.packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.cpu.quantized_plan import QuantizedPlan, plan_quantization
 from engine.cpu.host import CpuFeatures
+from engine.cpu.huge_pages import zeros_on_huge_pages
+from engine.parallel.parallel_state import threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CpuExecutionPlan:
     cpu: CpuFeatures
+    device: torch.device
     dtype: torch.dtype
     quantization: QuantizedPlan | None  # int8 or int4 matmuls (then nothing is prepacked)
     is_prepacked: bool  # oneDNN's blocked weights, or bf16 slabs where plan_slabs says
@@ -49,9 +52,12 @@ class CpuExecutionPlan:
              cpu: CpuFeatures, backend_name: str, is_compiled: bool, is_tensor_parallel: bool,
              read_gguf_blocks: Callable | None = None) -> CpuExecutionPlan:
         """Called before the weights load: int8 on a CPU without VNNI is refused at once, and
-        oneDNN's primitive caches are capped before the weights make primitives. `read_gguf_blocks`
+        oneDNN's primitive caches are capped before the weights make primitives, and the matmul
+        threads set (a tensor-parallel rank takes its share of the host's cores). `read_gguf_blocks`
         (model, model as given, folder, scheme) -> blocks: how a GGUF's own blocks are read, the
         loader's business; without it quantized weights are always quantized from the folder."""
+        if device.type == "cpu":
+            set_num_threads(config, is_tensor_parallel)
         quantization = (plan_quantization(device.type, cpu.has_avx512_vnni, config.quantization)
                         if config.quantization else None)
         is_prepacked = (config.cpu_prepack and not is_compiled and quantization is None
@@ -61,7 +67,7 @@ class CpuExecutionPlan:
         may_use_gguf = (quantization is not None and not is_tensor_parallel and config.load_format == "auto"
                         and read_gguf_blocks is not None)
         return cls(
-            cpu=cpu, dtype=dtype, quantization=quantization, is_prepacked=is_prepacked, is_compiled=is_compiled,
+            cpu=cpu, device=device, dtype=dtype, quantization=quantization, is_prepacked=is_prepacked, is_compiled=is_compiled,
             fused_ops=select_fused_ops(device, backend_name, is_compiled),
             batch_size_hint=config.max_num_seqs,
             has_decode_stack=_has_decode_stack(config, device, is_compiled),
@@ -72,6 +78,13 @@ class CpuExecutionPlan:
     def attention_kernels(self) -> ModuleType | None:
         """The fused ops' kernels, for the backend's KV store with rotary (None: the torch ops)."""
         return self.fused_ops.kernels if self.fused_ops is not None else None
+
+    def new_kv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed KV pool tensor: on the CPU on huge pages (blocks are read scattered: fewer TLB
+        misses), elsewhere plain."""
+        if self.device.type == "cpu":
+            return zeros_on_huge_pages(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def prepare(self, model: nn.Module, backend: AttentionBackend, kv_caches: list[KVCache],
                 num_weight_bytes: int) -> DecodeStack | None:
@@ -89,6 +102,14 @@ class CpuExecutionPlan:
         stack, note = build_decode_stack(model, kv_caches, backend, self.fused_ops, self.attention_kernels)
         logger.info("decode steps: %s", f"one C++ call for {note}" if stack is not None else f"eager ({note})")
         return stack
+
+
+def set_num_threads(config: EngineConfig, is_tensor_parallel: bool) -> None:
+    num_threads = config.num_threads
+    if not num_threads and is_tensor_parallel:
+        num_threads = threads_per_rank(config.world_size, config.nnodes)
+    if num_threads:
+        torch.set_num_threads(num_threads)
 
 
 def _has_decode_stack(config: EngineConfig, device: torch.device, is_compiled: bool) -> bool:

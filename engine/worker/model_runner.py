@@ -19,31 +19,29 @@ import logging
 
 import torch
 
-from engine.worker.attention_choice import make_attention_backend, resolve_attention_backend
 from engine.attention.backend import AttentionBackend, KVCache
-from engine.worker.compilation import attention_step, compile_forward, inductor_cache_dir, warm_up
 from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.core.scheduler_output import SampledToken, SchedulerOutput
+from engine.cpu.execution_plan import CpuExecutionPlan
+from engine.loader.gguf_blocks import blocks_for_model
+from engine.models import load_model
+from engine.models.config import ModelConfig
+from engine.parallel.parallel_layers import num_local_kv_heads
+from engine.parallel.parallel_state import TensorParallelGroup
+from engine.parallel.pipeline import WHOLE_MODEL
+from engine.sample.logits_processing import LogitsProcessingState
+from engine.sample.prompt_logprobs import PromptLogprobsCollector
+from engine.sample.sampler import Sampler, SamplingBatch, sampling_kernels
+from engine.sample.verifier import verify
+from engine.worker.attention_choice import make_attention_backend, resolve_attention_backend
+from engine.worker.compilation import compile_forward, inductor_cache_dir, warm_up
 from engine.worker.cuda_graph_check import check_replays
 from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.worker.device_and_dtype import cpu_features_of, resolve_device, resolve_dtype, resolve_kv_cache_dtype
-from engine.worker.step_inputs import StepInputs
-from engine.parallel.parallel_layers import num_local_kv_heads
-from engine.parallel.parallel_state import TensorParallelGroup, threads_per_rank
-from engine.parallel.pipeline import WHOLE_MODEL, forward_stage
-from engine.cpu.huge_pages import zeros_on_huge_pages
-from engine.models import load_model
-from engine.models.config import ModelConfig
-from engine.cpu.execution_plan import CpuExecutionPlan
-from engine.loader.gguf_blocks import blocks_for_model
-from engine.core.request import Request
-from engine.sample.logits_processing import LogitsProcessingState
 from engine.worker.pooler import Pooler
-from engine.sample.prompt_logprobs import PromptLogprobsCollector
-from engine.sample.sampler import Sampler, SamplingBatch, sampling_kernels
-from engine.core.scheduler_output import SampledToken, SchedulerOutput
-from engine.sample.verifier import verify
-from engine.worker.step_inputs import PreparedStep, make_sampling_batch, prepare_step, to_row_tensors, to_tensors
-from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
+from engine.worker.step_executors import make_step_executor
+from engine.worker.step_inputs import PreparedStep, StepInputs, make_sampling_batch, prepare_step
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +62,20 @@ class ModelRunner:
         self.kv_dtype, reason = resolve_kv_cache_dtype(config, self.device, cpu, self.dtype)
         if self.kv_dtype != self.dtype:
             logger.info("KV cache and attention in %s (%s)", str(self.kv_dtype).removeprefix("torch."), reason)
-        self._set_num_threads()
         # Compiled, inductor prepacks the weights itself (freezing).
         self.is_compiled = config.compile and not config.enforce_eager and self.device.type == "cpu"
         backend_name = resolve_attention_backend(config.attention_backend, self.device.type, self.kv_dtype, cpu)
-        cpu_plan = CpuExecutionPlan.make(config, model_config.path, self.device, self.dtype, cpu, backend_name,
-                                         self.is_compiled, is_tensor_parallel=self.tp is not None,
-                                         read_gguf_blocks=blocks_for_model)
+        # The one door into the CPU wing (threads, huge pages, fast paths, the decode stack), before the
+        # weights load; a GPU runner's plan applies nothing.
+        self.cpu_plan = CpuExecutionPlan.make(config, model_config.path, self.device, self.dtype, cpu, backend_name,
+                                              self.is_compiled, is_tensor_parallel=self.tp is not None,
+                                              read_gguf_blocks=blocks_for_model)
         self.model = self._load_model()
         if self.kv_dtype != self.dtype:
             self.model.set_attention_dtype(self.kv_dtype)
-        self.backend = self._make_backend(backend_name, cpu_plan.attention_kernels)
+        self.backend = self._make_backend(backend_name, self.cpu_plan.attention_kernels)
         self.kv_caches = self._make_kv_pool(num_kv_blocks)
-        self.decode_stack = cpu_plan.prepare(self.model, self.backend, self.kv_caches, self.num_weight_bytes)
+        self.decode_stack = self.cpu_plan.prepare(self.model, self.backend, self.kv_caches, self.num_weight_bytes)
         self.sampler = self._make_sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
@@ -86,13 +85,10 @@ class ModelRunner:
         self.compiled_forward = None
         if self.is_compiled:
             self._compile()
-
-    def _set_num_threads(self) -> None:
-        num_threads = self.config.num_threads
-        if not num_threads and self.tp is not None:
-            num_threads = threads_per_rank(self.config.world_size, self.config.nnodes)
-        if num_threads and self.device.type == "cpu":
-            torch.set_num_threads(num_threads)
+        self.step_executor = make_step_executor(
+            self.model, self.kv_caches, self.backend, self.device, self.dtype, self.tp, cuda_graphs=self.cuda_graphs,
+            compiled_forward=self.compiled_forward, decode_stack=self.decode_stack)
+        logger.info("steps run on: %s", self.step_executor.name)
 
     def _load_model(self) -> torch.nn.Module:
         model = load_model(self.model_config, self.dtype, self.device, self.config.load_format, self.tp)
@@ -114,13 +110,9 @@ class ModelRunner:
         logger.info("KV pool: %d blocks of %d tokens on %s", num_kv_blocks, self.block_size, self.device)
         num_layers = self.model_config.num_layers
         stage = self.tp.stage if self.tp is not None else WHOLE_MODEL
-        return [(self._new_cache(shape), self._new_cache(shape)) if stage.holds(i, num_layers) else None
+        new = self.cpu_plan.new_kv_tensor  # on the CPU, on huge pages
+        return [(new(shape, self.kv_dtype), new(shape, self.kv_dtype)) if stage.holds(i, num_layers) else None
                 for i in range(num_layers)]
-
-    def _new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type == "cpu":  # blocks are read scattered: fewer TLB misses on huge pages
-            return zeros_on_huge_pages(shape, self.kv_dtype)
-        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _make_sampler(self) -> Sampler:
         kernels = sampling_kernels(self.device)
@@ -204,57 +196,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_step(self, inputs: StepInputs, as_rows: bool = False) -> torch.Tensor | None:
-        """The model on one step's inputs: the sampled rows' logits (None when none are sampled,
-        and on a worker rank). The pooled rows' final hidden states go to `pooled_hidden`.
-        `as_rows`: a step of a few short chunks (a draft model's catch-up) runs on the decode stack
-        as one-token rows, as a verification step does (_runs_as_rows)."""
-        if self._runs_as_rows(inputs, as_rows):
-            hidden = self.decode_stack.forward_rows(*to_row_tensors(inputs, self.device))  # [num_tokens, hidden_size]
-            if len(inputs.sample_rows) < len(inputs.input_ids):
-                hidden = hidden[inputs.sample_rows]  # [num_sampled, hidden_size]
-            return self.model.compute_logits(hidden) if inputs.sample_rows else None  # [num_sampled, vocab_size]
-        input_ids, positions, metadata, sample_rows = to_tensors(inputs, self.device)  # sample_rows: then pooled rows
-        self.backend.prepare(metadata)  # the step's plan, made once for every layer
-        if self.tp is not None and self.tp.stage.is_pipelined:  # this stage's layers, between its neighbours
-            if inputs.pooling_rows:
-                raise ValueError("embeddings are not supported with pipeline parallelism")
-            return forward_stage(self.model, self.tp.stage, input_ids, positions, self.kv_caches, self.backend,
-                                 sample_rows, self.dtype)
-        if self.cuda_graphs.can_run(metadata):
-            hidden = self.cuda_graphs.run(input_ids, positions, metadata)[sample_rows]  # [num_sampled, hidden_size]
-        elif self.compiled_forward is not None:
-            with attention_step(self.backend, self.kv_caches):
-                hidden = self.compiled_forward(input_ids, positions)[sample_rows]  # [num_sampled, hidden_size]
-        elif (self.decode_stack is not None and len(inputs.sample_rows) == len(inputs.input_ids)
-              and not inputs.pooling_rows and self.decode_stack.can_run(metadata, self.backend)):
-            # A decode-only step: every row is sampled, in order.
-            hidden = self.decode_stack.forward(input_ids, positions, metadata, self.backend)  # [num_seqs, hidden_size]
-        else:
-            # Only the sampled rows leave the last layer. A decode step samples every row, in
-            # order; a step that samples none (a prompt's middle chunk) runs it whole, so no
-            # matmul or all-reduce ever sees zero rows.
-            # Pooled rows follow the sampled ones, out of order: those rows are always named.
-            every_row = not inputs.pooling_rows and len(inputs.sample_rows) in (0, len(inputs.input_ids))
-            hidden = self.model(input_ids, positions, self.kv_caches, self.backend,
-                                None if every_row else sample_rows)  # [num_sampled, hidden_size]
-        if inputs.pooling_rows:
-            self.pooled_hidden = hidden[len(inputs.sample_rows):]  # [num_pooled, hidden_size]
-            hidden = hidden[: len(inputs.sample_rows)]  # [num_sampled, hidden_size]
-        if not inputs.sample_rows:
-            return None
-        return self.model.compute_logits(hidden)  # [num_sampled, vocab_size]
-
-    def _runs_as_rows(self, inputs: StepInputs, as_rows: bool) -> bool:
-        """A step of several tokens per sequence that the decode stack takes as one-token rows: a
-        verification step (decodes, some with proposed tokens after them: every row sampled, so
-        none is a prompt's middle) or one the caller marks, within the stack's width; none pooled."""
-        # A sequence of more tokens than a verification's (a prompt with prompt log-probs) takes the
-        # prefill kernel, which reads each key once for all its rows.
-        return (self.decode_stack is not None and 1 < max(inputs.query_lens) <= 1 + MAX_SPECULATIVE_TOKENS
-                and not inputs.pooling_rows
-                and (as_rows or len(inputs.sample_rows) == len(inputs.input_ids))
-                and self.decode_stack.can_run_rows(len(inputs.input_ids))
-                and not (self.tp is not None and self.tp.stage.is_pipelined))
+        """The model on one step's inputs, on the one step executor chosen at start: the sampled
+        rows' logits (None when none are sampled, and on a worker rank). The pooled rows' final
+        hidden states go to `pooled_hidden`. `as_rows`: a step of a few short chunks (a draft model's
+        catch-up) may run as one-token rows, as a verification step does."""
+        result = self.step_executor.forward(inputs, as_rows)
+        self.pooled_hidden = result.pooled  # [num_pooled, hidden_size] or None
+        return result.logits  # [num_sampled, vocab_size] or None
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
