@@ -33,7 +33,6 @@ import threading
 from typing import Callable
 
 PEER_CHECK_S = 1.0  # a wait shorter than this costs nothing extra; a longer one, a check a second
-_PEER_CHECK = datetime.timedelta(seconds=PEER_CHECK_S)
 
 
 def wait_for_peers(work, check_alive: Callable[[], None] | None) -> None:
@@ -42,9 +41,10 @@ def wait_for_peers(work, check_alive: Callable[[], None] | None) -> None:
     if check_alive is None:
         work.wait()
         return
+    slice_ = datetime.timedelta(seconds=PEER_CHECK_S)
     while True:
         try:
-            work.wait(_PEER_CHECK)
+            work.wait(slice_)
             return
         except RuntimeError:
             if work.is_completed():

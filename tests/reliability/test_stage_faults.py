@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from engine import LLM, SamplingParams
-from engine.distributed.worker import STAGE_DELAY_ENV, stage_delay_s
+from engine.distributed.worker import STAGE_DELAY_ENV
 from scripts.lib.fake_engine import FrontendServer
 from tests.helpers.ray_cluster import alive_actors, local_cluster
 from tests.helpers.server import health, is_gone, wait_for
@@ -81,17 +81,6 @@ def fault_mid_step(server, pid: int, fault: signal.Signals) -> tuple[requests.Re
     thread.join(60)
     (reply,) = replies
     return reply, time.monotonic() - faulted_at
-
-
-def test_the_stage_delay_hook_reads_its_rank_and_seconds(monkeypatch):
-    assert stage_delay_s(1, "rank=1,seconds=3") == 3.0
-    assert stage_delay_s(2, "rank=1,seconds=3") == 0.0  # another rank's
-    assert stage_delay_s(1, "") == 0.0
-    monkeypatch.delenv(STAGE_DELAY_ENV, raising=False)
-    assert stage_delay_s(1) == 0.0  # unset: no effect
-    for bad in ("rank=1", "seconds=3", "rank=x,seconds=3", "rank=1,seconds=3,steps=2", "rank=1,seconds=-1"):
-        with pytest.raises(ValueError, match=STAGE_DELAY_ENV):
-            stage_delay_s(1, bad)
 
 
 @pytest.mark.parametrize("backend", ["mp", pytest.param("ray", marks=pytest.mark.ray)])
