@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -67,6 +68,7 @@ def test_every_op_waits_out_a_slow_peer_and_a_failing_check_ends_the_wait(monkey
             print(f"{op}: {len(checks) - num_checks} checks")
             assert len(checks) > num_checks, f"{op} returned before the peer took part"
 
+        num_helpers = sum(thread.name == "peer-transfer" for thread in threading.enumerate())
         x = torch.ones(4)
         waited("all-reduce", lambda: wait_for_peers(group.allreduce([x]), check_alive))
         assert x.tolist() == [3.0] * 4
@@ -81,6 +83,8 @@ def test_every_op_waits_out_a_slow_peer_and_a_failing_check_ends_the_wait(monkey
         y = torch.zeros(4)
         waited("recv", lambda: run_with_peers(lambda: group.recv([y], 1, 0).wait(), check_alive))
         assert y.tolist() == [50.0] * 4
+        # One helper thread carried both transfers (an earlier test's idle one, or a new one).
+        assert sum(thread.name == "peer-transfer" for thread in threading.enumerate()) <= num_helpers + 1
 
         def lost() -> None:
             raise PeerLost("rank 1 is gone")
