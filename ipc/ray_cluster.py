@@ -18,7 +18,8 @@ RAY_INSTALL_HINT = "pip install tokenloom[ray]"
 # The checkout this process runs: actors import the same code (a host joining the cluster
 # needs tokenloom at the same path, docs/scale-out.md).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PASSED_ENV_VARS = ("TOKENLOOM_LOG_LEVEL", "TOKENLOOM_CACHE")
+# TOKENLOOM_TEST_STAGE_DELAY: engine.executor.worker_process's test hook (a slow stage on purpose).
+PASSED_ENV_VARS = ("TOKENLOOM_LOG_LEVEL", "TOKENLOOM_CACHE", "TOKENLOOM_TEST_STAGE_DELAY")
 
 
 def import_ray():

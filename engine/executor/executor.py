@@ -23,12 +23,16 @@ Each step rank 0 sends one `StepInputs` record (msgpack) to every worker, then e
 rank runs the model on it, meeting in the all-reduces; rank 0 samples.
 
 Faults: a worker that dies closes its sockets, so the next (or current) collective
-raises on rank 0 at once, and its ZeroMQ link drops; one its launcher reports dead before
-its process has exited (Ray) is caught between a collective's one-second waits
-(peer_wait.py). Any step that raises under TP is fatal (the ranks may no longer be in step): `run_step` raises `WorkerDeadError`,
+raises on rank 0 at once, and its ZeroMQ link drops; rank 0 then names the rank (its
+launcher's word, or its process's state here). While rank 0 waits on its peers, however
+long a step takes, it asks every second (peer_wait.py) whether a launcher reports a worker
+dead before its process has exited (Ray), or whether a worker on this host has exited or is
+stopped (SIGSTOP: its sockets stay open; process_checks.WatchedProcess). Any step that raises
+under TP or PP is fatal (the ranks may no longer be in step): `run_step` raises `WorkerDeadError`,
 which the core reports and exits on; the frontend answers 503 and, with
---restart-engine, starts a fresh core, which starts fresh workers. A hung worker
-holds rank 0 in a collective until the collective timeout, or until the frontend's
+--restart-engine, starts a fresh core, which starts fresh workers. A worker that runs
+but never arrives (deadlocked, or stopped on another host) cannot be told from a slow
+one: it holds rank 0 until the group's timeout, or until the frontend's
 --engine-timeout kills the core; workers die with the core (PDEATHSIG, Ray's owner
 fate-sharing, and they exit when rank 0's socket drops).
 """
@@ -51,6 +55,7 @@ from engine.executor import messages
 from engine.parallel.parallel_layers import check_tensor_parallel
 from engine.parallel.pipeline import check_pipeline_parallel
 from engine.parallel.parallel_state import RENDEZVOUS_TIMEOUT_S, create_group, create_store, num_local_ranks
+from engine.executor.process_checks import WatchedProcess, host_id
 from ipc.engine_config import EngineConfig, engine_argv
 
 logger = logging.getLogger(__name__)
@@ -62,6 +67,9 @@ NUM_KV_BLOCKS_KEY = "tokenloom/num_kv_blocks"
 MAX_MODEL_LEN_KEY = "tokenloom/max_model_len"
 POLL_MS = 100
 STOP_GRACE_S = 3.0
+# After a failed step, how long to look for the rank to blame: a killed process closes its sockets
+# (failing the step) a moment before it is a zombie, and Ray reports a lost actor a moment later.
+NAME_DEAD_RANK_S = 2.0
 
 
 class WorkerDeadError(RuntimeError):
@@ -99,6 +107,7 @@ class Executor:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.identities: dict[int, bytes] = {}
+        self.watched: list[WatchedProcess] = []  # the workers on this host (their hellos' host_id is ours)
         self._finalizer = weakref.finalize(self, _stop, self.ctx, self.sock, self.identities, self.workers)
         try:
             master_addr = self.workers.master_addr(config)
@@ -112,11 +121,14 @@ class Executor:
             self.store.set(MAX_MODEL_LEN_KEY, str(max_model_len))
             worker_config = dataclasses.replace(config, master_addr=master_addr, master_port=self.store.port)
             self.workers.start(worker_config, model_config.path)
+            this_host = host_id()
             for hello in self._wait_for(messages.WorkerHello, "connect"):
                 logger.info("tensor-parallel rank %d (pid %d) connected", hello.rank, hello.pid)
+                if this_host and hello.host_id == this_host:
+                    self.watched.append(WatchedProcess(hello.rank, hello.pid))
             # The check as a function of the workers and the monitor, not of self: the group must not
             # keep the executor alive past its finalizer.
-            check_alive = functools.partial(check_workers, self.workers, self.monitor)
+            check_alive = functools.partial(check_workers, self.workers, self.monitor, self.watched)
             self.group = create_group(self.store, 0, config.tensor_parallel_size, device, config.pipeline_parallel_size,
                                       check_alive)
         except BaseException:
@@ -145,14 +157,27 @@ class Executor:
                 self.sock.send_multipart([identity, payload])
             return forward_step(inputs)
         except WorkerDeadError:
-            raise  # a collective's wait found a rank gone (engine.parallel.peer_wait)
+            raise  # a wait found a rank gone (engine.parallel.peer_wait)
         except Exception as e:
-            self.check_workers()  # name the dead rank if we can
-            raise WorkerDeadError(f"a tensor-parallel step failed: {type(e).__name__}: {str(e)[:200]}") from e
+            failure = f"a tensor-parallel step failed: {type(e).__name__}: {str(e)[:200]}"
+            reason = self._find_dead_rank(NAME_DEAD_RANK_S)  # name the rank to blame if we can
+            if reason is not None:
+                raise WorkerDeadError(f"{reason} ({failure})") from e
+            self.check_workers()
+            raise WorkerDeadError(failure) from e
 
     def check_workers(self) -> None:
-        """Raise WorkerDeadError if a worker has exited or dropped its connection."""
-        check_workers(self.workers, self.monitor)
+        """Raise WorkerDeadError if a worker has exited, is stopped or dropped its connection."""
+        check_workers(self.workers, self.monitor, self.watched)
+
+    def _find_dead_rank(self, timeout_s: float) -> str | None:
+        """Why a worker is gone, asked until one is found or `timeout_s` has passed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reason = find_dead_worker(self.workers, self.watched)
+            if reason is not None or time.monotonic() >= deadline:
+                return reason
+            time.sleep(POLL_MS / 1000)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -209,9 +234,18 @@ class LocalProcesses(Workers):
                 process.wait()
 
 
-def check_workers(workers: Workers, monitor: zmq.Socket) -> None:
-    """Raise WorkerDeadError if a worker has exited (by its launcher's word) or dropped its connection."""
+def find_dead_worker(workers: Workers, watched: list[WatchedProcess]) -> str | None:
+    """Why a worker is gone, by its launcher's word or, for this host's, by its process's state; else None."""
     reason = workers.find_dead()
+    if reason is None:
+        reason = next(filter(None, (process.find_gone() for process in watched)), None)
+    return reason
+
+
+def check_workers(workers: Workers, monitor: zmq.Socket, watched: list[WatchedProcess]) -> None:
+    """Raise WorkerDeadError if a worker has exited (by its launcher's word or its state here), is
+    stopped, or dropped its connection."""
+    reason = find_dead_worker(workers, watched)
     if reason is not None:
         raise WorkerDeadError(reason)
     if monitor.poll(0):

@@ -38,6 +38,7 @@ class _Message(Struct, array_like=True, forbid_unknown_fields=True):
 class WorkerHello(_Message, tag=int(WorkerMessageType.HELLO)):
     rank: Annotated[int, Meta(ge=1)]
     pid: int
+    host_id: str = ""  # process_checks.host_id(): rank 0 watches a worker with its own id through /proc
 
 
 class WorkerReady(_Message, tag=int(WorkerMessageType.READY)):

@@ -22,6 +22,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 import zmq
 
@@ -30,12 +31,32 @@ from engine.executor.executor import (
     MAX_MODEL_LEN_KEY, NUM_KV_BLOCKS_KEY, STEP_ADDRESS_KEY, start_worker,
 )
 from engine.parallel.parallel_state import create_group, create_store, num_local_ranks
-from engine.executor.process_checks import check_master_addr, die_with_parent
+from engine.executor.process_checks import check_master_addr, die_with_parent, host_id
 from ipc.engine_config import DEFAULT_MODEL, EngineConfig, add_engine_args, engine_config_from_args
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle worker checks that its parent is alive
+STAGE_DELAY_ENV = "TOKENLOOM_TEST_STAGE_DELAY"
+
+
+def stage_delay_s(rank: int, value: str | None = None) -> float:
+    """A test hook: the seconds this rank sleeps in each step before its forward, from
+    TOKENLOOM_TEST_STAGE_DELAY="rank=R,seconds=S" (a worker's rank, 1 or more; S may be a
+    fraction). It makes one stage slow on purpose, whatever the machine's speed, so tests can
+    tell a slow step from a lost peer (tests/reliability/test_stage_faults.py). Unset or
+    empty: 0, no effect. Another rank's setting: 0. Malformed: ValueError, at the worker's start."""
+    value = os.environ.get(STAGE_DELAY_ENV, "") if value is None else value
+    if not value:
+        return 0.0
+    try:
+        fields = dict(part.split("=", 1) for part in value.split(","))
+        delay_rank, seconds = int(fields.pop("rank")), float(fields.pop("seconds"))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f'{STAGE_DELAY_ENV}={value!r}: expected "rank=R,seconds=S"') from e
+    if fields or seconds < 0:
+        raise ValueError(f'{STAGE_DELAY_ENV}={value!r}: expected "rank=R,seconds=S", S >= 0')
+    return seconds if delay_rank == rank else 0.0
 
 
 def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0, device_index: int | None = None) -> int:
@@ -60,7 +81,7 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0, device_inde
     sock.setsockopt(zmq.LINGER, 0)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(address)
-    sock.send(messages.encode(messages.WorkerHello(rank, os.getpid())))
+    sock.send(messages.encode(messages.WorkerHello(rank, os.getpid(), host_id())))
     device, _ = resolve_device_and_dtype(config)
     if device.type == "cuda":
         torch.cuda.set_device(rank % num_local_ranks(size, config.nnodes) if device_index is None else device_index)
@@ -79,6 +100,9 @@ def run_worker(config: EngineConfig, rank: int, parent_pid: int = 0, device_inde
 
 
 def _serve_steps(runner, sock: zmq.Socket, monitor: zmq.Socket, parent_pid: int, rank: int) -> int:
+    delay_s = stage_delay_s(rank)
+    if delay_s:
+        logger.warning("rank %d: every step sleeps %.1f s first (%s, a test hook)", rank, delay_s, STAGE_DELAY_ENV)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
@@ -94,6 +118,8 @@ def _serve_steps(runner, sock: zmq.Socket, monitor: zmq.Socket, parent_pid: int,
             continue
         message = messages.decode(sock.recv(copy=False).buffer)
         if isinstance(message, messages.StepInputs):
+            if delay_s:
+                time.sleep(delay_s)  # rank 0 and the other stages wait for this one mid-step
             runner.forward_step(message)
         elif isinstance(message, messages.StopWorker):
             logger.info("rank %d: stopping (%s)", rank, message.reason)

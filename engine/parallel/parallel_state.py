@@ -25,9 +25,12 @@ import torch.distributed as dist
 from engine.parallel.peer_wait import wait_for_peers
 from engine.parallel.pipeline import WHOLE_MODEL, PipelineStage
 
-# A rank that waits longer than this in a collective gives up (gloo raises). A killed
-# peer is noticed at once (its socket closes); this bounds a hung one.
-COLLECTIVE_TIMEOUT_S = 60.0
+# A rank that waits longer than this in a collective or a stage's hand-off gives up (gloo
+# raises): the longest a stage may compute while the next one waits for it, so far above
+# any step (torch's default). A killed peer is noticed at once (its socket closes), a stopped
+# one on rank 0's host within a second (engine.parallel.peer_wait); this bounds only a
+# peer that runs but never arrives.
+COLLECTIVE_TIMEOUT_S = 1800.0
 # Time every rank gets to reach the rendezvous (a second host may start later).
 RENDEZVOUS_TIMEOUT_S = 300.0
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from engine.parallel.peer_wait import wait_for_peers
+from engine.parallel.peer_wait import run_with_peers
 
 SEND_TAG = 0
 
@@ -65,12 +65,18 @@ class PipelineStage:
         return stage_index * self.tp_size + (self.tp_rank if tp_rank is None else tp_rank)
 
     def send(self, tensors: list[torch.Tensor], rank: int) -> None:
-        for tensor in tensors:
-            wait_for_peers(self.process_group.send([tensor.contiguous()], rank, SEND_TAG), self.check_alive)
+        def transfer() -> None:
+            for tensor in tensors:  # one after another: the receiver posts its recvs in this order
+                self.process_group.send([tensor.contiguous()], rank, SEND_TAG).wait()
+
+        run_with_peers(transfer, self.check_alive)  # for as long as the next stage takes to receive
 
     def recv(self, tensors: list[torch.Tensor], rank: int) -> None:
-        for tensor in tensors:
-            wait_for_peers(self.process_group.recv([tensor], rank, SEND_TAG), self.check_alive)
+        def transfer() -> None:
+            for tensor in tensors:
+                self.process_group.recv([tensor], rank, SEND_TAG).wait()
+
+        run_with_peers(transfer, self.check_alive)  # for as long as the previous stages take
 
 
 WHOLE_MODEL = PipelineStage()

@@ -2,7 +2,9 @@
 layer a stage) vs PP = 1, and TP = 2 x PP = 2 (four ranks, each stage a TP group), on a tiny
 Llama, with chunked prefill and mixed batches; over the mp executor (tests/ray runs the same
 over Ray). A stage's hand-off is exact, so PP alone moves no bit; TP's all-reduce moves the
-last ones.
+last ones. And issue #54's repro: SmolLM2 at PP = 2 on prompts of up to 300 tokens, whose
+steps take over a second on a small CPU (rank 0 once took a one-second wait on the stages'
+hand-off for a lost peer).
 """
 
 from __future__ import annotations
@@ -73,3 +75,27 @@ def test_more_stages_than_layers_are_refused(tiny_llama):
         LLM(tiny_llama, pipeline_parallel_size=4, **ENGINE_KWARGS)
     with pytest.raises(ValueError, match="compile is not supported with tensor or pipeline"):
         EngineConfig(pipeline_parallel_size=2, compile=True)
+
+
+SMOLLM2_PROMPT_LENGTHS = (5, 40, 90, 150, 220, 300)  # issue #54's six prompts of 5-300 token ids
+
+
+def generate_smollm2(path: str, **kwargs):
+    """Greedy tokens for issue #54's prompts, SmolLM2 in fp32 at the engine's defaults otherwise."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 49152, (n,), generator=generator).tolist() for n in SMOLLM2_PROMPT_LENGTHS]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    llm = LLM(path, dtype="float32", **kwargs)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.block_manager.num_used_blocks == 0
+        return outputs
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_pp2_on_long_prompts_matches_pp1(default_model_path):
+    reference = generate_smollm2(default_model_path)
+    outputs = generate_smollm2(default_model_path, pipeline_parallel_size=2, distributed_executor_backend="mp")
+    assert assert_same_greedy_tokens(reference, outputs) == 0.0
