@@ -34,6 +34,8 @@ SETTINGS = {
     "fp32_bf16_kv": dict(dtype="float32", kv_cache_dtype="bfloat16"),  # qkv cast to bf16, attention's output back
 }
 NEEDS = {
+    # Without it bf16 attention runs the torch backend (engine/worker/attention_choice.py), which the stack does not take.
+    "bf16": (CPU.has_avx512_bf16, "bf16 on the C++ attention backend needs AVX512_BF16"),
     "int8": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
     "int8_fp32_kv": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
     "int4": (CPU.has_avx512_vnni, "int4 needs AVX512_VNNI"),
