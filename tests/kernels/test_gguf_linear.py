@@ -1,0 +1,148 @@
+"""GgufLinear: a GGUF's blocks kept as the file stores them (engine/cpu/gguf_linear.py) and
+multiplied on the AVX2 kernels (engine/cpu/csrc/gguf/).
+
+Weights of each type come from the `gguf` package's quantizer where it has one (Q4_0, Q4_1,
+Q8_0), else as random valid blocks (random code and scale bytes, finite fp16 d and dmin).
+They must dequantize bit for bit to `gguf.quants.dequantize`. The matmul quantizes its
+activations to int8 per block (256 inputs for the K-quants, 32 for the others; scale
+max|x| / 127), so it is checked two ways: against the same quantized activations times the
+dequantized weight (only fp32 summation order differs), and against the plain x @ W^T within
+the bound that quantization allows (each input moves by at most half its block's step).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.cpu.gguf_linear import KERNEL_TYPE_NAMES, GgufLinear, kernel_types
+
+# This CPU (AVX2) must build and run them: a build failure fails here rather than skipping.
+assert kernel_types() == frozenset(KERNEL_TYPE_NAMES)
+
+QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # gguf.quants.quantize has these; the K-quants it has not
+
+
+def make_blocks(type_name: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [rows, bytes per row] of valid `type_name` blocks."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_inputs, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    if type_name in QUANTIZER_TYPES:
+        weight = rng.standard_normal((rows, in_features)).astype(np.float32)
+        return torch.from_numpy(gguf.quants.quantize(weight, qtype))
+    blocks = rng.integers(0, 256, (rows, in_features // block_inputs, block_bytes), dtype=np.uint8)
+    shape = (rows, in_features // block_inputs, 1)
+    d = rng.uniform(0.002, 0.02, shape).astype(np.float16).view(np.uint8)
+    dmin = rng.uniform(-0.01, 0.02, shape).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":  # ql, qh, 16 int8 scales, then d
+        blocks[..., 208:210] = d
+    else:  # Q4_K, Q5_K: d, dmin, then scales and codes
+        blocks[..., 0:2], blocks[..., 2:4] = d, dmin
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [T, K] as the kernel sees it: round(x * 127 / max|x|) * max|x| / 127 per block, fp64."""
+    blocks = x.double().view(x.shape[0], -1, block)
+    amax = blocks.abs().amax(dim=2, keepdim=True).float().double()
+    scale = (amax.float() / 127).double()
+    inverse = torch.where(amax > 0, (127 / amax.float()).double(), torch.zeros_like(amax))
+    q = torch.round((blocks.float() * inverse.float()).double())  # fp32 product, nearest even
+    return (q * scale).view_as(x)
+
+
+def block_of(type_name: str) -> int:
+    return 256 if type_name.endswith("_K") else 32
+
+
+def check_matmul(linear: GgufLinear, x: torch.Tensor, y: torch.Tensor) -> None:
+    """y against the quantized activations' exact product, and within quantization's bound of x @ W^T."""
+    weight = linear.dequantize().double()
+    x = x.float()
+    start = 0
+    for type_name, part in zip(linear.type_names, linear.parts):
+        rows = slice(start, start + part.shape[0])
+        block = block_of(type_name)
+        exact = quantized_activations(x, block) @ weight[rows].T
+        magnitude = quantized_activations(x, block).abs() @ weight[rows].abs().T
+        if linear.bias.numel():
+            exact += linear.bias[rows].double()
+        # fp32 sums of fp32-scaled blocks: a few roundings of 2^-24 each, relative to the terms' size.
+        error = (y[:, rows].double() - exact).abs() / (magnitude + 1e-6)
+        assert error.max() <= 1e-5, (type_name, float(error.max()))
+        # Each input moves by at most half a step, max|x| / 254 over its block.
+        step = x.abs().view(x.shape[0], -1, block).amax(dim=2, keepdim=True).double() / 254
+        bound = step.expand(-1, -1, block).reshape(x.shape) @ weight[rows].abs().T
+        plain = x.double() @ weight[rows].T + (linear.bias[rows].double() if linear.bias.numel() else 0)
+        assert ((y[:, rows].double() - plain).abs() <= bound * 1.001 + 1e-4).all(), type_name
+        start += part.shape[0]
+
+
+@pytest.mark.parametrize("type_name", KERNEL_TYPE_NAMES)
+def test_dequantize_is_gguf_bit_for_bit(type_name):
+    blocks = make_blocks(type_name, 13, 512)
+    linear = GgufLinear([(type_name, blocks)], 512)
+    expected = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[type_name])
+    values = linear.dequantize()
+    assert values.dtype == torch.float32 and values.shape == (13, 512)
+    assert np.array_equal(values.numpy().view(np.uint32), expected.astype(np.float32).view(np.uint32))
+    rows = torch.tensor([12, 0, 5, 5])
+    assert torch.equal(linear.dequantize_rows(rows), values[rows])
+    assert linear.num_weight_bytes == blocks.numel()
+    assert linear.parts[0].data_ptr() == blocks.data_ptr()  # the file's bytes, not a copy
+
+
+@pytest.mark.parametrize("type_name", KERNEL_TYPE_NAMES)
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 37])
+def test_matmul_matches_the_dequantized_weight(type_name, num_tokens):
+    linear = GgufLinear([(type_name, make_blocks(type_name, 45, 768, seed=num_tokens))], 768)
+    x = torch.randn(num_tokens, 768, generator=torch.Generator().manual_seed(num_tokens)) * 2
+    x[0, :5] = 0  # a block's tail of zeros, and below a whole zero block
+    x[-1, 256:512] = 0
+    y = linear(x)
+    assert y.shape == (num_tokens, 45) and y.dtype == torch.float32
+    check_matmul(linear, x, y)
+    # A token's row is the same computed alone as in the batch (each token's sums are its own).
+    for t in (0, num_tokens - 1):
+        assert torch.equal(linear(x[t:t + 1]), y[t:t + 1])
+
+
+def test_mixed_parts_with_a_bias_and_odd_rows():
+    """A merged projection: Q4_K rows, then Q6_K, then Q8_0, each its own type; 3 + 7 + 5 rows."""
+    parts = [("Q4_K", make_blocks("Q4_K", 3, 512, 1)), ("Q6_K", make_blocks("Q6_K", 7, 512, 2)),
+             ("Q8_0", make_blocks("Q8_0", 5, 512, 3))]
+    bias = torch.randn(15)
+    linear = GgufLinear(parts, 512, bias)
+    assert linear.out_features == 15 and linear.type_names == ["Q4_K", "Q6_K", "Q8_0"]
+    x = torch.randn(6, 512)
+    check_matmul(linear, x, linear(x))
+    expected = torch.cat([torch.from_numpy(gguf.quants.dequantize(p.numpy(), gguf.GGMLQuantizationType[n]))
+                          for n, p in parts])
+    assert torch.equal(linear.dequantize(), expected)
+    rows = torch.tensor([14, 2, 3, 9, 10])  # across all three parts, out of order
+    assert torch.equal(linear.dequantize_rows(rows), expected[rows])
+
+
+def test_slices_of_one_buffer_are_kept_and_bf16_goes_through():
+    """Parts that are row slices of one buffer (a memory-mapped file) are used in place;
+    bf16 activations give bf16 outputs, the fp32 result rounded; out_fp32 keeps it."""
+    buffer = make_blocks("Q5_K", 20, 256, 4)
+    linear = GgufLinear([("Q5_K", buffer[:9]), ("Q5_K", buffer[9:])], 256)
+    assert [p.data_ptr() for p in linear.parts] == [buffer.data_ptr(), buffer[9:].data_ptr()]
+    x = torch.randn(2, 3, 256).bfloat16()
+    y = linear(x)
+    assert y.shape == (2, 3, 20) and y.dtype == torch.bfloat16
+    linear.out_fp32 = True
+    y32 = linear(x)
+    assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), y)
+    check_matmul(linear, x.view(6, 256), y32.view(6, 20))
+
+
+def test_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="no gguf kernel for Q2_K"):
+        GgufLinear([("Q2_K", torch.zeros(2, 84, dtype=torch.uint8))], 256)
+    with pytest.raises(ValueError, match="uint8"):
+        GgufLinear([("Q4_K", torch.zeros(2, 100, dtype=torch.uint8))], 256)
