@@ -15,7 +15,7 @@ from engine.cpu.extension import CSRC, load_extension
 SOURCES = [CSRC / "gguf" / "gguf_linear.cpp"]
 HEADERS = [CSRC / "share_out.h",  # shared with the bf16 slabs and the int8/int4 panels
            CSRC / "work_pool.h",  # ... and the decode steps' work pool
-           CSRC / "gguf" / "gguf_dot.h"]
+           CSRC / "gguf" / "gguf_dot.h", CSRC / "gguf" / "gguf_dot_x8.h"]
 
 _module: ModuleType | None = None
 

@@ -1,9 +1,10 @@
 """A GGUF file's quantized linears, run in the file's own blocks (engine/cpu/csrc/gguf/).
 
 `GgufLinear` holds each part's rows exactly as the file stores them (uint8 [rows, bytes per
-row]; a slice of the memory-mapped file is kept as it is, not copied), so every weight
-dequantizes bit for bit to the file's value: `dequantize()` is `gguf.quants.dequantize` of
-those very bytes. A merged projection (q, k and v in one matmul) may stack parts of different
+row]; a slice of the memory-mapped file is kept as it is, not copied), but for Q4_K, whose
+rows are repacked eight to a group (gguf_repack.py; only bits move, and the file's rows are
+not kept beside them). Every weight dequantizes bit for bit to the file's value:
+`dequantize()` is `gguf.quants.dequantize` of the file's bytes (unpacked where repacked). A merged projection (q, k and v in one matmul) may stack parts of different
 types along its outputs, each kept in its own.
 
 The matmul quantizes the activations to int8 per block as llama.cpp does (Q8_K for the
@@ -24,6 +25,8 @@ import gguf
 import numpy as np
 import torch
 from torch import nn
+
+from engine.cpu.gguf_repack import GROUP_ROWS, pack_q4_k_x8, unpack_q4_k_x8
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,12 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+def _kernels():
+    from engine.cpu.gguf_extension import load_gguf_kernels
+
+    return load_gguf_kernels()
+
+
 def _type(name: str) -> gguf.GGMLQuantizationType:
     return gguf.GGMLQuantizationType[name]
 
@@ -78,10 +87,9 @@ class GgufLinear(nn.Module):
         if not parts:
             raise ValueError("GgufLinear needs at least one part")
         runnable = kernel_types()
-        self.type_names: list[str] = []
-        self.type_ids: list[int] = []
         self.in_features = in_features
-        blocks = []
+        # The kernel's parts, in row order: (type name, kernel type id, bytes, whether grouped by 8).
+        kernel_parts: list[tuple[str, int, torch.Tensor, bool]] = []
         for type_name, part in parts:
             if type_name not in runnable:
                 raise ValueError(f"no gguf kernel for {type_name} on this CPU (runs: {sorted(runnable) or 'none'})")
@@ -90,22 +98,38 @@ class GgufLinear(nn.Module):
                     or part.shape[1] != in_features // block_inputs * block_bytes:
                 raise ValueError(f"a {type_name} part of {in_features} inputs is uint8 [rows, "
                                  f"{in_features // block_inputs * block_bytes}], not {part.dtype} {list(part.shape)}")
-            # A row slice of the file is already row-major: kept as it is. Anything else is copied once.
-            blocks.append(part if part.stride() == (part.shape[1], 1) else part.contiguous())
-            self.type_names.append(type_name)
-            self.type_ids.append(int(_type(type_name)))
-        for i, block in enumerate(blocks):  # buffers, so the model's memory counts them like any tensor
+            num_grouped = part.shape[0] // GROUP_ROWS * GROUP_ROWS if type_name == "Q4_K" else 0
+            if num_grouped:  # repacked into a copy: the file's rows are not kept beside it
+                kernel_parts.append((type_name, _kernels().q4_k_x8_type(), pack_q4_k_x8(part[:num_grouped]), True))
+            if num_grouped < part.shape[0]:
+                rest = part[num_grouped:]
+                # A row slice of the file is already row-major: kept as it is. Anything else is copied once.
+                kernel_parts.append((type_name, int(_type(type_name)),
+                                     rest if rest.stride() == (rest.shape[1], 1) else rest.contiguous(), False))
+        self.type_names = [name for name, _, _, _ in kernel_parts]
+        self.type_ids = [type_id for _, type_id, _, _ in kernel_parts]
+        self.is_grouped = [grouped for _, _, _, grouped in kernel_parts]
+        for i, (_, _, block, _) in enumerate(kernel_parts):  # buffers, so the model's memory counts them
             self.register_buffer(f"part{i}", block, persistent=False)
-        self.num_parts = len(blocks)
-        self.out_features = sum(p.shape[0] for p in blocks)
+        self.num_parts = len(kernel_parts)
+        self.out_features = sum(self._num_rows(i) for i in range(self.num_parts))
         self.register_buffer("bias", torch.empty(0) if bias is None else bias.detach().float().contiguous(),
                              persistent=False)
         self.out_fp32 = False  # logits: the fp32 result, unrounded
 
     @property
     def parts(self) -> list[torch.Tensor]:
-        """The file's bytes, part by part: the only copy of the weight."""
+        """The kernel's parts in row order: the only copy of the weight (a Q4_K part's groups
+        of 8 rows repacked, gguf_repack.py; its last rows and every other type the file's rows)."""
         return [getattr(self, f"part{i}") for i in range(self.num_parts)]
+
+    def _num_rows(self, i: int) -> int:
+        return getattr(self, f"part{i}").shape[0] * (GROUP_ROWS if self.is_grouped[i] else 1)
+
+    def file_rows(self, i: int) -> torch.Tensor:
+        """Kernel part i as the file's rows (uint8 [rows, bytes per row]), the grouped ones unpacked."""
+        part = getattr(self, f"part{i}")
+        return unpack_q4_k_x8(part) if self.is_grouped[i] else part
 
     @property
     def num_weight_bytes(self) -> int:
@@ -120,18 +144,25 @@ class GgufLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [out_features, in_features]: the file's values, bit for bit."""
-        return torch.cat([_dequantize(p, name) for name, p in zip(self.type_names, self.parts)])
+        return torch.cat([_dequantize(self.file_rows(i), self.type_names[i]) for i in range(self.num_parts)])
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """[n] int64 -> fp32 [n, in_features]: those rows' values (a tied embedding's lookup)."""
         rows = rows.reshape(-1).long()
         out = torch.empty(len(rows), self.in_features)
         start = 0
-        for name, part in zip(self.type_names, self.parts):
-            inside = ((rows >= start) & (rows < start + part.shape[0])).nonzero().squeeze(1)
+        for i in range(self.num_parts):
+            num_rows = self._num_rows(i)
+            inside = ((rows >= start) & (rows < start + num_rows)).nonzero().squeeze(1)
             if len(inside):
-                out[inside] = _dequantize(part[rows[inside] - start], name)
-            start += part.shape[0]
+                local = rows[inside] - start
+                if self.is_grouped[i]:  # unpack the rows' groups, then take each row from its group
+                    groups = unpack_q4_k_x8(getattr(self, f"part{i}")[local // GROUP_ROWS])
+                    file_rows = groups[torch.arange(len(local)) * GROUP_ROWS + local % GROUP_ROWS]
+                else:
+                    file_rows = getattr(self, f"part{i}")[local]
+                out[inside] = _dequantize(file_rows, self.type_names[i])
+            start += num_rows
         return out
 
     def extra_repr(self) -> str:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine.cpu.gguf_linear import KERNEL_TYPE_NAMES, GgufLinear, kernel_types
+from engine.cpu.gguf_repack import pack_q4_k_x8, unpack_q4_k_x8
 
 # This CPU (AVX2) must build and run them: a build failure fails here rather than skipping.
 assert kernel_types() == frozenset(KERNEL_TYPE_NAMES)
@@ -63,8 +64,9 @@ def check_matmul(linear: GgufLinear, x: torch.Tensor, y: torch.Tensor) -> None:
     weight = linear.dequantize().double()
     x = x.float()
     start = 0
-    for type_name, part in zip(linear.type_names, linear.parts):
-        rows = slice(start, start + part.shape[0])
+    for i, type_name in enumerate(linear.type_names):
+        num_rows = linear.file_rows(i).shape[0]
+        rows = slice(start, start + num_rows)
         block = block_of(type_name)
         exact = quantized_activations(x, block) @ weight[rows].T
         magnitude = quantized_activations(x, block).abs() @ weight[rows].abs().T
@@ -78,7 +80,7 @@ def check_matmul(linear: GgufLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         bound = step.expand(-1, -1, block).reshape(x.shape) @ weight[rows].abs().T
         plain = x.double() @ weight[rows].T + (linear.bias[rows].double() if linear.bias.numel() else 0)
         assert ((y[:, rows].double() - plain).abs() <= bound * 1.001 + 1e-4).all(), type_name
-        start += part.shape[0]
+        start += num_rows
 
 
 @pytest.mark.parametrize("type_name", KERNEL_TYPE_NAMES)
@@ -91,8 +93,12 @@ def test_dequantize_is_gguf_bit_for_bit(type_name):
     assert np.array_equal(values.numpy().view(np.uint32), expected.astype(np.float32).view(np.uint32))
     rows = torch.tensor([12, 0, 5, 5])
     assert torch.equal(linear.dequantize_rows(rows), values[rows])
-    assert linear.num_weight_bytes == blocks.numel()
-    assert linear.parts[0].data_ptr() == blocks.data_ptr()  # the file's bytes, not a copy
+    assert linear.num_weight_bytes == blocks.numel()  # held once, at the file's size
+    if type_name == "Q4_K":  # 8 rows repacked into one group, the last 5 the file's rows as they are
+        assert linear.is_grouped == [True, False] and linear.parts[1].data_ptr() == blocks[8:].data_ptr()
+        assert torch.equal(torch.cat([linear.file_rows(0), linear.file_rows(1)]), blocks)
+    else:
+        assert linear.parts[0].data_ptr() == blocks.data_ptr()  # the file's bytes, not a copy
 
 
 @pytest.mark.parametrize("type_name", KERNEL_TYPE_NAMES)
@@ -111,18 +117,18 @@ def test_matmul_matches_the_dequantized_weight(type_name, num_tokens):
 
 
 def test_mixed_parts_with_a_bias_and_odd_rows():
-    """A merged projection: Q4_K rows, then Q6_K, then Q8_0, each its own type; 3 + 7 + 5 rows."""
-    parts = [("Q4_K", make_blocks("Q4_K", 3, 512, 1)), ("Q6_K", make_blocks("Q6_K", 7, 512, 2)),
+    """A merged projection: Q4_K rows (a group of 8 and 3 more), then Q6_K, then Q8_0, each its own type."""
+    parts = [("Q4_K", make_blocks("Q4_K", 11, 512, 1)), ("Q6_K", make_blocks("Q6_K", 7, 512, 2)),
              ("Q8_0", make_blocks("Q8_0", 5, 512, 3))]
-    bias = torch.randn(15)
+    bias = torch.randn(23)
     linear = GgufLinear(parts, 512, bias)
-    assert linear.out_features == 15 and linear.type_names == ["Q4_K", "Q6_K", "Q8_0"]
+    assert linear.out_features == 23 and linear.type_names == ["Q4_K", "Q4_K", "Q6_K", "Q8_0"]
     x = torch.randn(6, 512)
     check_matmul(linear, x, linear(x))
     expected = torch.cat([torch.from_numpy(gguf.quants.dequantize(p.numpy(), gguf.GGMLQuantizationType[n]))
                           for n, p in parts])
     assert torch.equal(linear.dequantize(), expected)
-    rows = torch.tensor([14, 2, 3, 9, 10])  # across all three parts, out of order
+    rows = torch.tensor([22, 2, 3, 9, 10, 17, 7, 8])  # across all the parts, out of order
     assert torch.equal(linear.dequantize_rows(rows), expected[rows])
 
 
@@ -139,6 +145,13 @@ def test_slices_of_one_buffer_are_kept_and_bf16_goes_through():
     y32 = linear(x)
     assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), y)
     check_matmul(linear, x.view(6, 256), y32.view(6, 20))
+
+
+def test_q4_k_groups_hold_the_file_bits_exactly():
+    """Repacking moves bits only: random bytes (every bit pattern, not just valid blocks) come back."""
+    rows = torch.from_numpy(np.random.default_rng(5).integers(0, 256, (24, 3 * 144), dtype=np.uint8))
+    groups = pack_q4_k_x8(rows)
+    assert groups.shape == (3, 8 * 3 * 144) and torch.equal(unpack_q4_k_x8(groups), rows)
 
 
 def test_refuses_what_it_cannot_run():

@@ -8,10 +8,14 @@
 // vpmaddubsw, 32 multiply-adds an instruction, where fp32 activations would need each code
 // widened to fp32 and one FMA per 8 (docs/cpu-kernels.md has the measurements).
 //
-// Threads share out the output rows (share_out.h: torch's threads, or a decode step's work
-// pool); each row is read from memory once and used for every token, kMaxTokens at a time
-// (a row of up to a few KB stays in L1 across the passes).
+// Q4_K parts come repacked eight rows to a group where they have eight rows (gguf_dot_x8.h
+// says why); their last rows, and every other type, are rows as the file stores them.
+//
+// Threads share out the output rows eight at a time (share_out.h: torch's threads, or a
+// decode step's work pool); each row is read from memory once and used for every token,
+// kMaxTokens at a time (a group of rows, a few KB, stays in L1 across the passes).
 #include "gguf_dot.h"
+#include "gguf_dot_x8.h"
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 
 #include <torch/extension.h>
@@ -35,7 +39,8 @@ struct TypeInfo {
 };
 
 constexpr TypeInfo kTypes[] = {{kQ4_0, 32, 18, false}, {kQ4_1, 32, 20, false}, {kQ8_0, 32, 34, false},
-                               {kQ4_K, 256, 144, true}, {kQ5_K, 256, 176, true}, {kQ6_K, 256, 210, true}};
+                               {kQ4_K, 256, 144, true}, {kQ5_K, 256, 176, true}, {kQ6_K, 256, 210, true},
+                               {kQ4_Kx8, 256, 144, true}};  // bytes per row: a group's over 8
 
 const TypeInfo& type_info(int64_t id) {
   for (const TypeInfo& info : kTypes) {
@@ -155,6 +160,17 @@ void dot_row(int64_t type, const uint8_t* row, const ActK& xk, const Act32& x32,
 using DotRowFn = void (*)(int64_t, const uint8_t*, const ActK&, const Act32&, int64_t, float*);
 constexpr DotRowFn kDotRow[kMaxTokens] = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>};
 
+// out[t * 8 + r] for kTokens tokens from t0, one group of 8 repacked Q4_K rows.
+template <int kTokens>
+void dot_group(const uint8_t* group, const ActK& xk, int64_t t0, float* out) {
+  const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
+               xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
+  dot_q4_k_x8<kTokens>(group, k, k.num_blocks, out);
+}
+
+using DotGroupFn = void (*)(const uint8_t*, const ActK&, int64_t, float*);
+constexpr DotGroupFn kDotGroup[kMaxTokens] = {dot_group<1>, dot_group<2>, dot_group<3>, dot_group<4>};
+
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }  // nearest even, as torch's cast
 
@@ -165,27 +181,50 @@ constexpr int64_t kChunksPerThread = 8;
 
 struct Part {
   const uint8_t* bytes;
-  int64_t type, row_bytes, first_row;
+  int64_t type, row_bytes, first_row, num_rows, first_item;  // an item: 8 rows (a group's)
 };
+
+template <typename out_t>
+void store_row(out_t* out, int64_t out_features, int64_t t, int64_t r, float y, const float* bias) {
+  store(out + t * out_features + r, y + (bias != nullptr ? bias[r] : 0.f));
+}
+
+// Rows [r0, r0 + n) of one part (n <= 8) for tokens [t0, t1).
+template <typename out_t>
+void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const Act32& x32, int64_t t0, int64_t t1,
+              int64_t out_features, const float* bias, out_t* out) {
+  const uint8_t* rows = part.bytes + (r0 - part.first_row) * part.row_bytes;
+  for (int64_t t = t0; t < t1; t += kMaxTokens) {
+    const int64_t num = std::min<int64_t>(kMaxTokens, t1 - t);
+    float y[kMaxTokens * kGroupRows];
+    if (part.type == kQ4_Kx8) {
+      kDotGroup[num - 1](rows, xk, t, y);
+      for (int64_t i = 0; i < num; ++i) {
+        for (int64_t j = 0; j < kGroupRows; ++j) store_row(out, out_features, t + i, r0 + j, y[i * kGroupRows + j], bias);
+      }
+      continue;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      kDotRow[num - 1](part.type, rows + j * part.row_bytes, xk, x32, t, y);
+      for (int64_t i = 0; i < num; ++i) store_row(out, out_features, t + i, r0 + j, y[i], bias);
+    }
+  }
+}
 
 template <typename out_t>
 void run_rows(const std::vector<Part>& parts, const ActK& xk, const Act32& x32, int64_t num_tokens,
               int64_t out_features, const float* bias, out_t* out) {
-  tokenloom_cpu::share_out_ranges<kChunksPerThread>(out_features, 0, [](int64_t) {}, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = parts.back().first_item + (parts.back().num_rows + kGroupRows - 1) / kGroupRows;
+  tokenloom_cpu::share_out_ranges<kChunksPerThread>(num_items, 0, [](int64_t) {}, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
       const int64_t t1 = std::min(num_tokens, t0 + kTokenTile);
       size_t p = 0;
-      for (int64_t r = begin; r < end; ++r) {
-        while (p + 1 < parts.size() && parts[p + 1].first_row <= r) ++p;
+      for (int64_t i = begin; i < end; ++i) {
+        while (p + 1 < parts.size() && parts[p + 1].first_item <= i) ++p;
         const Part& part = parts[p];
-        const uint8_t* row = part.bytes + (r - part.first_row) * part.row_bytes;
-        const float b = bias != nullptr ? bias[r] : 0.f;
-        for (int64_t t = t0; t < t1; t += kMaxTokens) {
-          const int64_t n = std::min<int64_t>(kMaxTokens, t1 - t);
-          float y[kMaxTokens];
-          kDotRow[n - 1](part.type, row, xk, x32, t, y);
-          for (int64_t i = 0; i < n; ++i) store(out + (t + i) * out_features + r, y[i] + b);
-        }
+        const int64_t r0 = part.first_row + (i - part.first_item) * kGroupRows;
+        const int64_t n = std::min(kGroupRows, part.first_row + part.num_rows - r0);
+        run_item(part, r0, n, xk, x32, t0, t1, out_features, bias, out);
       }
     }
   });
@@ -214,11 +253,16 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const std::vector<torch::Te
     const torch::Tensor& w = parts[i];
     TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1 && w.stride(0) == w.size(1),
                 "parts: uint8 [rows, bytes per row], row-major");
-    TORCH_CHECK(in_features % info.block_inputs == 0 && w.size(1) == in_features / info.block_inputs * info.block_bytes,
+    // A repacked part is [groups, 8 rows' bytes]: as many bytes a row as the file's.
+    const int64_t rows_per_line = types[i] == kQ4_Kx8 ? kGroupRows : 1;
+    TORCH_CHECK(in_features % info.block_inputs == 0 &&
+                    w.size(1) == rows_per_line * in_features / info.block_inputs * info.block_bytes,
                 "part ", i, ": ", w.size(1), " bytes a row do not hold ", in_features, " inputs of type ", types[i]);
     (info.is_k ? need_k : need_32) = true;
-    spans.push_back({w.data_ptr<uint8_t>(), types[i], w.size(1), num_rows});
-    num_rows += w.size(0);
+    const int64_t first_item = spans.empty() ? 0 : spans.back().first_item + (spans.back().num_rows + kGroupRows - 1) / kGroupRows;
+    spans.push_back({w.data_ptr<uint8_t>(), types[i], w.size(1) / rows_per_line, num_rows, w.size(0) * rows_per_line,
+                     first_item});
+    num_rows += w.size(0) * rows_per_line;
   }
   TORCH_CHECK(num_rows == out_features, "the parts hold ", num_rows, " rows, not ", out_features);
   const bool has_bias = bias.numel() > 0;
@@ -268,6 +312,7 @@ TORCH_LIBRARY_IMPL(tokenloom_gguf, CPU, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_work_pool", &use_work_pool, "share out on the decode steps' work pool at this address (work_pool.h)");
+  m.def("q4_k_x8_type", [] { return tokenloom_gguf::kQ4_Kx8; }, "our type id of Q4_K rows repacked 8 to a group");
   m.def("has_gguf_kernels", &has_gguf_kernels, "whether this CPU runs the gguf kernels (AVX2, FMA, F16C)");
   m.def("gguf_linear", &tokenloom_gguf::gguf_linear, "y = x @ W^T (+ bias), W in GGUF blocks, parts stacked (CPU)");
 }
