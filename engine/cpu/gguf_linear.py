@@ -107,38 +107,61 @@ class GgufLinear(nn.Module):
                 kernel_parts.append((type_name, int(_type(type_name)),
                                      rest if rest.stride() == (rest.shape[1], 1) else rest.contiguous(), False))
         self.type_names = [name for name, _, _, _ in kernel_parts]
-        self.type_ids = [type_id for _, type_id, _, _ in kernel_parts]
         self.is_grouped = [grouped for _, _, _, grouped in kernel_parts]
-        for i, (_, _, block, _) in enumerate(kernel_parts):  # buffers, so the model's memory counts them
-            self.register_buffer(f"part{i}", block, persistent=False)
         self.num_parts = len(kernel_parts)
-        self.out_features = sum(self._num_rows(i) for i in range(self.num_parts))
+        # One buffer holds every part (the op's and the decode stack's one weight tensor): a lone
+        # part as it came (a slice of the file, in place), several parts copied into one.
+        pieces = [block.reshape(-1) for _, _, block, _ in kernel_parts]
+        blocks = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        del kernel_parts, pieces  # the copies' sources are not kept
+        self._shapes = []  # each part's [rows or groups, bytes a row or group]
+        layout, offset = [], 0
+        for (name, type_id, rows_or_groups, line_bytes), grouped in zip(self._describe(parts, in_features),
+                                                                       self.is_grouped):
+            self._shapes.append((offset, rows_or_groups, line_bytes))
+            layout.append([type_id, offset, rows_or_groups * (GROUP_ROWS if grouped else 1)])
+            offset += rows_or_groups * line_bytes
+        assert offset == blocks.numel()
+        self.register_buffer("blocks", blocks, persistent=False)  # a buffer: the model's memory counts it
+        self.register_buffer("layout", torch.tensor(layout, dtype=torch.int64), persistent=False)
+        self.out_features = int(self.layout[:, 2].sum())
         self.register_buffer("bias", torch.empty(0) if bias is None else bias.detach().float().contiguous(),
                              persistent=False)
         self.out_fp32 = False  # logits: the fp32 result, unrounded
 
+    def _describe(self, parts: list[tuple[str, torch.Tensor]], in_features: int):
+        """(type name, kernel type id, rows or groups, bytes a row or group) of each kernel part."""
+        for type_name, part in parts:
+            block_inputs, block_bytes = gguf.GGML_QUANT_SIZES[_type(type_name)]
+            row_bytes = in_features // block_inputs * block_bytes
+            num_grouped = part.shape[0] // GROUP_ROWS * GROUP_ROWS if type_name == "Q4_K" else 0
+            if num_grouped:
+                yield type_name, _kernels().q4_k_x8_type(), num_grouped // GROUP_ROWS, GROUP_ROWS * row_bytes
+            if num_grouped < part.shape[0]:
+                yield type_name, int(_type(type_name)), part.shape[0] - num_grouped, row_bytes
+
     @property
     def parts(self) -> list[torch.Tensor]:
-        """The kernel's parts in row order: the only copy of the weight (a Q4_K part's groups
-        of 8 rows repacked, gguf_repack.py; its last rows and every other type the file's rows)."""
-        return [getattr(self, f"part{i}") for i in range(self.num_parts)]
+        """The kernel's parts in row order, views of `blocks`, the only copy of the weight (a Q4_K
+        part's groups of 8 rows repacked, gguf_repack.py; its last rows and other types the file's rows)."""
+        return [self.blocks[offset:offset + n * line].view(n, line) for offset, n, line in self._shapes]
 
     def _num_rows(self, i: int) -> int:
-        return getattr(self, f"part{i}").shape[0] * (GROUP_ROWS if self.is_grouped[i] else 1)
+        return int(self.layout[i, 2])
 
     def file_rows(self, i: int) -> torch.Tensor:
         """Kernel part i as the file's rows (uint8 [rows, bytes per row]), the grouped ones unpacked."""
-        part = getattr(self, f"part{i}")
+        part = self.parts[i]
         return unpack_q4_k_x8(part) if self.is_grouped[i] else part
 
     @property
     def num_weight_bytes(self) -> int:
-        return sum(p.numel() for p in self.parts)
+        return self.blocks.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
         rows = x.reshape(-1, self.in_features)  # [num_tokens, in_features]
-        out = torch.ops.tokenloom_gguf.linear(rows, self.parts, self.type_ids, self.bias, self.out_features,
+        out = torch.ops.tokenloom_gguf.linear(rows, self.blocks, self.layout, self.bias, self.out_features,
                                               self.out_fp32)  # [num_tokens, out_features]
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -157,10 +180,10 @@ class GgufLinear(nn.Module):
             if len(inside):
                 local = rows[inside] - start
                 if self.is_grouped[i]:  # unpack the rows' groups, then take each row from its group
-                    groups = unpack_q4_k_x8(getattr(self, f"part{i}")[local // GROUP_ROWS])
+                    groups = unpack_q4_k_x8(self.parts[i][local // GROUP_ROWS])
                     file_rows = groups[torch.arange(len(local)) * GROUP_ROWS + local % GROUP_ROWS]
                 else:
-                    file_rows = getattr(self, f"part{i}")[local]
+                    file_rows = self.parts[i][local]
                 out[inside] = _dequantize(file_rows, self.type_names[i])
             start += num_rows
         return out

@@ -232,37 +232,40 @@ void run_rows(const std::vector<Part>& parts, const ActK& xk, const Act32& x32, 
 
 }  // namespace
 
-// x: [num_tokens, in_features] fp32 or bf16; parts: uint8 [rows_i, bytes_per_row_i], row-major
-// (row stride bytes_per_row_i), of ggml types `types`, stacked along the outputs; bias: fp32
+// x: [num_tokens, in_features] fp32 or bf16; blocks: uint8, contiguous, every part's bytes;
+// layout: int64 [num_parts, 3], a part's (type, byte offset in blocks, rows), the parts stacked
+// along the outputs (a part's rows row-major, or for kQ4_Kx8 its groups of 8); bias: fp32
 // [out_features] or empty. Returns [num_tokens, out_features] in x's dtype, or fp32 (logits).
-torch::Tensor gguf_linear(const torch::Tensor& x_in, const std::vector<torch::Tensor>& parts,
-                          const std::vector<int64_t>& types, const torch::Tensor& bias, int64_t out_features,
-                          bool out_fp32) {
+// The schema of the quantized linears' ops (engine/cpu/decode_stack.py calls them alike).
+torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks, const torch::Tensor& layout,
+                          const torch::Tensor& bias, int64_t out_features, bool out_fp32) {
   TORCH_CHECK(cpu_runs_kernels(), "gguf linears need a CPU with AVX2, FMA and F16C");
   TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() &&
                   (x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat),
               "x: 2-D bf16 or fp32 on the CPU");
-  TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "one type per part");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "blocks: uint8, contiguous");
+  TORCH_CHECK(layout.scalar_type() == at::kLong && layout.dim() == 2 && layout.size(1) == 3 && layout.size(0) > 0 &&
+                  layout.is_contiguous(),
+              "layout: int64 [num_parts, 3] (type, byte offset, rows)");
   const torch::Tensor x = x_in.contiguous();
   const int64_t num_tokens = x.size(0), in_features = x.size(1);
+  const int64_t* entries = layout.data_ptr<int64_t>();
   std::vector<Part> spans;
   bool need_k = false, need_32 = false;
   int64_t num_rows = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const TypeInfo& info = type_info(types[i]);
-    const torch::Tensor& w = parts[i];
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1 && w.stride(0) == w.size(1),
-                "parts: uint8 [rows, bytes per row], row-major");
-    // A repacked part is [groups, 8 rows' bytes]: as many bytes a row as the file's.
-    const int64_t rows_per_line = types[i] == kQ4_Kx8 ? kGroupRows : 1;
-    TORCH_CHECK(in_features % info.block_inputs == 0 &&
-                    w.size(1) == rows_per_line * in_features / info.block_inputs * info.block_bytes,
-                "part ", i, ": ", w.size(1), " bytes a row do not hold ", in_features, " inputs of type ", types[i]);
+  for (int64_t i = 0; i < layout.size(0); ++i) {
+    const int64_t type = entries[3 * i], offset = entries[3 * i + 1], rows = entries[3 * i + 2];
+    const TypeInfo& info = type_info(type);
+    TORCH_CHECK(in_features % info.block_inputs == 0, in_features, " inputs are not whole blocks of type ", type);
+    const int64_t row_bytes = in_features / info.block_inputs * info.block_bytes;
+    TORCH_CHECK(rows > 0 && offset >= 0 && offset + rows * row_bytes <= blocks.numel() &&
+                    (type != kQ4_Kx8 || rows % kGroupRows == 0),
+                "part ", i, ": ", rows, " rows of type ", type, " at byte ", offset, " are not inside the blocks");
     (info.is_k ? need_k : need_32) = true;
-    const int64_t first_item = spans.empty() ? 0 : spans.back().first_item + (spans.back().num_rows + kGroupRows - 1) / kGroupRows;
-    spans.push_back({w.data_ptr<uint8_t>(), types[i], w.size(1) / rows_per_line, num_rows, w.size(0) * rows_per_line,
-                     first_item});
-    num_rows += w.size(0) * rows_per_line;
+    const int64_t first_item =
+        spans.empty() ? 0 : spans.back().first_item + (spans.back().num_rows + kGroupRows - 1) / kGroupRows;
+    spans.push_back({blocks.data_ptr<uint8_t>() + offset, type, row_bytes, num_rows, rows, first_item});
+    num_rows += rows;
   }
   TORCH_CHECK(num_rows == out_features, "the parts hold ", num_rows, " rows, not ", out_features);
   const bool has_bias = bias.numel() > 0;
@@ -303,7 +306,7 @@ void use_work_pool(int64_t address) {
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_gguf, m) {
-  m.def("linear(Tensor x, Tensor[] parts, int[] types, Tensor bias, int out_features, bool out_fp32) -> Tensor");
+  m.def("linear(Tensor x, Tensor blocks, Tensor layout, Tensor bias, int out_features, bool out_fp32) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_gguf, CPU, m) {
