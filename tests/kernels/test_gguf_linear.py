@@ -26,8 +26,10 @@ assert kernel_types() == frozenset(KERNEL_TYPE_NAMES)
 QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # gguf.quants.quantize has these; the K-quants it has not
 
 
-def make_blocks(type_name: str, rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """uint8 [rows, bytes per row] of valid `type_name` blocks."""
+def make_blocks(type_name: str, rows: int, in_features: int, seed: int = 0, d_max: float = 0.02,
+                centered: bool = False) -> torch.Tensor:
+    """uint8 [rows, bytes per row] of valid `type_name` blocks (K-quants: d up to `d_max`; `centered`:
+    dmin near d times the mean code, so the weights average about 0, as a trained model's)."""
     rng = np.random.default_rng(seed)
     qtype = gguf.GGMLQuantizationType[type_name]
     block_inputs, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -36,8 +38,11 @@ def make_blocks(type_name: str, rows: int, in_features: int, seed: int = 0) -> t
         return torch.from_numpy(gguf.quants.quantize(weight, qtype))
     blocks = rng.integers(0, 256, (rows, in_features // block_inputs, block_bytes), dtype=np.uint8)
     shape = (rows, in_features // block_inputs, 1)
-    d = rng.uniform(0.002, 0.02, shape).astype(np.float16).view(np.uint8)
-    dmin = rng.uniform(-0.01, 0.02, shape).astype(np.float16).view(np.uint8)
+    d = rng.uniform(0.1, 1, shape).astype(np.float32) * d_max
+    dmin = rng.uniform(-0.5, 1, shape).astype(np.float32) * d_max
+    if centered:  # mean of d sc q - dmin m over uniform codes, scales and mins: 0
+        dmin = d * (7.5 if type_name == "Q4_K" else 15.5)
+    d, dmin = d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8)
     if type_name == "Q6_K":  # ql, qh, 16 int8 scales, then d
         blocks[..., 208:210] = d
     else:  # Q4_K, Q5_K: d, dmin, then scales and codes
@@ -50,13 +55,29 @@ def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     blocks = x.double().view(x.shape[0], -1, block)
     amax = blocks.abs().amax(dim=2, keepdim=True).float().double()
     scale = (amax.float() / 127).double()
-    inverse = torch.where(amax > 0, (127 / amax.float()).double(), torch.zeros_like(amax))
+    # A tensor divided, not 127 / tensor: torch computes that as reciprocal times 127, another rounding.
+    inverse = torch.where(amax > 0, (torch.full_like(amax, 127).float() / amax.float()).double(), torch.zeros_like(amax))
     q = torch.round((blocks.float() * inverse.float()).double())  # fp32 product, nearest even
     return (q * scale).view_as(x)
 
 
 def block_of(type_name: str) -> int:
     return 256 if type_name.endswith("_K") else 32
+
+
+CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176),
+              "Q6_K": (0, 192)}  # where each block's codes lie
+
+
+def offsets(type_name: str, rows: torch.Tensor) -> torch.Tensor:
+    """fp64 [rows, in]: each weight's value at code 0 (-8d, m, -dmin m, -32 d sc): the term the
+    kernel adds apart from the codes' products, which may cancel most of them."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    start, end = CODE_BYTES[type_name]
+    blocks = rows.numpy().reshape(rows.shape[0], -1, block_bytes).copy()
+    blocks[..., start:end] = 0
+    return torch.from_numpy(gguf.quants.dequantize(blocks.reshape(rows.shape), qtype)).double()
 
 
 def check_matmul(linear: GgufLinear, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -69,7 +90,9 @@ def check_matmul(linear: GgufLinear, x: torch.Tensor, y: torch.Tensor) -> None:
         rows = slice(start, start + num_rows)
         block = block_of(type_name)
         exact = quantized_activations(x, block) @ weight[rows].T
-        magnitude = quantized_activations(x, block).abs() @ weight[rows].abs().T
+        # The kernel sums the codes' products and the offsets' apart: both sizes bound its rounding.
+        sizes = weight[rows].abs() + 2 * offsets(type_name, linear.file_rows(i)).abs()
+        magnitude = quantized_activations(x, block).abs() @ sizes.T
         if linear.bias.numel():
             exact += linear.bias[rows].double()
         # fp32 sums of fp32-scaled blocks: a few roundings of 2^-24 each, relative to the terms' size.
@@ -123,7 +146,7 @@ def test_mixed_parts_with_a_bias_and_odd_rows():
     bias = torch.randn(23)
     linear = GgufLinear(parts, 512, bias)
     assert linear.out_features == 23 and linear.type_names == ["Q4_K", "Q4_K", "Q6_K", "Q8_0"]
-    x = torch.randn(6, 512)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(6))
     check_matmul(linear, x, linear(x))
     expected = torch.cat([torch.from_numpy(gguf.quants.dequantize(p.numpy(), gguf.GGMLQuantizationType[n]))
                           for n, p in parts])
@@ -140,7 +163,7 @@ def test_a_slice_is_kept_in_place_and_bf16_goes_through():
     assert GgufLinear([("Q5_K", buffer[3:9])], 256).blocks.data_ptr() == buffer[3:].data_ptr()
     linear = GgufLinear([("Q5_K", buffer[:9]), ("Q5_K", buffer[9:])], 256)
     assert linear.num_weight_bytes == buffer.numel() and torch.equal(linear.blocks, buffer.reshape(-1))
-    x = torch.randn(2, 3, 256).bfloat16()
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     y = linear(x)
     assert y.shape == (2, 3, 20) and y.dtype == torch.bfloat16
     linear.out_fp32 = True
