@@ -184,3 +184,23 @@ def test_refuses_what_it_cannot_run():
         GgufLinear([("Q2_K", torch.zeros(2, 84, dtype=torch.uint8))], 256)
     with pytest.raises(ValueError, match="uint8"):
         GgufLinear([("Q4_K", torch.zeros(2, 100, dtype=torch.uint8))], 256)
+
+
+def test_fast_paths_keep_gguf_linears_and_the_head_gives_fp32_logits():
+    """The runner's fast paths pack the model's nn.Linears but leave its GgufLinears as they are."""
+    from types import SimpleNamespace
+
+    from engine.cpu.fast_paths import apply_fast_paths
+    from engine.cpu.packing import PackedLinear
+
+    model = torch.nn.Module()
+    model.proj = GgufLinear([("Q6_K", make_blocks("Q6_K", 8, 256))], 256)
+    model.other = torch.nn.Linear(256, 8)
+    model.lm_head = GgufLinear([("Q4_K", make_blocks("Q4_K", 16, 256))], 256)
+    proj, head = model.proj, model.lm_head
+    notes = apply_fast_paths(model, batch_size_hint=4, slabs=None, fused_ops=None,
+                             backend=SimpleNamespace(name="cpu"), is_compiled=False)
+    assert model.proj is proj and model.lm_head is head and isinstance(model.other, PackedLinear)
+    assert head.out_fp32 and not proj.out_fp32
+    assert head(torch.randn(2, 256).bfloat16()).dtype == torch.float32
+    assert "2 matmuls in the GGUF's own blocks (Q4_K, Q6_K" in " ".join(notes)
