@@ -12,7 +12,7 @@ from types import ModuleType
 
 from engine.cpu.extension import CSRC, load_extension
 
-SOURCES = [CSRC / "gguf" / "gguf_linear.cpp"]
+SOURCES = [CSRC / "gguf" / name for name in ("gguf_linear.cpp", "gguf_rows.cpp")]
 HEADERS = [CSRC / "share_out.h",  # shared with the bf16 slabs and the int8/int4 panels
            CSRC / "work_pool.h",  # ... and the decode steps' work pool
            CSRC / "gguf" / "gguf_dot.h", CSRC / "gguf" / "gguf_dot_x8.h"]

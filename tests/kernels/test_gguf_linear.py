@@ -114,8 +114,13 @@ def test_dequantize_is_gguf_bit_for_bit(type_name):
     values = linear.dequantize()
     assert values.dtype == torch.float32 and values.shape == (13, 512)
     assert np.array_equal(values.numpy().view(np.uint32), expected.astype(np.float32).view(np.uint32))
+    # The C++ row reader (a tied embedding's lookup) gives the same bits, every row, any order.
+    assert np.array_equal(linear.dequantize_rows(torch.arange(13)).numpy().view(np.uint32),
+                          values.numpy().view(np.uint32))
     rows = torch.tensor([12, 0, 5, 5])
     assert torch.equal(linear.dequantize_rows(rows), values[rows])
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        linear.dequantize_rows(torch.tensor([13]))
     assert linear.num_weight_bytes == blocks.numel()  # held once, at the file's size
     if type_name == "Q4_K":  # 8 rows repacked into one group, the last 5 the file's rows as they are
         assert linear.is_grouped == [True, False]

@@ -293,6 +293,11 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
 
 }  // namespace tokenloom_gguf
 
+namespace tokenloom_gguf {
+torch::Tensor gguf_rows(const torch::Tensor& blocks, const torch::Tensor& layout, const torch::Tensor& rows,
+                        int64_t in_features);  // gguf_rows.cpp
+}  // namespace tokenloom_gguf
+
 namespace {
 
 bool has_gguf_kernels() { return tokenloom_gguf::cpu_runs_kernels(); }
@@ -317,5 +322,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_work_pool", &use_work_pool, "share out on the decode steps' work pool at this address (work_pool.h)");
   m.def("q4_k_x8_type", [] { return tokenloom_gguf::kQ4_Kx8; }, "our type id of Q4_K rows repacked 8 to a group");
   m.def("has_gguf_kernels", &has_gguf_kernels, "whether this CPU runs the gguf kernels (AVX2, FMA, F16C)");
+  m.def("gguf_rows", &tokenloom_gguf::gguf_rows, "rows of the blocks as fp32, gguf's dequantized values bit for bit");
   m.def("gguf_linear", &tokenloom_gguf::gguf_linear, "y = x @ W^T (+ bias), W in GGUF blocks, parts stacked (CPU)");
 }
