@@ -7,8 +7,8 @@ not kept beside them). Every weight dequantizes bit for bit to the file's value:
 `dequantize()` is `gguf.quants.dequantize` of the file's bytes (unpacked where repacked). A merged projection (q, k and v in one matmul) may stack parts of different
 types along its outputs, each kept in its own.
 
-The matmul quantizes the activations to int8 per block as llama.cpp does (Q8_K for the
-K-quants, Q8_0 for the others) and runs on AVX2's vpmaddubsw: docs/cpu-kernels.md has the
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (KERNEL_TYPE_NAMES). The matmul quantizes
+the activations to int8 per block as llama.cpp does (Q8_K for the K-quants, Q8_0 for the others) and runs on AVX2's vpmaddubsw: docs/cpu-kernels.md has the
 measurement that chose this over fp32 activations and the layers' bytes/s. The kernel is the
 torch op OP_NAME, which the decode stack (engine/cpu/decode_stack.py) calls too.
 
@@ -30,7 +30,7 @@ from engine.cpu.gguf_repack import GROUP_ROWS, pack_q4_k_x8, unpack_q4_k_x8
 
 logger = logging.getLogger(__name__)
 
-KERNEL_TYPE_NAMES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the kernel's types (gguf_dot.h)
+KERNEL_TYPE_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the kernel's types (gguf_dot.h)
 OP_NAME = "tokenloom_gguf::linear"
 
 _kernel_types: frozenset[str] | None = None

@@ -57,7 +57,7 @@ def random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.Ge
         blocks[..., 208:210] = d
     else:
         blocks[..., 0:2] = d
-        if type_name in ("Q4_1", "Q4_K", "Q5_K"):
+        if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
             blocks[..., 2:4] = d
     return torch.from_numpy(blocks.reshape(rows, -1))
 

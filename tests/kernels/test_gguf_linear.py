@@ -2,7 +2,7 @@
 multiplied on the AVX2 kernels (engine/cpu/csrc/gguf/).
 
 Weights of each type come from the `gguf` package's quantizer where it has one (Q4_0, Q4_1,
-Q8_0), else as random valid blocks (random code and scale bytes, finite fp16 d and dmin).
+Q5_0, Q5_1, Q8_0), else as random valid blocks (random code and scale bytes, finite fp16 d and dmin).
 They must dequantize bit for bit to `gguf.quants.dequantize`. The matmul quantizes its
 activations to int8 per block (256 inputs for the K-quants, 32 for the others; scale
 max|x| / 127), so it is checked two ways: against the same quantized activations times the
@@ -23,7 +23,7 @@ from engine.cpu.gguf_repack import pack_q4_k_x8, unpack_q4_k_x8
 # This CPU (AVX2) must build and run them: a build failure fails here rather than skipping.
 assert kernel_types() == frozenset(KERNEL_TYPE_NAMES)
 
-QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # gguf.quants.quantize has these; the K-quants it has not
+QUANTIZER_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants.quantize has these, not the K-quants
 
 
 def make_blocks(type_name: str, rows: int, in_features: int, seed: int = 0, d_max: float = 0.02,
@@ -65,8 +65,8 @@ def block_of(type_name: str) -> int:
     return 256 if type_name.endswith("_K") else 32
 
 
-CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q8_0": (2, 34), "Q4_K": (16, 144), "Q5_K": (16, 176),
-              "Q6_K": (0, 192)}  # where each block's codes lie
+CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24), "Q8_0": (2, 34),
+              "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}  # where each block's codes lie
 
 
 def offsets(type_name: str, rows: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,9 @@
 // (ggml/src/ggml-common.h; gguf.quants' dequantize_blocks says the same in numpy):
 //   Q4_0 (18 B / 32): fp16 d, 16 bytes of nibbles (low: inputs 0..15, high: 16..31); w = d (q - 8)
 //   Q4_1 (20 B / 32): fp16 d, fp16 m, nibbles as Q4_0; w = d q + m
+//   Q5_0 (22 B / 32): fp16 d, 32 bits qh (bit l: input l's fifth bit), nibbles as Q4_0; w = d (q - 16)
+//   Q5_1 (24 B / 32): fp16 d, fp16 m, qh, nibbles; w = d q + m (a GGUF's fallback for rows
+//     that are not whole 256-blocks, e.g. Gemma 3 270M's 640 inputs)
 //   Q8_0 (34 B / 32): fp16 d, 32 int8 q; w = d q
 //   Q4_K (144 B / 256): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of
 //     nibbles: chunk j of 32 bytes holds sub-block 2j in its low nibbles, 2j + 1 in its high;
@@ -33,7 +36,23 @@ constexpr int64_t kQ32 = 32;  // inputs per Q4_0/Q4_1/Q8_0 block and per Q8_0 ac
 constexpr int kMaxTokens = 4;  // tokens per pass over a row: 4 fp32 and 4 int32 accumulators
 
 // ggml's type ids (gguf.GGMLQuantizationType).
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// Bytes per 32-input block of the 32-block types.
+constexpr int64_t q32_block_bytes(int64_t type) {
+  return type == kQ8_0 ? 34 : type == kQ4_1 ? 20 : type == kQ5_0 ? 22 : type == kQ5_1 ? 24 : 18;
+}
+
+// 32 bits -> 32 bytes, byte l 16 where bit l is set, else 0 (Q5_0/Q5_1's fifth bits).
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(  // byte l takes the bits' byte l / 8
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));  // byte l: bit l % 8
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
 
 // Tokens' activations quantized per 256 inputs (Q8_K), token t's at t * row strides.
 struct ActK {
@@ -205,12 +224,13 @@ inline void dot_q6_k(const uint8_t* row, const ActK& x, int64_t x_stride, float*
   for (int t = 0; t < kTokens; ++t) out[t] = hsum(acc[t]);
 }
 
-// Q4_0 (kType kQ4_0), Q4_1 and Q8_0: blocks of 32 inputs, each with its own fp16 scale, so each
-// block's int32 sum meets d * dx in fp32. Q4_0's - 8 d and Q4_1's m multiply the block's
-// activation sum (ds = dx * sum q), accumulated apart in a scalar.
+// Q4_0 (kType kQ4_0), Q4_1, Q5_0, Q5_1 and Q8_0: blocks of 32 inputs, each with its own fp16
+// scale, so each block's int32 sum meets d * dx in fp32. Q4_0's - 8 d, Q5_0's - 16 d and Q4_1's
+// and Q5_1's m multiply the block's activation sum (ds = dx * sum q), accumulated apart in a scalar.
 template <int kTokens, int64_t kType>
 inline void dot_q32(const uint8_t* row, const Act32& x, int64_t x_stride, float* out) {
-  constexpr int64_t kBytes = kType == kQ8_0 ? 34 : (kType == kQ4_1 ? 20 : 18);
+  constexpr int64_t kBytes = q32_block_bytes(kType);
+  constexpr bool kHasMin = kType == kQ4_1 || kType == kQ5_1, kHasFifth = kType == kQ5_0 || kType == kQ5_1;
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   const __m256i ones16 = _mm256_set1_epi16(1);
   __m256 acc[kTokens];
@@ -226,9 +246,11 @@ inline void dot_q32(const uint8_t* row, const Act32& x, int64_t x_stride, float*
       signs = load256(blk + 2);
       w = _mm256_sign_epi8(signs, signs);  // |q|, and q's signs go onto the activations
     } else {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kType == kQ4_1 ? 4 : 2)));
+      const int64_t codes_at = (kHasMin ? 4 : 2) + (kHasFifth ? 4 : 0);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + codes_at));
       w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low4);
-      offset = kType == kQ4_1 ? half_at(blk + 2) : -8.f * d;
+      if (kHasFifth) w = _mm256_or_si256(w, fifth_bits(blk + (kHasMin ? 4 : 2)));
+      offset = kHasMin ? half_at(blk + 2) : (kHasFifth ? -16.f : -8.f) * d;
     }
 #pragma GCC unroll 4
     for (int t = 0; t < kTokens; ++t) {

@@ -1,5 +1,5 @@
-// y = x @ W^T (+ bias) with W in a GGUF file's own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-// Q6_K; gguf_dot.h has the layouts and the dot products), rows as the file stores them: no
+// y = x @ W^T (+ bias) with W in a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+// Q5_K, Q6_K; gguf_dot.h has the layouts and the dot products), rows as the file stores them: no
 // repacking, so every weight is the file's bit for bit. A weight may be several parts of
 // different types stacked along the outputs (a merged qkv: Q4_K rows for q and k, Q6_K for v).
 //
@@ -38,7 +38,8 @@ struct TypeInfo {
   bool is_k;
 };
 
-constexpr TypeInfo kTypes[] = {{kQ4_0, 32, 18, false}, {kQ4_1, 32, 20, false}, {kQ8_0, 32, 34, false},
+constexpr TypeInfo kTypes[] = {{kQ4_0, 32, 18, false}, {kQ4_1, 32, 20, false}, {kQ5_0, 32, 22, false},
+                               {kQ5_1, 32, 24, false}, {kQ8_0, 32, 34, false},
                                {kQ4_K, 256, 144, true}, {kQ5_K, 256, 176, true}, {kQ6_K, 256, 210, true},
                                {kQ4_Kx8, 256, 144, true}};  // bytes per row: a group's over 8
 
@@ -153,6 +154,8 @@ void dot_row(int64_t type, const uint8_t* row, const ActK& xk, const Act32& x32,
     case kQ6_K: return dot_q6_k<kTokens>(row, k, k.num_blocks, out);
     case kQ4_0: return dot_q32<kTokens, kQ4_0>(row, s, s.num_blocks, out);
     case kQ4_1: return dot_q32<kTokens, kQ4_1>(row, s, s.num_blocks, out);
+    case kQ5_0: return dot_q32<kTokens, kQ5_0>(row, s, s.num_blocks, out);
+    case kQ5_1: return dot_q32<kTokens, kQ5_1>(row, s, s.num_blocks, out);
     default: return dot_q32<kTokens, kQ8_0>(row, s, s.num_blocks, out);
   }
 }

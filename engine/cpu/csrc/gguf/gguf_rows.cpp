@@ -23,10 +23,26 @@ inline uint8_t q4k_min(const uint8_t* s, int j) {
 // One row of `type` (the file's layout) into out[0, in_features).
 void row_values(int64_t type, const uint8_t* row, int64_t in_features, float* out) {
   switch (type) {
+    case kQ5_0:
+    case kQ5_1: {
+      const bool has_min = type == kQ5_1;
+      for (int64_t b = 0; b < in_features / kQ32; ++b) {
+        const uint8_t* blk = row + b * q32_block_bytes(type);
+        const float d = half_at(blk);
+        uint32_t qh;
+        std::memcpy(&qh, blk + (has_min ? 4 : 2), 4);
+        const uint8_t* qs = blk + (has_min ? 8 : 6);
+        for (int l = 0; l < 32; ++l) {
+          const int q = (l < 16 ? (qs[l] & 0x0f) : (qs[l - 16] >> 4)) | (((qh >> l) & 1) << 4);
+          out[b * kQ32 + l] = has_min ? d * static_cast<float>(q) + half_at(blk + 2) : d * static_cast<float>(q - 16);
+        }
+      }
+      return;
+    }
     case kQ4_0:
     case kQ4_1:
     case kQ8_0: {
-      const int64_t bytes = type == kQ8_0 ? 34 : (type == kQ4_1 ? 20 : 18);
+      const int64_t bytes = q32_block_bytes(type);
       for (int64_t b = 0; b < in_features / kQ32; ++b) {
         const uint8_t* blk = row + b * bytes;
         const float d = half_at(blk);
@@ -128,9 +144,9 @@ torch::Tensor gguf_rows(const torch::Tensor& blocks, const torch::Tensor& layout
     TORCH_CHECK(row >= 0 && p < num_parts, "row ", row, " is outside the weight");
     const int64_t type = entries[3 * p], offset = entries[3 * p + 1], local = row - first;
     const bool grouped = type == kQ4_Kx8;
-    const int64_t block_inputs = (type == kQ4_0 || type == kQ4_1 || type == kQ8_0) ? kQ32 : kQK;
-    const int64_t block_bytes = type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 :
-                                type == kQ5_K ? 176 : type == kQ6_K ? 210 : 144;
+    const bool is_q32 = type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0;
+    const int64_t block_inputs = is_q32 ? kQ32 : kQK;
+    const int64_t block_bytes = is_q32 ? q32_block_bytes(type) : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 144;
     const int64_t row_bytes = in_features / block_inputs * block_bytes;
     TORCH_CHECK(offset + (local + 1) * row_bytes <= blocks.numel(), "the layout runs past the blocks");
     float* y = out.data_ptr<float>() + i * in_features;
