@@ -3,14 +3,16 @@
 `GgufLinear` holds each part's rows exactly as the file stores them (uint8 [rows, bytes per
 row]; a slice of the memory-mapped file is kept as it is, not copied), but for Q4_K, whose
 rows are repacked eight to a group (gguf_repack.py; only bits move, and the file's rows are
-not kept beside them). Every weight dequantizes bit for bit to the file's value:
-`dequantize()` is `gguf.quants.dequantize` of the file's bytes (unpacked where repacked). A merged projection (q, k and v in one matmul) may stack parts of different
-types along its outputs, each kept in its own.
+not kept beside them). Every weight dequantizes bit for bit to the file's value: `dequantize()`
+is `gguf.quants.dequantize` of the file's bytes (unpacked where repacked). A merged projection
+(q, k and v in one matmul) may stack parts of different types along its outputs, each kept in
+its own.
 
-Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (KERNEL_TYPE_NAMES). The matmul quantizes
-the activations to int8 per block as llama.cpp does (Q8_K for the K-quants, Q8_0 for the others) and runs on AVX2's vpmaddubsw: docs/cpu-kernels.md has the
-measurement that chose this over fp32 activations and the layers' bytes/s. The kernel is the
-torch op OP_NAME, which the decode stack (engine/cpu/decode_stack.py) calls too.
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (KERNEL_TYPE_NAMES). The matmul
+quantizes the activations to int8 per block as llama.cpp does (Q8_K for the K-quants, Q8_0 for
+the others) and runs on AVX2's vpmaddubsw: docs/cpu-kernels.md has the measurement that chose
+this over fp32 activations and the layers' bytes/s. The kernel is the torch op OP_NAME, which
+the decode stack (engine/cpu/decode_stack.py) calls too.
 
 `GGUF_KERNEL_TYPES` names the types this CPU runs (AVX2, FMA and F16C needed); it is empty
 where the extension cannot be built. It is worked out on first access (the first build takes
