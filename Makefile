@@ -29,10 +29,11 @@ model: $(STAMP)
 	$(PY) -m engine.loader.model_files $(MODEL)
 
 # The C++ CPU kernels, compiled once per machine (engines fall back to torch without a compiler),
-# and the int8 and int4 matmuls where the CPU has AVX512_VNNI.
+# the int8 and int4 matmuls where the CPU has AVX512_VNNI, and the GGUF block kernels (AVX2).
 kernels: $(STAMP)
 	$(PY) -m engine.cpu.extension
 	$(PY) -m engine.cpu.quantized_extension
+	$(PY) -m engine.cpu.gguf_extension
 
 test: model kernels browser
 	$(PY) -m pytest -q -rs

@@ -10,10 +10,11 @@ It takes decode-only steps (every row one sequence's next token) and verificatio
 (engine.worker.step_inputs.to_row_tensors: each token a row) on the CPU attention backend, with no
 shared-prefix decode groups (those take the shared kernel, from Python), and models whose every layer is the plain decoder layer with the fused kernels: RMSNorm,
 fused rotary + KV store (q/k RMSNorm allowed), SiLU-gated dense MLP, and matmuls on bf16
-slabs, int8 or int4 panels, oneDNN's prepacked weights or plain weights. Anything else (MoE, Gemma's
+slabs, int8 or int4 panels, a GGUF's own blocks (gguf_linear.py), oneDNN's prepacked weights or
+plain weights. Anything else (MoE, Gemma's
 norms, partial rotary, tensor parallelism, torch.compile) keeps the eager path, and the
 start-up log says why. The embedding, rotary tables, final norm and LM head stay in Python:
-one call each per step. Where every matmul is slabs or int8/int4 panels, the layers run in one
+one call each per step. Where every matmul is slabs, int8/int4 panels or GGUF blocks, the layers run in one
 OpenMP region whose helpers take each kernel's work as they come free (work_pool.h). Beside AMX,
 where bf16 slabs take steps of up to 8 tokens only, wider steps run a second stack of the same
 layers on oneDNN's prepacked weights (no second copy).
@@ -33,6 +34,7 @@ from engine.cpu.packing import PackedLinear
 from engine.models.decoder import DecoderLayer
 from engine.cpu.fused import CpuFusedOps
 from engine.cpu.int4_linear import Int4Linear
+from engine.cpu.gguf_linear import GgufLinear
 from engine.cpu.int8_linear import Int8Linear, QuantizedLinear
 from engine.models.layers import RMSNorm, SwiGLUMLP
 
@@ -100,6 +102,10 @@ def build_decode_stack(model: nn.Module, kv_caches, backend, fused_ops: CpuFused
         from engine.cpu.quantized_extension import load_quantized_kernels
 
         load_quantized_kernels().use_work_pool(kernels.work_pool_address())
+    if any(isinstance(m, GgufLinear) for m in model.modules()):  # and so do a GGUF's block kernels
+        from engine.cpu.gguf_extension import load_gguf_kernels
+
+        load_gguf_kernels().use_work_pool(kernels.work_pool_address())
     note = f"{stack.num_layers()} layers" + (", on one work pool's threads" if stack.is_pooled() else "")
     if wide_stack is not None:
         note += f", oneDNN's weights past {min(max_tokens)} tokens"
@@ -148,7 +154,7 @@ def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: 
         if type(mlp) is not SwiGLUMLP or mlp.fused is None:
             return f"MLP {type(mlp).__name__} without the fused SiLU×up"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(linear) not in (PackedLinear, Int8Linear, Int4Linear, nn.Linear):  # what _linear_spec takes
+            if type(linear) not in (PackedLinear, Int8Linear, Int4Linear, GgufLinear, nn.Linear):  # _linear_spec's
                 return f"matmul {type(linear).__name__}"
     return None
 
@@ -166,6 +172,8 @@ def _linear_spec(module: nn.Module, max_tokens: list[int]) -> tuple:
     slabs' token limit, if any, appended to `max_tokens`."""
     if isinstance(module, QuantizedLinear):
         return QUANTIZED, module.panels, module.scales, module.bias, module.out_features, module.OP_NAME
+    if isinstance(module, GgufLinear):  # its op has the same schema: the blocks and their layout
+        return QUANTIZED, module.blocks, module.layout, module.bias, module.out_features, module.OP_NAME
     if isinstance(module, PackedLinear):
         if module.slabs is not None:
             if module.slab_plan.max_tokens is not None:

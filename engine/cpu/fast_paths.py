@@ -5,6 +5,8 @@ from, so a new family gets them without code of its own:
   int4_linear.py), in place of the prepacked ones: every nn.Linear and RowParallelLinear,
   the LM head too; of a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks where the model came from one
   (engine/loader/gguf_blocks.py);
+- a GGUF's matmuls in its own blocks (engine/cpu/gguf_linear.py) are kept as they are (the
+  passes below touch nn.Linears only); the LM head among them gives fp32 logits;
 - prepacked matmuls (engine/cpu/packing.py): every nn.Linear (attention, MLPs, MoE
   experts, the LM head, tied or not) becomes a PackedLinear, on oneDNN's blocked layout or
   on bf16 slabs per the SlabPlan; a RowParallelLinear packs its matmul and keeps its
@@ -31,6 +33,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.cpu.fused import CpuFusedOps
+from engine.cpu.gguf_linear import GgufLinear
 from engine.cpu.int4_linear import BLOCK, Int4Linear
 from engine.cpu.int8_linear import GROUP, Int8Linear, QuantizedEmbedding, QuantizedLinear, gather_panels_on_huge_pages
 from engine.cpu.packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
@@ -65,12 +68,29 @@ def apply_fast_paths(model: nn.Module, *, batch_size_hint: int | None, slabs: Sl
         notes.append(use_fused_ops(model, fused_ops, backend.can_rotate_and_store))
     elif not is_compiled:
         notes.append("element-wise ops: torch (no fused kernels for this device and backend)")
+    gguf_note = keep_gguf_linears(model)
+    if gguf_note:
+        notes.append(gguf_note)
     notes.append(f"attention: {backend.name} backend")
     num_moe = sum(isinstance(m, MoEBlock) for m in model.modules())
     if num_moe:
         notes.append(f"MoE: {num_moe} layers, tokens grouped by expert (steps run without CUDA graphs)")
     logger.info("%s fast paths: %s", type(model).__name__, "; ".join(notes))
     return notes
+
+
+def keep_gguf_linears(model: nn.Module) -> str:
+    """A GGUF's matmuls in its own blocks (GgufLinear, engine/cpu/gguf_linear.py) are neither
+    packed nor quantized again (neither pass touches anything but nn.Linear); the LM head among
+    them gives fp32 logits. Returns the note ("" if there are none)."""
+    linears = [m for m in model.modules() if isinstance(m, GgufLinear)]
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, GgufLinear):
+        head.out_fp32 = True
+    if not linears:
+        return ""
+    types = Counter(name for m in linears for name in m.type_names)
+    return f"{len(linears)} matmuls in the GGUF's own blocks ({', '.join(sorted(types))}, on the AVX2 kernels)"
 
 
 def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None = None) -> int:

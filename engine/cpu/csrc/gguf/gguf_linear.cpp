@@ -1,0 +1,330 @@
+// y = x @ W^T (+ bias) with W in a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+// Q5_K, Q6_K; gguf_dot.h has the layouts and the dot products), rows as the file stores them: no
+// repacking, so every weight is the file's bit for bit. A weight may be several parts of
+// different types stacked along the outputs (a merged qkv: Q4_K rows for q and k, Q6_K for v).
+//
+// Activations are quantized to int8 once per call, as llama.cpp's Q8_K (one scale per 256
+// inputs, for the K-quants) and Q8_0 (per 32, for the others): the dot products then run on
+// vpmaddubsw, 32 multiply-adds an instruction, where fp32 activations would need each code
+// widened to fp32 and one FMA per 8 (docs/cpu-kernels.md has the measurements).
+//
+// Q4_K parts come repacked eight rows to a group where they have eight rows (gguf_dot_x8.h
+// says why); their last rows, and every other type, are rows as the file stores them.
+//
+// Threads share out the output rows eight at a time (share_out.h: torch's threads, or a
+// decode step's work pool); each row is read from memory once and used for every token,
+// kMaxTokens at a time (a group of rows, a few KB, stays in L1 across the passes).
+#include "gguf_dot.h"
+#include "gguf_dot_x8.h"
+#include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace tokenloom_gguf {
+namespace {
+
+bool cpu_runs_kernels() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+struct TypeInfo {
+  int64_t id, block_inputs, block_bytes;
+  bool is_k;
+};
+
+constexpr TypeInfo kTypes[] = {{kQ4_0, 32, 18, false}, {kQ4_1, 32, 20, false}, {kQ5_0, 32, 22, false},
+                               {kQ5_1, 32, 24, false}, {kQ8_0, 32, 34, false},
+                               {kQ4_K, 256, 144, true}, {kQ5_K, 256, 176, true}, {kQ6_K, 256, 210, true},
+                               {kQ4_Kx8, 256, 144, true}};  // bytes per row: a group's over 8
+
+const TypeInfo& type_info(int64_t id) {
+  for (const TypeInfo& info : kTypes) {
+    if (info.id == id) return info;
+  }
+  TORCH_CHECK(false, "gguf linear: no kernel for ggml type ", id);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 32 inputs at x -> int8 round(x * inv) at q (nearest even, as MXCSR rounds); returns sum q.
+template <typename in_t>
+inline int32_t quantize32(const in_t* x, float inv, int8_t* q) {
+  const __m256 s = _mm256_set1_ps(inv);
+  __m256i i[4];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 8 * k), s));
+  // packs interleave the 128-bit halves; the permute puts the 32 bytes back in order.
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_hadd_epi32(s4, s4);
+  return _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+}
+
+template <typename in_t>
+inline float max_abs(const in_t* x, int64_t n) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(x + k)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// One token's inputs in blocks of `block` (32 or 256): scale max|x| / 127 per block and q;
+// per 32 inputs the sum of q, which the K-quants keep as int16 per 16 and 32 and the others
+// as dx * sum.
+template <typename in_t>
+void quantize_token(const in_t* x, int64_t in_features, int64_t block, int8_t* q, float* d, int16_t* sums16,
+                    int16_t* sums32, float* ds) {
+  for (int64_t b = 0; b < in_features / block; ++b) {
+    const float amax = max_abs(x + b * block, block);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    d[b] = amax / 127.f;
+    for (int64_t k = b * block; k < (b + 1) * block; k += kQ32) {
+      const int32_t sum = quantize32(x + k, inv, q + k);
+      if (block == kQK) {
+        int32_t half = 0;
+        for (int64_t i = k; i < k + 16; ++i) half += q[i];
+        sums16[k / 16] = static_cast<int16_t>(half);
+        sums16[k / 16 + 1] = static_cast<int16_t>(sum - half);
+        sums32[k / kQ32] = static_cast<int16_t>(sum);
+      } else {
+        ds[b] = d[b] * static_cast<float>(sum);
+      }
+    }
+  }
+}
+
+// A call's quantized activations, in memory the calling thread keeps from call to call.
+struct Scratch {
+  std::vector<int8_t> qk, q32;
+  std::vector<float> dk, d32, ds32;
+  std::vector<int16_t> sums16, sums32;
+};
+
+template <typename in_t>
+void quantize_all(const in_t* x, int64_t num_tokens, int64_t in_features, bool need_k, bool need_32, Scratch& s) {
+  if (need_k) {
+    s.qk.resize(num_tokens * in_features), s.dk.resize(num_tokens * in_features / kQK);
+    s.sums16.resize(num_tokens * in_features / 16), s.sums32.resize(num_tokens * in_features / kQ32);
+  }
+  if (need_32) {
+    s.q32.resize(num_tokens * in_features);
+    s.d32.resize(num_tokens * in_features / kQ32), s.ds32.resize(num_tokens * in_features / kQ32);
+  }
+  tokenloom_cpu::parallel_for(0, num_tokens, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const in_t* xt = x + t * in_features;
+      if (need_k) {
+        quantize_token(xt, in_features, kQK, s.qk.data() + t * in_features, s.dk.data() + t * in_features / kQK,
+                       s.sums16.data() + t * in_features / 16, s.sums32.data() + t * in_features / kQ32, nullptr);
+      }
+      if (need_32) {
+        quantize_token(xt, in_features, kQ32, s.q32.data() + t * in_features, s.d32.data() + t * in_features / kQ32,
+                       nullptr, nullptr, s.ds32.data() + t * in_features / kQ32);
+      }
+    }
+  });
+}
+
+// out[t] for kTokens tokens starting at token t0, one row of type `type`.
+template <int kTokens>
+void dot_row(int64_t type, const uint8_t* row, const ActK& xk, const Act32& x32, int64_t t0, float* out) {
+  const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
+               xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
+  const Act32 s{x32.q + t0 * x32.num_blocks * kQ32, x32.d + t0 * x32.num_blocks, x32.ds + t0 * x32.num_blocks,
+                x32.num_blocks};
+  switch (type) {
+    case kQ4_K: return dot_q45_k<kTokens, false>(row, k, k.num_blocks, out);
+    case kQ5_K: return dot_q45_k<kTokens, true>(row, k, k.num_blocks, out);
+    case kQ6_K: return dot_q6_k<kTokens>(row, k, k.num_blocks, out);
+    case kQ4_0: return dot_q32<kTokens, kQ4_0>(row, s, s.num_blocks, out);
+    case kQ4_1: return dot_q32<kTokens, kQ4_1>(row, s, s.num_blocks, out);
+    case kQ5_0: return dot_q32<kTokens, kQ5_0>(row, s, s.num_blocks, out);
+    case kQ5_1: return dot_q32<kTokens, kQ5_1>(row, s, s.num_blocks, out);
+    default: return dot_q32<kTokens, kQ8_0>(row, s, s.num_blocks, out);
+  }
+}
+
+using DotRowFn = void (*)(int64_t, const uint8_t*, const ActK&, const Act32&, int64_t, float*);
+constexpr DotRowFn kDotRow[kMaxTokens] = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>};
+
+// out[t * 8 + r] for kTokens tokens from t0, one group of 8 repacked Q4_K rows.
+template <int kTokens>
+void dot_group(const uint8_t* group, const ActK& xk, int64_t t0, float* out) {
+  const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
+               xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
+  dot_q4_k_x8<kTokens>(group, k, k.num_blocks, out);
+}
+
+using DotGroupFn = void (*)(const uint8_t*, const ActK&, int64_t, float*);
+constexpr DotGroupFn kDotGroup[kMaxTokens] = {dot_group<1>, dot_group<2>, dot_group<3>, dot_group<4>};
+
+inline void store(float* p, float v) { *p = v; }
+inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }  // nearest even, as torch's cast
+
+// Tokens per tile when a call has many (a prompt's): their activations stay in L2 while
+// a range of rows passes over them.
+constexpr int64_t kTokenTile = 64;
+constexpr int64_t kChunksPerThread = 8;
+
+struct Part {
+  const uint8_t* bytes;
+  int64_t type, row_bytes, first_row, num_rows, first_item;  // an item: 8 rows (a group's)
+};
+
+template <typename out_t>
+void store_row(out_t* out, int64_t out_features, int64_t t, int64_t r, float y, const float* bias) {
+  store(out + t * out_features + r, y + (bias != nullptr ? bias[r] : 0.f));
+}
+
+// Rows [r0, r0 + n) of one part (n <= 8) for tokens [t0, t1).
+template <typename out_t>
+void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const Act32& x32, int64_t t0, int64_t t1,
+              int64_t out_features, const float* bias, out_t* out) {
+  const uint8_t* rows = part.bytes + (r0 - part.first_row) * part.row_bytes;
+  for (int64_t t = t0; t < t1; t += kMaxTokens) {
+    const int64_t num = std::min<int64_t>(kMaxTokens, t1 - t);
+    float y[kMaxTokens * kGroupRows];
+    if (part.type == kQ4_Kx8) {
+      kDotGroup[num - 1](rows, xk, t, y);
+      for (int64_t i = 0; i < num; ++i) {
+        for (int64_t j = 0; j < kGroupRows; ++j) store_row(out, out_features, t + i, r0 + j, y[i * kGroupRows + j], bias);
+      }
+      continue;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      kDotRow[num - 1](part.type, rows + j * part.row_bytes, xk, x32, t, y);
+      for (int64_t i = 0; i < num; ++i) store_row(out, out_features, t + i, r0 + j, y[i], bias);
+    }
+  }
+}
+
+template <typename out_t>
+void run_rows(const std::vector<Part>& parts, const ActK& xk, const Act32& x32, int64_t num_tokens,
+              int64_t out_features, const float* bias, out_t* out) {
+  const int64_t num_items = parts.back().first_item + (parts.back().num_rows + kGroupRows - 1) / kGroupRows;
+  tokenloom_cpu::share_out_ranges<kChunksPerThread>(num_items, 0, [](int64_t) {}, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
+      const int64_t t1 = std::min(num_tokens, t0 + kTokenTile);
+      size_t p = 0;
+      for (int64_t i = begin; i < end; ++i) {
+        while (p + 1 < parts.size() && parts[p + 1].first_item <= i) ++p;
+        const Part& part = parts[p];
+        const int64_t r0 = part.first_row + (i - part.first_item) * kGroupRows;
+        const int64_t n = std::min(kGroupRows, part.first_row + part.num_rows - r0);
+        run_item(part, r0, n, xk, x32, t0, t1, out_features, bias, out);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [num_tokens, in_features] fp32 or bf16; blocks: uint8, contiguous, every part's bytes;
+// layout: int64 [num_parts, 3], a part's (type, byte offset in blocks, rows), the parts stacked
+// along the outputs (a part's rows row-major, or for kQ4_Kx8 its groups of 8); bias: fp32
+// [out_features] or empty. Returns [num_tokens, out_features] in x's dtype, or fp32 (logits).
+// The schema of the quantized linears' ops (engine/cpu/decode_stack.py calls them alike).
+torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks, const torch::Tensor& layout,
+                          const torch::Tensor& bias, int64_t out_features, bool out_fp32) {
+  TORCH_CHECK(cpu_runs_kernels(), "gguf linears need a CPU with AVX2, FMA and F16C");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() &&
+                  (x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat),
+              "x: 2-D bf16 or fp32 on the CPU");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "blocks: uint8, contiguous");
+  TORCH_CHECK(layout.scalar_type() == at::kLong && layout.dim() == 2 && layout.size(1) == 3 && layout.size(0) > 0 &&
+                  layout.is_contiguous(),
+              "layout: int64 [num_parts, 3] (type, byte offset, rows)");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t num_tokens = x.size(0), in_features = x.size(1);
+  const int64_t* entries = layout.data_ptr<int64_t>();
+  std::vector<Part> spans;
+  bool need_k = false, need_32 = false;
+  int64_t num_rows = 0;
+  for (int64_t i = 0; i < layout.size(0); ++i) {
+    const int64_t type = entries[3 * i], offset = entries[3 * i + 1], rows = entries[3 * i + 2];
+    const TypeInfo& info = type_info(type);
+    TORCH_CHECK(in_features % info.block_inputs == 0, in_features, " inputs are not whole blocks of type ", type);
+    const int64_t row_bytes = in_features / info.block_inputs * info.block_bytes;
+    TORCH_CHECK(rows > 0 && offset >= 0 && offset + rows * row_bytes <= blocks.numel() &&
+                    (type != kQ4_Kx8 || rows % kGroupRows == 0),
+                "part ", i, ": ", rows, " rows of type ", type, " at byte ", offset, " are not inside the blocks");
+    (info.is_k ? need_k : need_32) = true;
+    const int64_t first_item =
+        spans.empty() ? 0 : spans.back().first_item + (spans.back().num_rows + kGroupRows - 1) / kGroupRows;
+    spans.push_back({blocks.data_ptr<uint8_t>() + offset, type, row_bytes, num_rows, rows, first_item});
+    num_rows += rows;
+  }
+  TORCH_CHECK(num_rows == out_features, "the parts hold ", num_rows, " rows, not ", out_features);
+  const bool has_bias = bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kFloat && bias.numel() == out_features && bias.is_contiguous()),
+              "bias: fp32 [out_features]");
+  auto out = torch::empty({num_tokens, out_features}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
+  if (num_tokens == 0 || out_features == 0) return out;
+
+  thread_local Scratch scratch;
+  if (x.scalar_type() == at::kFloat) {
+    quantize_all(x.data_ptr<float>(), num_tokens, in_features, need_k, need_32, scratch);
+  } else {
+    quantize_all(x.data_ptr<at::BFloat16>(), num_tokens, in_features, need_k, need_32, scratch);
+  }
+  const ActK xk{scratch.qk.data(), scratch.dk.data(), scratch.sums16.data(), scratch.sums32.data(), in_features / kQK};
+  const Act32 x32{scratch.q32.data(), scratch.d32.data(), scratch.ds32.data(), in_features / kQ32};
+  const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
+  if (out.scalar_type() == at::kFloat) {
+    run_rows(spans, xk, x32, num_tokens, out_features, b, out.data_ptr<float>());
+  } else {
+    run_rows(spans, xk, x32, num_tokens, out_features, b, out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace tokenloom_gguf
+
+namespace tokenloom_gguf {
+torch::Tensor gguf_rows(const torch::Tensor& blocks, const torch::Tensor& layout, const torch::Tensor& rows,
+                        int64_t in_features);  // gguf_rows.cpp
+}  // namespace tokenloom_gguf
+
+namespace {
+
+bool has_gguf_kernels() { return tokenloom_gguf::cpu_runs_kernels(); }
+
+// The decode steps' work pool of the other kernels' library (its work_pool_address), which
+// this library's share_out and parallel_for then use when called from that pool's master.
+void use_work_pool(int64_t address) {
+  tokenloom_cpu::work_pool_slot() = reinterpret_cast<tokenloom_cpu::WorkPool*>(address);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenloom_gguf, m) {
+  m.def("linear(Tensor x, Tensor blocks, Tensor layout, Tensor bias, int out_features, bool out_fp32) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_gguf, CPU, m) {
+  m.impl("linear", &tokenloom_gguf::gguf_linear);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("use_work_pool", &use_work_pool, "share out on the decode steps' work pool at this address (work_pool.h)");
+  m.def("q4_k_x8_type", [] { return tokenloom_gguf::kQ4_Kx8; }, "our type id of Q4_K rows repacked 8 to a group");
+  m.def("has_gguf_kernels", &has_gguf_kernels, "whether this CPU runs the gguf kernels (AVX2, FMA, F16C)");
+  m.def("gguf_rows", &tokenloom_gguf::gguf_rows, "rows of the blocks as fp32, gguf's dequantized values bit for bit");
+  m.def("gguf_linear", &tokenloom_gguf::gguf_linear, "y = x @ W^T (+ bias), W in GGUF blocks, parts stacked (CPU)");
+}

@@ -1,0 +1,46 @@
+"""Builds and loads the GGUF block kernels (engine/cpu/csrc/gguf/: Q4_0, Q4_1, Q8_0, Q4_K,
+Q5_K, Q6_K as a file stores them, on AVX2).
+
+A module of its own, beside engine/cpu/extension.py's and quantized_extension.py's (same
+compiler flags, same per-CPU cache folders): only a GGUF's layers need it, and editing it
+rebuilds it alone.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from engine.cpu.extension import CSRC, load_extension
+
+SOURCES = [CSRC / "gguf" / name for name in ("gguf_linear.cpp", "gguf_rows.cpp")]
+HEADERS = [CSRC / "share_out.h",  # shared with the bf16 slabs and the int8/int4 panels
+           CSRC / "work_pool.h",  # ... and the decode steps' work pool
+           CSRC / "gguf" / "gguf_dot.h", CSRC / "gguf" / "gguf_dot_x8.h"]
+
+_module: ModuleType | None = None
+
+
+def load_gguf_kernels() -> ModuleType:
+    """The compiled module; raises if this machine cannot build it (no compiler, say)."""
+    global _module
+    if _module is None:
+        _module = load_extension("tokenloom_gguf_kernels", SOURCES, HEADERS)
+    return _module
+
+
+def main() -> None:
+    """Build ahead of time (`make kernels` runs this), so neither a GGUF engine's start nor a
+    test pays the compile."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        module = load_gguf_kernels()
+    except Exception as exc:  # set-up goes on: GGUF layers then dequantize instead, and say why
+        logging.getLogger(__name__).warning("gguf kernels could not be built (%s)", exc)
+        return
+    print(module.__file__ if module.has_gguf_kernels() else "gguf kernels: built, but this CPU lacks AVX2/FMA/F16C")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The GGUF block kernels' weight read rate (engine/cpu/gguf_linear.py), JSON out (issue #59).
+
+First the machine's stream rate: two threads summing a 2 GB buffer (best of a few). Then each
+type's matmul on Llama-3.2-1B's shapes (2048x2048, 8192x2048, 2048x8192, 128256x2048) at 1,
+4 and 8 rows: weight bytes over the call's time, in GB/s and as a share of the stream rate.
+Each shape is held in enough copies (random valid blocks) to pass 256 MB, cycled as a model's
+layers are, so the weights come from memory rather than the L3. Each call is timed alone: the
+median, and the fastest tenth (`_p10`), which on a machine shared with other work is the
+kernel's own speed (a call whose thread lost its core for a while takes many times as long).
+`overhead_us` is one call on a single output row: the fixed cost (quantizing the activations,
+the threads' hand-out), fast decile.
+The int4 (Q4_1 panels) kernel runs too where the CPU has AVX512_VNNI.
+
+    flock /tmp/bench.lock python -m scripts.bench.gguf_kernels --json results/gguf_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import gguf
+import numpy as np
+import torch
+
+from engine.cpu.gguf_linear import KERNEL_TYPE_NAMES, GgufLinear, kernel_types
+from scripts.lib.bench_report import machine_info, run_and_report
+
+logger = logging.getLogger(__name__)
+
+SHAPES = {"qkv_o": (2048, 2048), "gate_up": (8192, 2048), "down": (2048, 8192), "lm_head": (128256, 2048)}
+MIN_BYTES = 256 << 20  # per shape and type: well past the L3
+
+
+def stream_rate_gb_s(num_bytes: int = 2 << 30, trials: int = 5, threads: int = 2) -> float:
+    """`threads` threads reading `num_bytes` (a sum split between torch's threads), best of `trials`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    buffer = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(previous)
+    return num_bytes / best / 1e9
+
+
+def random_blocks(type_name: str, rows: int, in_features: int, rng: np.random.Generator) -> torch.Tensor:
+    """uint8 [rows, bytes per row]: random codes and scales, fp16 d (and dmin) small and finite."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_inputs, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, in_features // block_inputs, block_bytes), dtype=np.uint8)
+    d = np.full((rows, in_features // block_inputs, 1), 0.01, np.float16).view(np.uint8)
+    if type_name == "Q6_K":
+        blocks[..., 208:210] = d
+    else:
+        blocks[..., 0:2] = d
+        if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
+            blocks[..., 2:4] = d
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def time_calls(layers: list, x: torch.Tensor, min_s: float) -> tuple[float, float]:
+    """Seconds per call, cycling through `layers` for `min_s`: (median, tenth percentile). Each call
+    is timed alone: on a shared machine a call whose thread lost its core takes many times its
+    time, and the fast decile is the kernel's own speed."""
+    for layer in layers[:2]:
+        layer(x)
+    times = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_s or len(times) < max(len(layers), 20):
+        layer = layers[len(times) % len(layers)]
+        begin = time.perf_counter()
+        layer(x)
+        times.append(time.perf_counter() - begin)
+    times.sort()
+    return times[len(times) // 2], times[len(times) // 10]
+
+
+def measure(make_layer, num_bytes: int, in_features: int, rows_list: list[int], stream: float,
+            min_s: float) -> dict:
+    copies = max(1, -(-MIN_BYTES // num_bytes))
+    layers = [make_layer(i) for i in range(copies)]
+    result = {"weight_bytes": num_bytes, "copies": copies}
+    for rows in rows_list:
+        x = torch.randn(rows, in_features)
+        median, fast = time_calls(layers, x, min_s)
+        result[f"rows_{rows}"] = {"us": round(median * 1e6, 1), "gb_s": round(num_bytes / median / 1e9, 2),
+                                  "us_p10": round(fast * 1e6, 1), "gb_s_p10": round(num_bytes / fast / 1e9, 2),
+                                  "share_of_stream_p10": round(num_bytes / fast / 1e9 / stream, 3)}
+    return result
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    stream = stream_rate_gb_s()
+    logger.info("stream rate: %.1f GB/s", stream)
+    if not kernel_types():
+        raise SystemExit("the gguf kernels do not run on this CPU (need AVX2, FMA, F16C)")
+    rng = np.random.default_rng(0)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    report: dict = {"stream_gb_s": round(stream, 2), "threads": args.threads, "rows": rows_list, "types": {}}
+    if args.threads != 2:  # what this run's threads read alone: its own bound
+        report["stream_gb_s_run_threads"] = round(stream_rate_gb_s(threads=args.threads), 2)
+    for type_name in args.types.split(","):
+        per_shape = {}
+        for shape_name in args.shapes.split(","):
+            out_features, in_features = SHAPES[shape_name]
+            base = random_blocks(type_name, out_features, in_features, rng)
+            # copies of one random matrix: the same bytes, in separate memory
+            per_shape[shape_name] = measure(lambda i: GgufLinear([(type_name, base.clone())], in_features),
+                                            base.numel(), in_features, rows_list, stream, args.seconds)
+            logger.info("%s %s: %s", type_name, shape_name, per_shape[shape_name])
+            del base
+        one_row = GgufLinear([(type_name, random_blocks(type_name, 1, 2048, rng))], 2048)
+        overhead = {f"rows_{r}": round(time_calls([one_row], torch.randn(r, 2048), 0.2)[1] * 1e6, 1) for r in rows_list}
+        report["types"][type_name] = {"shapes": per_shape, "overhead_us": overhead}
+    report["int4_q4_1"] = run_int4(rows_list, stream, args)
+    report["machine"] = machine_info()
+    return report
+
+
+def run_int4(rows_list: list[int], stream: float, args: argparse.Namespace) -> dict:
+    """Our --quantization int4 kernel (Q4_1 panels) on the same shapes, where it runs (AVX512_VNNI)."""
+    from engine.dtype_policy import detect_cpu_features
+
+    if not detect_cpu_features().has_avx512_vnni:
+        return {"skipped": "this CPU has no AVX512_VNNI, which the int4 kernel needs"}
+    from engine.cpu.int4_linear import Int4Linear
+    from engine.cpu.quantized_plan import plan_quantization
+
+    plan = plan_quantization("cpu", True, "int4")
+    result = {}
+    for shape_name in args.shapes.split(","):
+        out_features, in_features = SHAPES[shape_name]
+        weight = torch.randn(out_features, in_features)
+        layer = Int4Linear(weight, None, plan)
+        num_bytes = layer.panels.numel() * 4 + layer.scales.numel() * 2
+        result[shape_name] = measure(lambda i: Int4Linear(weight, None, plan), num_bytes, in_features, rows_list,
+                                     stream, args.seconds)
+    return result
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", default=",".join(KERNEL_TYPE_NAMES))
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rows", default="1,4,8", help="tokens per call")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=0.6, help="timed per (type, shape, rows)")
+    parser.add_argument("--json", default=None, help="also write the report here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_and_report(parse_args, run, argv, logger)
+
+
+if __name__ == "__main__":
+    main()
