@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def run_int4(rows_list: list[int], stream: float, args: argparse.Namespace) -> dict:
     """Our --quantization int4 kernel (Q4_1 panels) on the same shapes, where it runs (AVX512_VNNI)."""
-    from engine.dtype_policy import detect_cpu_features
+    from engine.cpu.host import detect_cpu_features
 
     if not detect_cpu_features().has_avx512_vnni:
         return {"skipped": "this CPU has no AVX512_VNNI, which the int4 kernel needs"}
