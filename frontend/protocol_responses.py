@@ -22,6 +22,7 @@ from frontend.chat_tools import ChatTool
 from frontend.errors import InvalidRequestError
 from frontend.protocol import ChatCompletionRequest, JsonSchemaFormat, chat_request_from
 from frontend.request_fields import check_extra_fields
+from ipc.bounded_json import check_bounds
 
 MAX_INPUT_ITEMS = 4096  # far more turns than a context holds; bounds the work before tokenizing
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -93,7 +94,7 @@ class ResponsesRequest(BaseModel):
                 messages.append(_message(item, f"input[{i}]"))
             elif kind == "function_call":
                 call = {"id": _text(item, "call_id", i), "type": "function",
-                        "function": {"name": _text(item, "name", i), "arguments": _text(item, "arguments", i)}}
+                        "function": {"name": _text(item, "name", i), "arguments": _arguments(item, i)}}
                 known_call_ids.add(call["id"])
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
@@ -136,6 +137,16 @@ def _text(item: dict, key: str, i: int) -> str:
     if not isinstance(value, str):
         raise InvalidRequestError(f"input[{i}].{key} must be a string")
     return value
+
+
+def _arguments(item: dict, i: int) -> str:
+    """A function_call's arguments: JSON text within the bounds every client JSON string has (a 400 naming it)."""
+    arguments = _text(item, "arguments", i)
+    try:
+        check_bounds(arguments, f"input[{i}].arguments")
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    return arguments
 
 
 def _parts_text(parts: Any, where: str) -> str:
