@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import aiohttp
 
 WINDOW_GRACE_S = 2.0  # answers already on their way when /health turned 200
-CORE_MODULE = "engine.core.core_process"
+CORE_MODULE_SUFFIX = b".core_process"  # `python -m engine.<room>.core_process`, wherever the room is
 
 
 @dataclass
@@ -87,7 +87,7 @@ def core_pids(frontend_pid: int) -> list[int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
-        if CORE_MODULE.encode() in argv:
+        if any(arg.endswith(CORE_MODULE_SUFFIX) for arg in argv):
             pids.append(int(pid))
     return pids
 
