@@ -104,8 +104,10 @@ async def kill_core_every(url: str, frontend_pid: int, every_s: float, deadline:
     """SIGKILL the core every `every_s` until `deadline` (monotonic); each kill's window closes
     WINDOW_GRACE_S after /health is 200 again with a new core."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        while time.monotonic() + every_s < deadline:
-            await asyncio.sleep(every_s)
+        next_kill = time.monotonic() + every_s  # on a fixed beat, whatever each recovery took
+        while next_kill < deadline:
+            await asyncio.sleep(max(0.0, next_kill - time.monotonic()))
+            next_kill += every_s
             pids = core_pids(frontend_pid)
             if not pids:
                 continue  # still restarting from the last kill: wait for the next turn
