@@ -142,6 +142,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected_error)
     app.add_middleware(AdmissionMiddleware, admission=admission)
     return app
 
@@ -234,6 +235,13 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONR
     error.error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return JSONResponse(error_body(error, request.url.path), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
+
+
+async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # A bug, not the client's fault: still a JSON error in the route's shape, never Starlette's
+    # plain-text 500 (Starlette logs the traceback after this answer).
+    error = FrontendError("internal error while serving this request")
+    return _error_response(error, request.url.path)
 
 
 class _DrainingServer(uvicorn.Server):

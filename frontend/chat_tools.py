@@ -14,7 +14,6 @@ tool_choice is plain chat.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,6 +22,7 @@ from pydantic import BaseModel
 from frontend.errors import InvalidRequestError
 from frontend.tool_parsers import ToolParser, get_tool_parser
 from frontend.tool_parsers.forced import ForcedToolCallStream
+from ipc.bounded_json import JSONTooDeepError, JSONTooLargeError, loads_bounded
 from ipc.structured_outputs import StructuredOutputsParams
 
 MAX_TOOLS = 128
@@ -123,13 +123,17 @@ def _required_schema(tools: list[ChatTool], max_calls: int | None) -> dict:
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI sends a call's arguments as JSON text; chat templates read them as a mapping (as vLLM passes them)."""
-    for message in messages:
-        for call in message.get("tool_calls") or ():
+    """OpenAI sends a call's arguments as JSON text; chat templates read them as a mapping (as vLLM passes them).
+    Arguments over the size or depth limit (ipc.bounded_json) are a 400; text that is not JSON goes as it came."""
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.get("tool_calls") or ()):
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict) and isinstance(function.get("arguments"), str):
                 try:
-                    function["arguments"] = json.loads(function["arguments"])
+                    function["arguments"] = loads_bounded(function["arguments"],
+                                                          f"messages[{i}].tool_calls[{j}].function.arguments")
+                except (JSONTooDeepError, JSONTooLargeError) as e:
+                    raise InvalidRequestError(str(e)) from None
                 except ValueError:
                     pass  # not JSON: the template gets the text as it came
     return messages

@@ -182,7 +182,8 @@ class AsyncEngineClient:
         # Per prompt: a missing max_tokens becomes "up to the context length" for that prompt.
         try:
             params_list = [check_request(prompt_token_ids, params, n=n, vocab_size=self.vocab_size,
-                                         max_model_len=self.max_model_len) for prompt_token_ids in prompt_ids_list]
+                                         max_model_len=self.max_model_len, is_pooling=pooling_params is not None)
+                           for prompt_token_ids in prompt_ids_list]
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(str(e)) from None
         request_ids = [request_id] if num_choices == 1 else [f"{request_id}-{k}" for k in range(num_choices)]

@@ -26,6 +26,7 @@ from frontend.errors import InvalidRequestError
 from frontend.protocol import ChatCompletionRequest, chat_request_from
 from frontend.protocol_responses import MAX_INPUT_ITEMS
 from frontend.request_fields import check_extra_fields
+from ipc.bounded_json import check_bounds
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")
@@ -130,8 +131,12 @@ def _assistant_message(content: Any, where: str, call_ids: set[str]) -> dict:
                 raise InvalidRequestError(f"{where}[{j}]: a tool_use block needs a string `id` and `name` and an "
                                           "object `input`")
             call_ids.add(call_id)
-            calls.append({"id": call_id, "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+            arguments_text = json.dumps(arguments, ensure_ascii=False)
+            try:  # the bounds of every client JSON string: a 400 naming the block, not the chat message
+                check_bounds(arguments_text, f"{where}[{j}].input")
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments_text}})
         elif kind not in DROPPED_BLOCKS:
             raise InvalidRequestError(f"{where}[{j}]: block type {kind!r} is not supported in an assistant message "
                                       "(text, tool_use, thinking)")

@@ -22,8 +22,11 @@ from frontend.chat_tools import ChatTool
 from frontend.errors import InvalidRequestError
 from frontend.protocol import ChatCompletionRequest, JsonSchemaFormat, chat_request_from
 from frontend.request_fields import check_extra_fields
+from ipc.bounded_json import check_bounds
 
 MAX_INPUT_ITEMS = 4096  # far more turns than a context holds; bounds the work before tokenizing
+# OpenAI's bounds on `metadata`: stored and echoed with the response, so they bound its memory too.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 # field -> its "off" values; anything else is a 400 naming it (docs/request_fields.md).
@@ -68,6 +71,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
+    metadata: Any = None  # checked by check_metadata, each way it can be wrong with its own message
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # vLLM's extra
 
     def check_supported(self) -> None:
@@ -81,6 +85,7 @@ class ResponsesRequest(BaseModel):
         form = self.text.format if self.text is not None else None
         if form is not None and form.type == "json_schema" and form.schema_ is None:
             raise InvalidRequestError("text.format of type json_schema needs a `schema`")
+        check_metadata(self.metadata)
 
     def input_messages(self, known_call_ids: set[str]) -> list[dict]:
         """The input as chat messages; `known_call_ids` (those of earlier turns) grows with this input's calls."""
@@ -93,7 +98,7 @@ class ResponsesRequest(BaseModel):
                 messages.append(_message(item, f"input[{i}]"))
             elif kind == "function_call":
                 call = {"id": _text(item, "call_id", i), "type": "function",
-                        "function": {"name": _text(item, "name", i), "arguments": _text(item, "arguments", i)}}
+                        "function": {"name": _text(item, "name", i), "arguments": _arguments(item, i)}}
                 known_call_ids.add(call["id"])
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
@@ -131,11 +136,41 @@ class ResponsesRequest(BaseModel):
         return chat_request_from(fields)
 
 
+def check_metadata(metadata: Any) -> None:
+    """OpenAI's rule: null, or an object of at most 16 pairs, keys strings of at most 64
+    characters, values strings of at most 512; anything else is a 400 naming the problem."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise InvalidRequestError(f"metadata must be an object of string pairs, got {type(metadata).__name__}")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequestError(f"metadata holds {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidRequestError(f"metadata key {key[:20]!r}... is {len(key)} characters long; at most "
+                                      f"{MAX_METADATA_KEY_CHARS} are allowed")
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"metadata.{key} must be a string, got {type(value).__name__}")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidRequestError(f"metadata.{key} is {len(value)} characters long; at most "
+                                      f"{MAX_METADATA_VALUE_CHARS} are allowed")
+
+
 def _text(item: dict, key: str, i: int) -> str:
     value = item.get(key)
     if not isinstance(value, str):
         raise InvalidRequestError(f"input[{i}].{key} must be a string")
     return value
+
+
+def _arguments(item: dict, i: int) -> str:
+    """A function_call's arguments: JSON text within the bounds every client JSON string has (a 400 naming it)."""
+    arguments = _text(item, "arguments", i)
+    try:
+        check_bounds(arguments, f"input[{i}].arguments")
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    return arguments
 
 
 def _parts_text(parts: Any, where: str) -> str:

@@ -31,6 +31,8 @@ from frontend.protocol_messages import MessagesRequest
 from frontend.reasoning_parsers import ReasoningPrompt
 from frontend.serving_utils import collect_unless_disconnected, is_stop_string
 from frontend.tool_parsers import ToolCallDelta
+from frontend.tool_parsers.base import MODEL_TEXT_MAX_BYTES
+from ipc.bounded_json import loads_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ async def create_message(body: MessagesRequest, raw_request: Request, client: As
 def _tool_input(arguments: str) -> dict:
     """A call's arguments as the object Anthropic sends; arguments cut short (max_tokens) are {}."""
     try:
-        value = json.loads(arguments)
+        value = loads_bounded(arguments, "tool call arguments", max_bytes=MODEL_TEXT_MAX_BYTES)
     except ValueError:
         logger.info("tool call arguments are not whole JSON (cut short?): %r", arguments[-200:])
         return {}

@@ -22,7 +22,6 @@ Reference: https://platform.openai.com/docs/api-reference/responses-streaming
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import uuid
@@ -58,7 +57,7 @@ async def create_response(body: ResponsesRequest, raw_request: Request, client: 
         if previous is None:
             raise InvalidRequestError(f"previous_response_id {body.previous_response_id!r} is not a stored response "
                                       "(unknown, evicted, or made with store: false)")
-        history, call_ids = copy.deepcopy(previous.messages), set(previous.call_ids)
+        history, call_ids = previous.messages(), set(previous.call_ids)
     conversation = history + body.input_messages(call_ids)
     # Instructions are this request's alone: a follow-up does not inherit them (as OpenAI).
     instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -75,7 +74,7 @@ def get_response(response_id: str, store: ResponseStore) -> Response:
     entry = store.get(response_id)
     if entry is None:
         raise NotFoundError(f"no stored response with id {response_id!r}")
-    return JSONResponse(entry.response)
+    return Response(entry.response_json, media_type="application/json")
 
 
 class _ResponseDraft:
@@ -87,7 +86,7 @@ class _ResponseDraft:
         self.header = {
             "id": run.request_id, "object": "response", "created_at": now_s(), "model": model,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "metadata": (body.model_extra or {}).get("metadata"), "parallel_tool_calls": body.parallel_tool_calls
+            "metadata": body.metadata, "parallel_tool_calls": body.parallel_tool_calls
             is not False, "previous_response_id": body.previous_response_id, "store": body.store,
             "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
@@ -101,6 +100,9 @@ class _ResponseDraft:
 
     def finish(self, items: list[dict], finish_reason: str | None, usage: Usage) -> dict:
         is_cut = finish_reason == "length"
+        if is_cut:  # max_output_tokens cut every item short: each says so, as the response does (both paths)
+            for item in items:
+                item["status"] = "incomplete"
         counts = usage.to_dict()
         response = {**self.header, "status": "incomplete" if is_cut else "completed", "output": items,
                     "incomplete_details": {"reason": "max_output_tokens"} if is_cut else None,
@@ -120,7 +122,7 @@ class _ResponseDraft:
                  for item in items if item["type"] == "function_call"]
         turn = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
         call_ids = self.call_ids | {call["id"] for call in calls}
-        self.store.put(self.run.request_id, StoredResponse(self.conversation + [turn], call_ids, response))
+        self.store.put(self.run.request_id, StoredResponse.of(self.conversation + [turn], call_ids, response))
 
 
 def _message_item(text: str, status: str = "completed") -> dict:
@@ -238,11 +240,11 @@ async def _stream_response(run: ChatRun, draft: _ResponseDraft) -> AsyncIterator
         if not writer.items:  # an empty answer is still one message, as non-streamed
             for event in writer.text("message", "", is_forced=True):
                 yield event
-        for event in writer.close():
-            yield event
-        if finish_reason == "length":
+        if finish_reason == "length":  # before the last item's output_item.done, which carries its status
             for item in writer.items:
                 item["status"] = "incomplete"
+        for event in writer.close():
+            yield event
         response = draft.finish(writer.items, finish_reason, usage)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield writer.event(kind, response=response)

@@ -19,13 +19,15 @@ PREDICTION_WITH_N = "prediction cannot be used with n > 1 (as OpenAI's Predicted
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                  cap_max_tokens: bool = False, n: int = 1) -> SamplingParams:
+                  cap_max_tokens: bool = False, n: int = 1, is_pooling: bool = False) -> SamplingParams:
     """Raise ValueError naming what is wrong, or return `params` with max_tokens resolved
     for this prompt (None becomes "up to the context length").
 
     A max_tokens that runs past the context is an error (the server's 400, as OpenAI's),
     or with `cap_max_tokens` is cut to fit (the offline API, as vLLM's `LLM`). `n`: the
-    frontend's choices per prompt, sampled with seeds seed, seed + 1, ..., seed + n - 1."""
+    frontend's choices per prompt, sampled with seeds seed, seed + 1, ..., seed + n - 1.
+    `is_pooling`: an embedding request, which samples no token, so its prompt may fill the
+    whole context (as vLLM's pooling models take it); its params are returned as they came."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise ValueError(f"n must be between 1 and {MAX_N}, got {n!r}")
     params.validate(vocab_size=vocab_size)
@@ -48,6 +50,11 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_
         is_in_vocab = False
     if not is_in_vocab:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if is_pooling:
+        if num_prompt_tokens > max_model_len:
+            raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, the input "
+                             f"is {num_prompt_tokens} tokens. Please reduce the length of the input.")
+        return params
     max_tokens = params.max_tokens
     if max_tokens is None or (cap_max_tokens and num_prompt_tokens + max_tokens > max_model_len):
         max_tokens = max_model_len - num_prompt_tokens

@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ipc.bounded_json import loads_bounded
+
 SPEC_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_CONFIG_BYTES = 4096  # five short fields
 SELF_INT4 = "self-int4"  # the draft model: the served checkpoint, quantized to int4 by our own kernels
 _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 
@@ -34,10 +37,7 @@ class SpeculativeConfig:
         if value is None or value == "":
             return None
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+            value = loads_bounded(value, "speculative_config", max_bytes=MAX_CONFIG_BYTES)
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a JSON object")
         unknown = sorted(set(value) - set(_FIELDS))

@@ -15,6 +15,8 @@ from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
+from ipc.bounded_json import loads_bounded
+
 MAX_GRAMMAR_BYTES = 256 * 1024  # a schema, regex or grammar: far above any real one, and a bounded compile
 MAX_CHOICES = 256
 MAX_CHOICE_LEN = 1024
@@ -100,7 +102,4 @@ def grammar_source(params: StructuredOutputsParams) -> tuple[str, str | None]:
 
 
 def _parse_json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    return loads_bounded(text, "structured_outputs.json", max_bytes=MAX_GRAMMAR_BYTES)

@@ -124,7 +124,8 @@ class EngineCore:
         through here, so a bad value fails this request alone, never a step."""
         sampling_params = check_pooling_request(self.config, pooling_params, sampling_params)
         params = check_request(prompt_token_ids, sampling_params, vocab_size=self.vocab_size,
-                               max_model_len=self.max_model_len, cap_max_tokens=pooling_params is None)
+                               max_model_len=self.max_model_len, cap_max_tokens=pooling_params is None,
+                               is_pooling=pooling_params is not None)
         request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params)
         if params.structured_outputs is not None:
             request.grammar = RequestGrammar(self._grammar_compiler().submit(params.structured_outputs),

@@ -20,9 +20,14 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from ipc.bounded_json import loads_bounded
+
 logger = logging.getLogger(__name__)
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes writes "arguments", Llama 3 "parameters"
+# An answer is bounded by its tokens already; its JSON is parsed bounded for the depth (a deep
+# answer, under a grammar that allows nesting, would otherwise raise RecursionError).
+MODEL_TEXT_MAX_BYTES = 64 << 20
 
 
 def make_tool_call_id() -> str:
@@ -131,7 +136,7 @@ class ToolParser(ABC):
 def parse_function_json(text: str) -> tuple[str, str] | None:
     """`{"name": ..., "arguments" | "parameters": {...}}` -> (name, arguments JSON text), or None if malformed."""
     try:
-        obj = json.loads(text)
+        obj = loads_bounded(text, "a tool call", max_bytes=MODEL_TEXT_MAX_BYTES)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -139,7 +144,7 @@ def parse_function_json(text: str) -> tuple[str, str] | None:
     arguments = next((obj[key] for key in ARGUMENT_KEYS if key in obj), {})
     if isinstance(arguments, str):  # some models write the arguments object as a JSON string
         try:
-            arguments = json.loads(arguments)
+            arguments = loads_bounded(arguments, "a tool call's arguments", max_bytes=MODEL_TEXT_MAX_BYTES)
         except ValueError:
             return None
     if not isinstance(arguments, dict):

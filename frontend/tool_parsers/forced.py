@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import logging
 
-from frontend.tool_parsers.base import (ARGUMENT_KEYS, JsonScanner, ToolCall, ToolCallDelta, ToolParser,
-                                        calls_from_deltas)
+from frontend.tool_parsers.base import (ARGUMENT_KEYS, MODEL_TEXT_MAX_BYTES, JsonScanner, ToolCall, ToolCallDelta,
+                                        ToolParser, calls_from_deltas)
+from ipc.bounded_json import loads_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def parse_forced_tool_calls(text: str, function_name: str | None) -> list[ToolCa
     _, more = stream.finish()
     if function_name is None:
         try:
-            json.loads(text)
+            loads_bounded(text, "forced tool calls", max_bytes=MODEL_TEXT_MAX_BYTES)
         except ValueError:
             logger.warning("forced tool calls are not a whole JSON array (cut short?): %r", text[-200:])
     return calls_from_deltas(deltas + more)

@@ -40,6 +40,7 @@ from scripts.hostile.cases import (
 from scripts.hostile.client import Target
 from scripts.hostile.conn import big_header, oversized_bodies, slowloris
 from scripts.hostile.fuzz import run_fuzz
+from scripts.hostile.nesting import nested_json
 from scripts.hostile.tokenizing import tokenizing_abuse
 from scripts.lib.local_server import launch_server, server_env, stop_server
 
@@ -121,6 +122,7 @@ def hostile_run(args: argparse.Namespace, target: Target, engine_timeout: float 
         ("slow_grammar_compile", slow_grammar_compile, target, 20000 if quick else 30000),
         ("unsatisfiable_grammar", unsatisfiable_grammar, target),
         ("adapter_bad_input", adapter_bad_input, target),
+        ("nested_json", nested_json, target),
         ("bad_predictions", bad_predictions, target),
         ("socket_takeover", socket_takeover, target,
          server_command(args, free_port(), engine_timeout is not None), tmp / "second-server.log"),

@@ -22,26 +22,32 @@ consistent with the usages' cached_tokens, and each process's RSS grown by at mo
 --max-rss-growth-mb. Ten minutes with caching on:
 
     python -m scripts.soak.run --duration 600 --prefix-fraction 0.5
+
+--all-routes mixes in Responses, Messages, embeddings and `prediction` (scripts/soak/routes.py);
+--kill-core-every S kills the core on a timer under --restart-engine and counts every answer
+against those kills (scripts/soak/chaos.py): docs/reliability.md has the ten-minute figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import random
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 from urllib.parse import urlparse
 
 import aiohttp
 
-from scripts.lib.local_server import parse_metrics, start_server
-from scripts.lib.sse_client import served_model
+from scripts.lib.local_server import start_server
+from scripts.soak.chaos import HttpTally, KillWindow, chaos_report, core_pids, kill_core_every, num_fds
 from scripts.soak.checks import UsageTally
+from scripts.soak.metrics import first_served_model, sample_metrics, wait_until_idle
 from scripts.soak.report import build_report, rss_mb
+from scripts.soak.routes import NewRoutes
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300)
@@ -57,6 +63,8 @@ BAD_REQUESTS = [("/v1/completions", body) for body in BAD_COMPLETIONS] + [  # (p
 ]
 WORDS = "the quick brown fox jumps over the lazy dog while five boxing wizards jump quickly".split()
 SYSTEM_PROMPT_WORDS = 300  # ~ 20 blocks of 16 tokens: a hit saves most of the prompt
+REQUEST_START: contextvars.ContextVar[float] = contextvars.ContextVar("request_start")  # per worker task
+UNAVAILABLE_BACKOFF_S = 0.5  # after a 503 (a core restarting), as a client would back off
 
 
 class Soak:
@@ -73,22 +81,40 @@ class Soak:
         self.num_conversations = 0  # multi-turn chats that got every reply
         self.system_prompts = [" ".join(self.rng.choice(WORDS) for _ in range(SYSTEM_PROMPT_WORDS))
                                for _ in range(args.num_system_prompts)]
+        self.new_routes = NewRoutes(self)
+        self.tally = HttpTally()
+        self.error_spans: list[tuple[str, float, float]] = []  # (kind, its request's start, now)
+        self.kill_windows: list[KillWindow] = []
+        self.backoff_until = 0.0  # shared by the workers: a restarting core is not hammered
 
     def error(self, kind: str, detail: str) -> None:
         self.errors[kind] += 1
         self.first_errors.setdefault(kind, detail[:300])
+        now = time.monotonic()
+        self.error_spans.append((kind, REQUEST_START.get(now), now))
+        if "503" in kind or kind.startswith("exception"):
+            self.backoff_until = now + UNAVAILABLE_BACKOFF_S
 
-    async def run(self, model: str) -> None:
+    async def run(self, model: str, frontend_pid: int | None = None) -> None:
         deadline = time.monotonic() + self.args.duration
-        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
+        killer = None
+        if self.args.kill_core_every and frontend_pid is not None:
+            killer = asyncio.create_task(kill_core_every(self.url, frontend_pid, self.args.kill_core_every, deadline,
+                                                         self.kill_windows))
+        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT, trace_configs=[self.tally.trace_config()]) as session:
             await asyncio.gather(*(self.worker(session, model, deadline) for _ in range(self.args.concurrency)))
+        if killer is not None:
+            await killer
 
     async def worker(self, session: aiohttp.ClientSession, model: str, deadline: float) -> None:
         while time.monotonic() < deadline:
             roll = self.rng.random()
             start = time.monotonic()
+            REQUEST_START.set(start)
             try:
-                if roll < self.args.bad_fraction:
+                if self.args.all_routes and self.rng.random() < self.args.new_routes_fraction:
+                    await self.new_routes.run_one(session, model)
+                elif roll < self.args.bad_fraction:
                     await self.bad_request(session)
                 elif roll < self.args.bad_fraction + self.args.abort_fraction:
                     await self.completion(session, model, stream=True, walk_away=True)
@@ -108,9 +134,11 @@ class Soak:
                         await self.generate(session)
                     else:
                         await self.completion(session, model, stream=kind == "stream", walk_away=False)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:  # cut answers too
                 self.error(f"exception:{type(e).__name__}", repr(e))
             self.latencies_s.append(time.monotonic() - start)
+            if self.backoff_until > time.monotonic():
+                await asyncio.sleep(self.backoff_until - time.monotonic())
 
     def prompt(self) -> str:
         start = self.rng.randrange(len(WORDS))
@@ -214,49 +242,11 @@ class Soak:
             self.error("wrong_token_count", f"{kind}: asked for {asked}, got {got}")
 
 
-async def read_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with session.get(url + "/metrics") as response:
-        return parse_metrics(await response.text())
-
-
-async def sample_metrics(url: str, interval_s: float, samples: list[dict], pids: dict[str, int],
-                         rss_peak: dict[str, float], stop: asyncio.Event) -> None:
-    """/metrics and each process's RSS every `interval_s` while the traffic runs."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        while not stop.is_set():
-            try:
-                samples.append(await read_metrics(session, url))
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass  # a busy server may answer late; the next sample will do
-            for name, pid in pids.items():
-                rss = rss_mb(pid)
-                if rss is not None:
-                    rss_peak[name] = max(rss_peak.get(name, 0.0), rss)
-            try:
-                await asyncio.wait_for(stop.wait(), interval_s)
-            except asyncio.TimeoutError:
-                pass
-
-
-async def wait_until_idle(url: str, timeout_s: float) -> dict[str, float]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            metrics = await read_metrics(session, url)
-            busy = metrics["num_requests_running"] + metrics["num_requests_waiting"] + metrics["kv_blocks_used"]
-            if not busy or time.monotonic() > deadline:
-                return metrics
-            await asyncio.sleep(0.5)
-
-
-async def first_served_model(url: str) -> str:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        return await served_model(session, url)
-
-
 def soak_and_report(args: argparse.Namespace, url: str, pids: dict[str, int]) -> dict:
     before = asyncio.run(wait_until_idle(url, 60))
     rss_before = {name: rss_mb(pid) for name, pid in pids.items()}
+    frontend_pid = pids.get("frontend")
+    fds_before = num_fds(frontend_pid) if frontend_pid else None
     soak = Soak(args, url)
     samples: list[dict] = [before]
     rss_peak: dict[str, float] = {}
@@ -265,7 +255,7 @@ def soak_and_report(args: argparse.Namespace, url: str, pids: dict[str, int]) ->
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_metrics(url, args.metrics_interval, samples, pids, rss_peak, stop))
         try:
-            await soak.run(model)
+            await soak.run(model, frontend_pid)
         finally:
             stop.set()
             await sampler
@@ -276,7 +266,15 @@ def soak_and_report(args: argparse.Namespace, url: str, pids: dict[str, int]) ->
     after = asyncio.run(wait_until_idle(url, 120))
     samples.append(after)
     rss_after = {name: rss_mb(pid) for name, pid in pids.items()}
-    return build_report(args, soak, samples, rss_before, rss_after, rss_peak, elapsed_s)
+    report = build_report(args, soak, samples, rss_before, rss_after, rss_peak, elapsed_s,
+                          has_restarts=bool(soak.kill_windows))
+    report["http"] = soak.tally.summary(soak.kill_windows)
+    if frontend_pid:
+        report["frontend"] = {"rss_mb_start": rss_before["frontend"], "rss_mb_end": rss_after["frontend"],
+                              "fds_start": fds_before, "fds_end": num_fds(frontend_pid)}
+    if args.kill_core_every:
+        report["chaos"] = chaos_report(soak.kill_windows, soak.error_spans, start)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,11 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         url = args.base_url.rstrip("/")
     else:
-        process, url, log_path = start_server(args.model, args.server_arg, log_name="tokenloom-soak")
+        server_args = args.server_arg + (["--restart-engine"] if args.kill_core_every else [])
+        process, url, log_path = start_server(args.model, server_args, log_name="tokenloom-soak")
         pids["frontend"] = process.pid
-        children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
-        if children.exists():
-            pids.update({f"core{i}": int(pid) for i, pid in enumerate(children.read_text().split())})
+        if not args.kill_core_every:  # a killed core's successor is a new process: only the frontend is followed
+            pids.update({f"core{i}": pid for i, pid in enumerate(core_pids(process.pid))})
     try:
         report = soak_and_report(args, url, pids)
     finally:
@@ -300,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     if process is not None:
         report.update(server_exit_code=exit_code, server_log=str(log_path))
     print(json.dumps(report, indent=2))
-    is_clean = (not report["errors"] and report["kv_blocks_leaked"] == 0 and not report["requests_left_running"]
-                and not report["checks_failed"])
+    errors = report["chaos"]["errors_outside_kill_windows"] if "chaos" in report else report["errors"]
+    is_clean = (not errors and report["http"]["5xx_outside_kill_windows"] == 0 and report["kv_blocks_leaked"] == 0
+                and not report["requests_left_running"] and not report["checks_failed"])
     return 0 if is_clean else 1
 
 
@@ -323,8 +322,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="the server's KV block size (for the usage checks)")
     p.add_argument("--metrics-interval", type=float, default=2.0, metavar="S", help="seconds between /metrics samples")
     p.add_argument("--max-rss-growth-mb", type=float, default=300.0, help="most any process's RSS may grow")
+    p.add_argument("--all-routes", action="store_true",
+                   help="mix in Responses, Messages, embeddings and chat with `prediction` (scripts/soak/routes.py)")
+    p.add_argument("--new-routes-fraction", type=float, default=0.4, help="with --all-routes: their share")
+    p.add_argument("--kill-core-every", type=float, default=0.0, metavar="S",
+                   help="SIGKILL the engine core every S seconds (the server gets --restart-engine; "
+                        "scripts/soak/chaos.py)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.kill_core_every and args.base_url:
+        p.error("--kill-core-every needs the server's pid: let the soak start the server")
     if args.base_url and urlparse(args.base_url).hostname not in LOOPBACK_HOSTS:
         p.error("--base-url must be on loopback (127.0.0.1, localhost or ::1)")
     if args.concurrency < 1 or args.duration <= 0 or args.max_tokens < 1:

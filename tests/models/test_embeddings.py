@@ -157,6 +157,21 @@ def test_bad_embedding_requests_fail_alone(tiny):
     assert len(llm.embed([[1, 2]])) == 1
 
 
+@pytest.mark.parametrize("runner", ["generate", "pooling"])
+def test_an_input_as_long_as_the_context_is_embedded(tiny, runner):
+    # No token is sampled, so the prompt may fill the context (vLLM's pooling models take it);
+    # one token more is still refused. With --runner pooling the pool is just big enough.
+    path, hf_model = tiny
+    llm = make_llm(path, runner=runner, max_num_batched_tokens=256)
+    max_model_len = llm.engine.max_model_len
+    prompt = random_tokens(max_model_len, seed=7)
+    [output] = llm.embed([prompt])
+    assert cosine(output.embedding, reference(hf_model, prompt, PoolingType.LAST)) > 1 - 1e-4
+    with pytest.raises(ValueError, match=f"the input is {max_model_len + 1} tokens"):
+        llm.embed([prompt + [1]])
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("config", [
     {"architectures": ["BertModel"], "model_type": "bert"},
     {"architectures": ["Qwen3ForEmbedding"], "model_type": "qwen3"},

@@ -191,6 +191,18 @@ def test_ranges_are_left_to_the_request_check(temperature):
         check_request(msg.prompt_token_ids, msg.sampling_params, vocab_size=10, max_model_len=100)
 
 
+def test_a_pooling_prompt_may_fill_the_context_a_generation_prompt_may_not():
+    from ipc.pooling_params import POOLING_SAMPLING_PARAMS
+    from ipc.request_checks import check_request
+
+    assert check_request([1] * 100, POOLING_SAMPLING_PARAMS, vocab_size=10, max_model_len=100,
+                         is_pooling=True) is POOLING_SAMPLING_PARAMS
+    with pytest.raises(ValueError, match="the input is 101 tokens"):
+        check_request([1] * 101, POOLING_SAMPLING_PARAMS, vocab_size=10, max_model_len=100, is_pooling=True)
+    with pytest.raises(ValueError, match="100 in the prompt, 1 for the completion"):
+        check_request([1] * 100, POOLING_SAMPLING_PARAMS, vocab_size=10, max_model_len=100)
+
+
 def test_rejects_oversized_bytes_before_unpacking():
     data = encode(AddRequest("r", list(range(1000)), SamplingParams()))
     with pytest.raises(DecodeError, match="exceeds the limit"):

@@ -158,14 +158,28 @@ def test_error_shapes_by_api():
 
 
 def test_response_store_is_a_bounded_lru():
-    store = ResponseStore(max_entries=2, max_chars=10_000)
+    store = ResponseStore(max_entries=2, max_bytes=20_000)
     for name in "abc":
-        store.put(name, StoredResponse([{"role": "user", "content": name}], set(), {"id": name}))
+        store.put(name, StoredResponse.of([{"role": "user", "content": name}], set(), {"id": name}))
     assert store.get("a") is None and store.get("b") is not None and len(store) == 2
-    store.put("d", StoredResponse([], set(), {}))  # "b" was used last: "c" goes
+    store.put("d", StoredResponse.of([], set(), {}))  # "b" was used last: "c" goes
     assert store.get("c") is None and store.get("b") is not None
-    store.put("big", StoredResponse([{"content": "x" * 6_000}], set(), {}))
-    store.put("big2", StoredResponse([{"content": "x" * 6_000}], set(), {}))  # over max_chars together
-    assert store.get("big") is None and store.get("big2") is not None and store.num_chars <= 10_000
-    store.put("huge", StoredResponse([{"content": "x" * 20_000}], set(), {}))  # never fits: not stored
+    assert store.get("b").messages() == [{"role": "user", "content": "b"}] and store.get("b").response() == {"id": "b"}
+    store.put("big", StoredResponse.of([{"content": "x" * 12_000}], set(), {}))
+    store.put("big2", StoredResponse.of([{"content": "x" * 12_000}], {"call_1"}, {}))  # over max_bytes together
+    assert store.get("big") is None and store.get("big2") is not None and store.num_bytes <= 20_000
+    assert store.get("big2").call_ids == {"call_1"}
+    store.put("huge", StoredResponse.of([{"content": "x" * 30_000}], set(), {}))  # never fits: not stored
     assert store.get("huge") is None and store.get("big2") is not None
+
+
+def test_response_store_counts_what_the_entry_holds_in_memory():
+    # A million empty lists are 2 MB of JSON and ~60 MB as Python lists; stored as JSON bytes,
+    # the entry holds what it counts.
+    import sys
+
+    response = {"metadata": None, "tools": [{"type": "function", "name": "f", "x": [[] for _ in range(100_000)]}]}
+    entry = StoredResponse.of([{"role": "user", "content": "hi"}], {"c"}, response)
+    held = sum(sys.getsizeof(part) for part in (entry.messages_json, entry.response_json, *entry.call_ids))
+    assert held <= entry.num_bytes < 2 * held + 1024
+    assert entry.response()["tools"][0]["x"][:2] == [[], []]

@@ -108,6 +108,20 @@ def test_bad_input_is_a_400_and_the_core_lives_on(server, body, expected):
     assert requests.post(f"{server.url}/v1/embeddings", json={"input": "ok"}).status_code == 200
 
 
+def test_an_input_as_long_as_the_context_is_embedded_one_more_token_is_a_400(default_model_path):
+    # A short context: a prefill of the default 8192 tokens takes minutes on a CPU.
+    with real_server(default_model_path, "--max-model-len", "256", "--dtype", "float32") as short_server:
+        url = short_server.url
+        assert requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["max_model_len"] == 256
+        response = requests.post(f"{url}/v1/embeddings", json={"input": [5] * 256}, timeout=300)
+        assert response.status_code == 200, response.text[:300]
+        assert response.json()["usage"]["prompt_tokens"] == 256
+        response = requests.post(f"{url}/v1/embeddings", json={"input": [5] * 257}, timeout=60)
+        assert response.status_code == 400 and "the input is 257 tokens" in response.text, response.text
+        response = requests.post(f"{url}/v1/completions", json={"prompt": [5] * 256, "max_tokens": 1}, timeout=60)
+        assert response.status_code == 400 and "256 in the prompt, 1 for the completion" in response.text
+
+
 def test_pooling_runner_refuses_generation_and_serves_embeddings(default_model_path, hf_reference):
     with real_server(default_model_path, "--runner", "pooling", "--dtype", "float32") as pooling_server:
         url = pooling_server.url
