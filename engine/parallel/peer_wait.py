@@ -16,7 +16,7 @@ How to wait without bounding the step depends on the op, because gloo's timed wa
         pending: wait again. A work that is completed when its wait raised has failed.
     point-to-point (send, recv)                                        run_with_peers
         a timed-out `wait(timeout)` completes the work with an error ("Timed out waiting
-        1000ms for recv operation to complete") and closes the pair ("Application timeout
+        <timeout> for recv operation to complete") and closes the pair ("Application timeout
         caused pair closure"): the group is broken, a wait cannot be resumed. So the op
         waits untimed (to the group's own timeout) on a helper thread, and rank 0 waits
         for that thread in slices instead (c10d's `wait` releases the GIL).
