@@ -42,7 +42,7 @@ def repo_files(filenames) -> list[str]:
     """The repository's .py files among `filenames`, relative to its root, sorted."""
     found = set()
     for name in filenames:
-        path = os.path.abspath(name)  # a module found through a relative sys.path entry has a relative name
+        path = os.path.abspath(name)  # a module found through a relative import path has a relative name
         if not path.endswith(".py") or path == THIS_FILE or not path.startswith(REPO_ROOT + os.sep):
             continue
         relative = os.path.relpath(path, REPO_ROOT)
@@ -76,8 +76,6 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGUSR1, _on_clear)
     signal.signal(signal.SIGUSR2, _on_dump)
     sys.argv = [module, *args]  # as `python -m module args` would see them (runpy sets [0] to the file)
-    if REPO_ROOT not in sys.path:
-        sys.path.insert(0, REPO_ROOT)
     threading.setprofile(_profile)
     sys.setprofile(_profile)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
