@@ -35,19 +35,17 @@ import asyncio
 import logging
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 from scripts.lib.bench_report import (host_cpu_ticks, machine_info, read_rate_gb_s, require_at_least_one,
                                      write_report)
-from scripts.lib.local_server import REPO_ROOT, launch_server, stop_server
+from scripts.lib.local_server import REPO_ROOT, Server, free_port, launch_server, stop_server
 from scripts.lib.sse_client import StreamStatusError, served_model, stream_chunks
 from scripts.lib.workload import make_workload
 
@@ -66,24 +64,6 @@ TIMEOUT = aiohttp.ClientTimeout(total=3600)
 WARMUP_OUTPUT_LEN = 16
 PROMPT_SEED = 128
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of CPU time
-
-
-@dataclass
-class Server:
-    name: str
-    command: list[str]
-    payload_extra: dict  # fields only this server's API takes
-    url: str = ""
-    log_path: Path | None = None
-    process: subprocess.Popen | None = None
-    model: str = ""  # as /v1/models lists it
-    runs: list[dict] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def make_server(name: str, args: argparse.Namespace, port: int) -> Server:

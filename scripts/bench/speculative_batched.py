@@ -26,9 +26,9 @@ from pathlib import Path
 
 import aiohttp
 
-from scripts.bench.speculative import TIMEOUT, start_servers, timed_chat
-from scripts.lib.sse_client import served_model
 from scripts.lib.editing_workload import make_editing_requests
+from scripts.lib.speculative_servers import TIMEOUT, start_servers, timed_chat
+from scripts.lib.sse_client import served_model
 
 logger = logging.getLogger("bench_speculative")
 

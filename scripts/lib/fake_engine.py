@@ -12,14 +12,14 @@ position: counted accepted when they match, rejected when not (and in the core's
 
     python -m scripts.lib.fake_engine --address tcp://127.0.0.1:PORT --model FOLDER
 
-`write_fake_model(folder)` makes the model folder: a tiny byte-level BPE tokenizer
-(tokenizer.json, tokenizer_config.json with a ChatML template) and a config.json.
+The model folder is scripts/lib/fake_model.py's `write_fake_model(folder)`. Below the core,
+what tests and benchmarks launch it with: `start_fake_engine` (a standalone core) and
+`FrontendServer` (a frontend that starts its own fake cores).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -34,40 +34,17 @@ from ipc.messages import (
     ResetPrefixCache, SchedulerStats, Shutdown, SpecDecodeStats, SpecMethod, StepCounts, TokenLogprobs, WatchSteps,
 )
 from ipc.sockets import bind_router, recv_routed_message, send_message
+# write_fake_model is not used here: tests and the IPC probe import it from this module, the fake core's.
+from scripts.lib.fake_model import MAX_MODEL_LEN, SCRIPT, write_fake_model  # noqa: F401
+from scripts.lib.local_server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The fake core's command line: run from the repository root (or with it on PYTHONPATH).
 FAKE_ENGINE_ARGV = (sys.executable, "-m", "scripts.lib.fake_engine")
 FAKE_ENGINE = " ".join(FAKE_ENGINE_ARGV)
-SCRIPT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
-CORPUS = [SCRIPT * 3, "Hello world, how are you today? I am fine, thank you.", "user assistant system\n"]
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 4096
 HEARTBEAT_S = 1.0
-
-
-def write_fake_model(folder: Path) -> Path:
-    """A model folder with a real (tiny) tokenizer; the fake core needs no weights."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    tokenizer_config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
-                        "chat_template": CHATML}
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    config = {"model_type": "fake", "vocab_size": tokenizer.get_vocab_size(), "max_position_embeddings": MAX_MODEL_LEN}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 class FakeRequest:
@@ -256,14 +233,6 @@ def expected_text(model_folder: Path, num_tokens: int, seed: int = 0) -> str:
     script_ids = tokenizer.encode(SCRIPT).ids
     ids = [script_ids[(seed + i) % len(script_ids)] for i in range(num_tokens)]
     return tokenizer.decode(ids)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env() -> dict[str, str]:

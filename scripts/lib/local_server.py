@@ -9,7 +9,8 @@ temporary folder, so a script can start one per configuration (prefix caching on
 off) in a single run. scrape_metrics reads the Prometheus text of tokenloom (names
 without the `tokenloom_` prefix) or of `vllm serve` (without `vllm:`; its
 prefix_cache_queries_total and prefix_cache_hits_total count prompt tokens, as ours do),
-summed over label sets, histograms left out.
+summed over label sets, histograms left out. `Server` is the record a benchmark keeps of each
+server it starts (ours or a peer's), `free_port` the loopback port it starts one on.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -28,12 +30,30 @@ START_TIMEOUT_S = 600  # a cold start builds the CPU kernels (~20 s) and may con
 METRIC_PREFIXES = ("tokenloom_", "vllm:")
 
 
+@dataclass
+class Server:
+    """A server a benchmark runs: its command line, and what it learns of it while measuring."""
+    name: str
+    command: list[str]
+    payload_extra: dict  # fields only this server's API takes
+    url: str = ""
+    log_path: Path | None = None
+    process: subprocess.Popen | None = None
+    model: str = ""  # as /v1/models lists it
+    runs: list[dict] = field(default_factory=list)
+
+
+def free_port() -> int:
+    """A loopback port free right now (the OS picks it; the server binds it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def start_server(model: str, server_args: list[str] = (), log_name: str = "tokenloom-server"
                  ) -> tuple[subprocess.Popen, str, Path]:
     """Starts a server and waits for /health; returns the process, its base URL and its log."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     log_path = Path(tempfile.gettempdir()) / f"{log_name}-{port}.log"
     command = [sys.executable, "-m", "frontend.api_server", "--model", model, "--port", str(port),
                "--log-level", "warning", *server_args]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench.speculative import CONFIGS, parse_args, ratios, server_command
+from scripts.bench.speculative import CONFIGS, parse_args, ratios
 from scripts.lib.editing_workload import TASKS, add_typos, make_editing_requests, make_free_requests, most_common_name
+from scripts.lib.speculative_servers import server_command
 
 
 @pytest.fixture(scope="module")
