@@ -63,7 +63,8 @@ from frontend.serving_chat import create_chat_completion
 from frontend.serving_messages import create_message
 from frontend.serving_responses import create_response, get_response
 from frontend.serving_completions import create_completion, generate
-from frontend.serving_embeddings import EmbeddingRequest, create_embedding
+from frontend.protocol_embeddings import EmbeddingRequest
+from frontend.serving_embeddings import create_embedding
 from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from frontend.serving_utils import ClientDisconnected
 from frontend.server_args import admission_config, engine_client_config, make_parser, tool_options

@@ -26,6 +26,7 @@ import zmq
 from frontend.background_tasks import cancel_and_wait
 from frontend.engine_client import AsyncEngineClient
 from frontend.errors import FrontendError
+from frontend.stream_loop import relay
 from ipc.codec import MAX_REQUEST_ID_LEN, DecodeError
 from ipc.sampling_params import MAX_STOP_SEQUENCES, MAX_STOP_STRING_LEN
 from ipc.messages import AbortRequests, FinishReason, GenerateOutput, GenerateRequest, MessageType
@@ -102,9 +103,13 @@ class LocalSocketServer:
         try:
             stream = await self.client.generate(msg.prompt, msg.sampling_params, next(self._engine_request_ids),
                                                 prompt_token_ids=msg.prompt_token_ids)
-            async with stream:
-                async for delta in stream:
-                    self._send_output(identity, request, delta.text, delta.token_ids, delta.finish_reason)
+
+            def on_delta(delta, finish_reason: str | None) -> tuple:
+                self._send_output(identity, request, delta.text, delta.token_ids, delta.finish_reason)
+                return ()
+
+            async for _ in relay(stream, on_delta):
+                pass
         except FrontendError as e:
             self._send_output(identity, request, "", [], FinishReason.ERROR, str(e))
         except Exception:  # never leave a client waiting for a final output

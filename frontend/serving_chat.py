@@ -25,6 +25,7 @@ from frontend.protocol import ChatCompletionRequest
 from frontend.reasoning_parsers import ReasoningPrompt
 from frontend.request_state import RequestDelta
 from frontend.serving_utils import chat_logprobs, collect_unless_disconnected, now_s, sse_stream
+from frontend.stream_loop import finish_reason_of
 from frontend.tool_parsers import merge_call_deltas
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def _stream_chat(run: ChatRun, body: ChatCompletionRequest, header: dict,
     parsers = {index: run.new_delta_parser() for index in range(len(run.stream.states))}
 
     def make_choice(delta: RequestDelta) -> dict | None:
-        finish_reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
+        finish_reason = finish_reason_of(delta)
         parsed = parsers[delta.index].feed(delta.text, finish_reason)
         message = {"content": parsed.content} if parsed.content else {}
         if parsed.call_deltas:

@@ -15,9 +15,10 @@ from msgspec.structs import replace
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from frontend.engine_client import AsyncEngineClient
-from frontend.errors import FrontendError, InvalidRequestError
+from frontend.errors import InvalidRequestError
 from frontend.protocol import CompletionRequest, GenerateBody
 from frontend.request_state import RequestDelta, RequestStream
+from frontend.stream_loop import finish_reason_of, relay
 from frontend.serving_utils import (
     collect_unless_disconnected, completion_logprobs, now_s, prompt_logprobs_field, random_id, sse_stream,
 )
@@ -78,7 +79,7 @@ def _stream_completion(stream: RequestStream, body: CompletionRequest, header: d
             offset = text_offsets.get(delta.index, 0)
             logprobs = completion_logprobs(client.tokenizer, entries, offset, first_prompt_token_id)
             text_offsets[delta.index] = offset + len(text)
-        finish_reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
+        finish_reason = finish_reason_of(delta)
         if not text and finish_reason is None and logprobs is None and prompt_logprobs is None:
             return None  # nothing a client could see
         choice = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -107,10 +108,10 @@ async def generate(body: GenerateBody, raw_request: Request, client: AsyncEngine
 
 async def _stream_generate(stream: RequestStream, body: GenerateBody) -> AsyncIterator[bytes]:
     texts = [body.prompt] * body.n
-    try:
-        async with stream:
-            async for delta in stream:
-                texts[delta.index] += delta.text
-                yield (json.dumps({"text": texts}) + "\0").encode("utf-8")
-    except FrontendError as e:
-        yield (json.dumps(e.to_dict()) + "\0").encode("utf-8")
+
+    def on_delta(delta: RequestDelta, finish_reason: str | None) -> list[bytes]:
+        texts[delta.index] += delta.text
+        return [(json.dumps({"text": texts}) + "\0").encode("utf-8")]
+
+    async for item in relay(stream, on_delta, on_error=lambda e: (json.dumps(e.to_dict()) + "\0").encode("utf-8")):
+        yield item

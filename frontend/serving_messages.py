@@ -29,7 +29,9 @@ from frontend.engine_client import AsyncEngineClient
 from frontend.errors import FrontendError, anthropic_error
 from frontend.protocol_messages import MessagesRequest
 from frontend.reasoning_parsers import ReasoningPrompt
+from frontend.request_state import RequestDelta
 from frontend.serving_utils import collect_unless_disconnected, is_stop_string
+from frontend.stream_loop import relay
 from frontend.tool_parsers import ToolCallDelta
 from frontend.tool_parsers.base import MODEL_TEXT_MAX_BYTES
 from ipc.bounded_json import loads_bounded
@@ -136,27 +138,30 @@ async def _stream_message(run: ChatRun, body: MessagesRequest, header: dict,
     usage = {"input_tokens": len(run.prompt_token_ids), "output_tokens": 0}
     yield _event("message_start", {"message": {**header, "content": [], "stop_reason": None, "stop_sequence": None,
                                                "usage": usage}})
-    try:
-        async with run.stream:
-            async for delta in run.stream:
-                num_output_tokens = delta.num_output_tokens
-                token_ids += delta.token_ids
-                text_parts.append(delta.text)
-                reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
-                if reason is not None and is_stop_string(delta):
-                    stop_sequence = _stop_sequence(client, body, token_ids, "".join(text_parts))
-                parsed = parser.feed(delta.text, reason)
-                finish_reason = parsed.finish_reason or finish_reason
-                events = writer.piece("thinking", parsed.reasoning_content) + writer.piece("text", parsed.content)
-                for call in parsed.call_deltas:
-                    events += writer.piece("tool_use", call.arguments, call)
-                for event in events:
-                    yield event
-        for event in writer.close():
-            yield event
-        yield _event("message_delta", {"delta": {"stop_reason": _stop_reason(finish_reason, stop_sequence),
-                                                 "stop_sequence": stop_sequence},
-                                       "usage": {"output_tokens": num_output_tokens}})
-        yield _event("message_stop", {})
-    except FrontendError as e:
-        yield f"event: error\ndata: {json.dumps(anthropic_error(e.status_code, str(e)))}\n\n"
+
+    def on_delta(delta: RequestDelta, reason: str | None) -> list[str]:
+        nonlocal num_output_tokens, stop_sequence, finish_reason
+        num_output_tokens = delta.num_output_tokens
+        token_ids.extend(delta.token_ids)
+        text_parts.append(delta.text)
+        if reason is not None and is_stop_string(delta):
+            stop_sequence = _stop_sequence(client, body, token_ids, "".join(text_parts))
+        parsed = parser.feed(delta.text, reason)
+        finish_reason = parsed.finish_reason or finish_reason
+        events = writer.piece("thinking", parsed.reasoning_content) + writer.piece("text", parsed.content)
+        for call in parsed.call_deltas:
+            events += writer.piece("tool_use", call.arguments, call)
+        return events
+
+    def on_end() -> list[str]:
+        return writer.close() + [
+            _event("message_delta", {"delta": {"stop_reason": _stop_reason(finish_reason, stop_sequence),
+                                               "stop_sequence": stop_sequence},
+                                     "usage": {"output_tokens": num_output_tokens}}),
+            _event("message_stop", {})]
+
+    def on_error(e: FrontendError) -> str:
+        return f"event: error\ndata: {json.dumps(anthropic_error(e.status_code, str(e)))}\n\n"
+
+    async for event in relay(run.stream, on_delta, on_end, on_error):
+        yield event

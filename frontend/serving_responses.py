@@ -37,7 +37,9 @@ from frontend.errors import FrontendError, InvalidRequestError, NotFoundError
 from frontend.protocol_responses import ResponsesRequest
 from frontend.reasoning_parsers import ReasoningPrompt
 from frontend.response_store import ResponseStore, StoredResponse
+from frontend.request_state import RequestDelta
 from frontend.serving_utils import Usage, collect_unless_disconnected, now_s
+from frontend.stream_loop import relay
 from frontend.tool_parsers import ToolCallDelta
 
 logger = logging.getLogger(__name__)
@@ -226,28 +228,30 @@ async def _stream_response(run: ChatRun, draft: _ResponseDraft) -> AsyncIterator
     usage, finish_reason = Usage(1), None
     yield writer.event("response.created", response=draft.in_progress())
     yield writer.event("response.in_progress", response=draft.in_progress())
-    try:
-        async with run.stream:
-            async for delta in run.stream:
-                usage.add(delta)
-                reason = delta.finish_reason.openai_name if delta.finish_reason is not None else None
-                parsed = parser.feed(delta.text, reason)
-                finish_reason = parsed.finish_reason or finish_reason
-                for event in (writer.text("reasoning", parsed.reasoning_content)
-                              + writer.text("message", parsed.content)
-                              + [e for call_delta in parsed.call_deltas for e in writer.call(call_delta)]):
-                    yield event
+
+    def on_delta(delta: RequestDelta, reason: str | None) -> list[str]:
+        nonlocal finish_reason
+        usage.add(delta)
+        parsed = parser.feed(delta.text, reason)
+        finish_reason = parsed.finish_reason or finish_reason
+        return (writer.text("reasoning", parsed.reasoning_content) + writer.text("message", parsed.content)
+                + [e for call_delta in parsed.call_deltas for e in writer.call(call_delta)])
+
+    def on_end() -> list[str]:
+        events = []
         if not writer.items:  # an empty answer is still one message, as non-streamed
-            for event in writer.text("message", "", is_forced=True):
-                yield event
+            events += writer.text("message", "", is_forced=True)
         if finish_reason == "length":  # before the last item's output_item.done, which carries its status
             for item in writer.items:
                 item["status"] = "incomplete"
-        for event in writer.close():
-            yield event
+        events += writer.close()
         response = draft.finish(writer.items, finish_reason, usage)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield writer.event(kind, response=response)
-    except FrontendError as e:
+        return events + [writer.event(kind, response=response)]
+
+    def on_error(e: FrontendError) -> str:
         error = e.to_dict()["error"]
-        yield writer.event("error", code=str(error["code"]), message=error["message"], param=None)
+        return writer.event("error", code=str(error["code"]), message=error["message"], param=None)
+
+    async for event in relay(run.stream, on_delta, on_end, on_error):
+        yield event

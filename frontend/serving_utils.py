@@ -12,8 +12,8 @@ from typing import AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 
 from fastapi import Request
 
-from frontend.errors import FrontendError
 from frontend.request_state import RequestStream
+from frontend.stream_loop import relay
 from ipc.messages import FinishReason, TokenLogprobs
 from ipc.text.output_processor import RequestDelta
 
@@ -48,19 +48,19 @@ async def sse_stream(stream: RequestStream, header: dict, n: int, include_usage:
     request fails, and always `[DONE]` last."""
     extra = {"usage": None} if include_usage else {}
     usage = Usage(n)
-    try:
-        async with stream:
-            for choice in opening_choices:
-                yield sse({**header, "choices": [choice], **extra})
-            async for delta in stream:
-                usage.add(delta)
-                choice = make_choice(delta)
-                if choice is not None:
-                    yield sse({**header, "choices": [choice], **extra})
-        if include_usage:
-            yield sse({**header, "choices": [], "usage": usage.to_dict()})
-    except FrontendError as e:
-        yield sse(e.to_dict())
+    for choice in opening_choices:
+        yield sse({**header, "choices": [choice], **extra})
+
+    def on_delta(delta: RequestDelta, finish_reason: str | None) -> list[str]:
+        usage.add(delta)
+        choice = make_choice(delta)
+        return [sse({**header, "choices": [choice], **extra})] if choice is not None else []
+
+    def on_end() -> list[str]:
+        return [sse({**header, "choices": [], "usage": usage.to_dict()})] if include_usage else []
+
+    async for event in relay(stream, on_delta, on_end, on_error=lambda e: sse(e.to_dict())):
+        yield event
     yield SSE_DONE
 
 
@@ -130,19 +130,23 @@ def is_stop_string(delta: RequestDelta) -> bool:
 async def collect(stream: RequestStream, usage: Usage) -> list[ChoiceResult]:
     """Read a whole request; choices come back in index order."""
     choices = {state.index: ChoiceResult(state.index) for state in stream.states}
-    async with stream:
-        async for delta in stream:
-            usage.add(delta)
-            choice = choices[delta.index]
-            choice.text_parts.append(delta.text)
-            choice.token_ids.extend(delta.token_ids)
-            choice.logprobs.extend(delta.logprobs or ())
-            if delta.output is not None and delta.output.prompt_logprobs is not None:
-                choice.prompt_logprobs = delta.output.prompt_logprobs
-            choice.num_output_tokens = delta.num_output_tokens
-            if delta.finish_reason is not None:
-                choice.finish_reason = delta.finish_reason.openai_name
-                choice.is_stop_string = is_stop_string(delta)
+
+    def on_delta(delta: RequestDelta, finish_reason: str | None) -> tuple:
+        usage.add(delta)
+        choice = choices[delta.index]
+        choice.text_parts.append(delta.text)
+        choice.token_ids.extend(delta.token_ids)
+        choice.logprobs.extend(delta.logprobs or ())
+        if delta.output is not None and delta.output.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.output.prompt_logprobs
+        choice.num_output_tokens = delta.num_output_tokens
+        if finish_reason is not None:
+            choice.finish_reason = finish_reason
+            choice.is_stop_string = is_stop_string(delta)
+        return ()
+
+    async for _ in relay(stream, on_delta):  # errors reach the caller
+        pass
     return [choices[i] for i in sorted(choices)]
 
 

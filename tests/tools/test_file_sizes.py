@@ -6,10 +6,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "frontend", "ipc", "scripts")
 MAX_LINES = 350
-# Known exceptions, pending: scripts/hostile/ and scripts/soak/ were being edited on another
-# branch (faults-routes) when scripts/ came under the rule (#55 item 7). Remove each once that
-# branch is merged and the file is split; the test fails on an entry that is no longer over.
-PENDING_SPLIT_ELSEWHERE = {"scripts/hostile/fuzz.py"}
 
 
 def num_lines(path: Path) -> int:
@@ -24,14 +20,8 @@ def test_no_module_is_over_the_limit():
     sizes = module_sizes()
     assert len(sizes) > 100  # the walk found the packages
     assert sum(path.startswith("scripts/") for path in sizes) > 50  # and scripts/
-    over = {path: n for path, n in sizes.items() if n > MAX_LINES and path not in PENDING_SPLIT_ELSEWHERE}
+    over = {path: n for path, n in sizes.items() if n > MAX_LINES}
     assert not over, f"split these (over {MAX_LINES} lines): {over}"
-
-
-def test_every_pending_exception_is_still_over_the_limit():
-    sizes = module_sizes()
-    stale = sorted(path for path in PENDING_SPLIT_ELSEWHERE if sizes.get(path, 0) <= MAX_LINES)
-    assert not stale, f"no longer over {MAX_LINES} lines (or gone): remove from PENDING_SPLIT_ELSEWHERE: {stale}"
 
 
 def test_the_count_is_lines_not_bytes(tmp_path):
