@@ -22,6 +22,7 @@ vectors or `omp simd` reductions, so nothing waits on the compiler to reassociat
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -88,6 +89,20 @@ def load_extension(name: str, sources: list[Path], headers: list[Path]) -> Modul
         copies = copy_sources(sources + headers, build_dir / "src")[:len(sources)]
         return load(name=name, sources=[str(s) for s in copies], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir))
+
+
+def extension_loader(name: str, sources: list[Path], headers: list[Path]) -> Callable[[], ModuleType]:
+    """A function that builds and loads the extension `name` on its first call (load_extension)
+    and returns the same module after; it raises if this machine cannot build it."""
+    module: ModuleType | None = None
+
+    def load() -> ModuleType:
+        nonlocal module
+        if module is None:
+            module = load_extension(name, sources, headers)
+        return module
+
+    return load
 
 
 def load_cpu_kernels() -> ModuleType:

@@ -8,24 +8,15 @@ rebuilds it alone.
 
 from __future__ import annotations
 
-from types import ModuleType
 
-from engine.cpu.extension import CSRC, load_extension
+from engine.cpu.extension import CSRC, extension_loader
 
 SOURCES = [CSRC / "gguf" / name for name in ("gguf_linear.cpp", "gguf_rows.cpp")]
 HEADERS = [CSRC / "share_out.h",  # shared with the bf16 slabs and the int8/int4 panels
            CSRC / "work_pool.h",  # ... and the decode steps' work pool
            CSRC / "gguf" / "gguf_dot.h", CSRC / "gguf" / "gguf_dot_x8.h"]
 
-_module: ModuleType | None = None
-
-
-def load_gguf_kernels() -> ModuleType:
-    """The compiled module; raises if this machine cannot build it (no compiler, say)."""
-    global _module
-    if _module is None:
-        _module = load_extension("tokenloom_gguf_kernels", SOURCES, HEADERS)
-    return _module
+load_gguf_kernels = extension_loader("tokenloom_gguf_kernels", SOURCES, HEADERS)  # the compiled module, built on first use
 
 
 def main() -> None:

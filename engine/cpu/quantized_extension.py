@@ -7,9 +7,8 @@ rebuilds it alone (seconds) rather than every kernel (minutes)."""
 
 from __future__ import annotations
 
-from types import ModuleType
 
-from engine.cpu.extension import CSRC, load_extension
+from engine.cpu.extension import CSRC, extension_loader
 
 SOURCES = [CSRC / "quantized" / name
            for name in ("int8_linear.cpp", "int4_linear.cpp", "embedding_rows.cpp")]
@@ -17,15 +16,7 @@ HEADERS = [CSRC / "share_out.h",  # shared with the bf16 slabs
            CSRC / "work_pool.h",  # ... and the decode steps' work pool
            CSRC / "quantized" / "vnni_io.h"]
 
-_module: ModuleType | None = None
-
-
-def load_quantized_kernels() -> ModuleType:
-    """The compiled module; raises if this machine cannot build it (no compiler, say)."""
-    global _module
-    if _module is None:
-        _module = load_extension("tokenloom_quantized_kernels", SOURCES, HEADERS)
-    return _module
+load_quantized_kernels = extension_loader("tokenloom_quantized_kernels", SOURCES, HEADERS)  # the compiled module, built on first use
 
 
 def main() -> None:
