@@ -1,0 +1,148 @@
+"""A GGUF file's tensors, read one at a time into buffers we own.
+
+    open_gguf(path)                     the tensors' names, types, shapes and byte ranges;
+                                        ValueError for a truncated or corrupt file
+    read_tensor(path, info)             [rows, bytes per row] uint8: a tensor's blocks
+    dequantize_rows(raw, type, dtype)   [rows, columns] in `dtype`, gguf-py's values
+
+Why not GGUFReader's `tensor.data`: it is a view into a memory map of the whole file, and
+the pages of a memory-mapped file count in a process's RSS once touched; a loader that reads
+every tensor through it and copies it keeps the whole file resident beside the model (twice
+the file at the peak). `read_tensor` reads with `readinto` straight into a tensor, so the
+file's bytes pass through the page cache only, and the peak is the model plus one tensor.
+
+A row is the last dimension (ggml's ne0, what a matmul reduces over); every block type packs
+whole rows, so rows can be permuted or split (q, k, v) without touching the blocks.
+
+Reference: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.loader.model_files import GGUF_MAGIC
+
+# Output rows per dequantized chunk: gguf-py's numpy dequantizers make a few temporaries the
+# chunk's size, so a large tensor (an 8B model's embedding, 2 GB in fp32) is done in pieces.
+DEQUANTIZE_CHUNK_VALUES = 1 << 22
+
+
+@dataclass(frozen=True)
+class GgufTensorInfo:
+    """Where one tensor lies in the file, and its shape as rows of blocks."""
+
+    index: int  # its place in the file's tensor list (transformers' loader visits them in this order)
+    name: str  # llama.cpp's name: "blk.0.attn_q.weight"
+    type_name: str  # ggml type: "Q4_K", "F32"
+    shape: tuple[int, ...]  # numpy order, rows first: (out_features, in_features) for a matmul weight
+    offset: int  # of its first byte in the file
+    num_bytes: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_bytes // self.num_rows
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    path: Path
+    tensors: tuple[GgufTensorInfo, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.path.stat().st_size
+
+
+def open_gguf(path: Path) -> GgufFile:
+    """The tensors of a GGUF file, checked against the file's size; ValueError naming the file
+    when it is truncated or corrupt (the gguf package cannot parse it, or a tensor's bytes run
+    past its end)."""
+    import gguf
+
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path.name} is not a GGUF file (it does not start with 'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as error:
+        raise ValueError(f"{path.name}: truncated or corrupt GGUF ({size} bytes), the gguf package "
+                         f"cannot parse it: {error}") from error
+    tensors = []
+    for index, tensor in enumerate(reader.tensors):
+        info = GgufTensorInfo(index=index, name=tensor.name, type_name=tensor.tensor_type.name,
+                              shape=tuple(int(d) for d in reversed(tensor.shape.tolist())),
+                              offset=int(tensor.data_offset), num_bytes=int(tensor.n_bytes))
+        if info.offset + info.num_bytes > size:
+            raise ValueError(f"{path.name}: truncated GGUF: tensor {info.name} ends at byte "
+                             f"{info.offset + info.num_bytes}, the file has {size}")
+        tensors.append(info)
+    del reader  # its memory map: only the header's pages were touched
+    return GgufFile(path, tuple(tensors))
+
+
+def read_tensor(path: Path, info: GgufTensorInfo) -> torch.Tensor:
+    """[rows, bytes per row] uint8: the tensor's bytes as they are in the file."""
+    raw = torch.empty(info.num_rows, info.row_bytes, dtype=torch.uint8)
+    view = memoryview(raw.numpy()).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        f.seek(info.offset)
+        done = 0
+        while done < info.num_bytes:  # readinto may return less than asked for
+            count = f.readinto(view[done:])
+            if not count:
+                raise ValueError(f"{Path(path).name}: truncated GGUF: tensor {info.name} ends early")
+            done += count
+        # The bytes are ours now; the page cache need not keep them for us.
+        os.posix_fadvise(f.fileno(), info.offset, info.num_bytes, os.POSIX_FADV_DONTNEED)
+    return raw
+
+
+def can_dequantize(type_name: str) -> bool:
+    """Whether the gguf package has a dequantizer for this ggml type."""
+    import gguf
+    from gguf.quants import _type_traits
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    return qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) or qtype in _type_traits
+
+
+def dequantize_rows(raw: torch.Tensor, type_name: str, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, bytes per row] uint8 of one ggml type -> [rows, columns] in `dtype` (into `out`
+    when given): gguf-py's fp32 values, a chunk of rows at a time, then cast."""
+    import gguf
+    from gguf.quants import dequantize
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    num_rows = raw.shape[0]
+    num_columns = raw.shape[1] // type_size * block_size
+    if out is None:
+        out = torch.empty(num_rows, num_columns, dtype=dtype)
+    chunk = max(1, DEQUANTIZE_CHUNK_VALUES // max(num_columns, 1))
+    source = raw.numpy()
+    for start in range(0, num_rows, chunk):
+        values = dequantize(source[start:start + chunk], qtype)  # [chunk, columns] fp32
+        out[start:start + chunk].copy_(torch.from_numpy(np.ascontiguousarray(values)))
+    return out
+
+
+def available_memory_bytes() -> int:
+    """The kernel's estimate of memory that can be allocated without swapping (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
