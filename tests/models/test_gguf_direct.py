@@ -27,7 +27,8 @@ from tests.models.test_gguf_files import write_tiny_llama
 from scripts.lib.fake_engine import FrontendServer
 
 TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2)
+# std 0.2: peaky logits, as a trained model's are, so a top-1 is not a near tie that any rounding flips.
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2, std=0.2)
 NUM_PROMPTS, PROMPT_LEN = 4, 64
 
 
@@ -98,7 +99,11 @@ def test_q8_0_file_serves_exactly_and_writes_no_weights(tokenizer_folder, in_ggu
     token_ids = prompts(llm.engine.vocab_size)
     ours = our_top1(llm, token_ids)
     llm.shutdown()
-    assert ours == reference_top1(path, tmp_path, token_ids)
+    expected = reference_top1(path, tmp_path, token_ids)
+    if "Q8_0" in load_gguf_kernels().types:  # its kernel quantizes activations: near, not exact
+        assert sum(a == b for a, b in zip(ours, expected)) >= 0.99 * len(expected)
+    else:  # dequantized into fp32: the reference's own weights
+        assert ours == expected
     # The cache holds the small files only: no weights, no fp32 folder.
     folder = gguf_folder(path)
     files = sorted(p.name for p in folder.iterdir())
