@@ -20,6 +20,7 @@ Reference: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from engine.loader.model_files import GGUF_MAGIC
 # Output rows per dequantized chunk: gguf-py's numpy dequantizers make a few temporaries the
 # chunk's size, so a large tensor (an 8B model's embedding, 2 GB in fp32) is done in pieces.
 DEQUANTIZE_CHUNK_VALUES = 1 << 22
+MAX_COUNT = 1 << 24  # more tensors or metadata fields than this: a corrupt header
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class GgufTensorInfo:
 class GgufFile:
     path: Path
     tensors: tuple[GgufTensorInfo, ...]
+    metadata: dict[str, str | int | float | bool]  # the scalar and string fields ("general.architecture")
 
     @property
     def num_bytes(self) -> int:
@@ -64,32 +67,98 @@ class GgufFile:
 
 
 def open_gguf(path: Path) -> GgufFile:
-    """The tensors of a GGUF file, checked against the file's size; ValueError naming the file
-    when it is truncated or corrupt (the gguf package cannot parse it, or a tensor's bytes run
-    past its end)."""
-    import gguf
+    """The tensors and scalar metadata of a GGUF file, checked against the file's size; ValueError
+    naming the file when it is truncated or corrupt. Its own reader of the header: GGUFReader
+    makes a numpy view of every token of the vocabulary (30 s for a 128k-token file)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
+        header = _HeaderReader(f, path.name, size)
         if f.read(4) != GGUF_MAGIC:
             raise ValueError(f"{path.name} is not a GGUF file (it does not start with 'GGUF')")
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as error:
-        raise ValueError(f"{path.name}: truncated or corrupt GGUF ({size} bytes), the gguf package "
-                         f"cannot parse it: {error}") from error
+        version, num_tensors, num_fields = header.unpack("<IQQ")
+        if version not in (2, 3) or num_tensors > MAX_COUNT or num_fields > MAX_COUNT:
+            raise ValueError(f"{path.name}: corrupt GGUF header (version {version}, {num_tensors} tensors, "
+                             f"{num_fields} metadata fields)")
+        metadata = {}
+        for _ in range(num_fields):
+            key = header.string()
+            value = header.value(header.unpack("<I")[0])
+            if value is not None:
+                metadata[key] = value
+        raw_infos = []
+        for _ in range(num_tensors):
+            name = header.string()
+            (num_dims,) = header.unpack("<I")
+            if num_dims > 4:
+                raise ValueError(f"{path.name}: corrupt GGUF: tensor {name} has {num_dims} dimensions")
+            dims = header.unpack(f"<{num_dims}Q")
+            type_id, offset = header.unpack("<IQ")
+            raw_infos.append((name, dims, type_id, offset))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = -(-f.tell() // alignment) * alignment
     tensors = []
-    for index, tensor in enumerate(reader.tensors):
-        info = GgufTensorInfo(index=index, name=tensor.name, type_name=tensor.tensor_type.name,
-                              shape=tuple(int(d) for d in reversed(tensor.shape.tolist())),
-                              offset=int(tensor.data_offset), num_bytes=int(tensor.n_bytes))
+    for index, (name, dims, type_id, offset) in enumerate(raw_infos):
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ValueError(f"{path.name}: tensor {name} has ggml type {type_id}, which the gguf package "
+                             "does not know (a newer type?)") from None
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        num_elements = int(np.prod(dims, dtype=np.int64))
+        info = GgufTensorInfo(index=index, name=name, type_name=qtype.name, shape=tuple(reversed(dims)),
+                              offset=data_start + offset, num_bytes=num_elements // block_size * type_size)
         if info.offset + info.num_bytes > size:
             raise ValueError(f"{path.name}: truncated GGUF: tensor {info.name} ends at byte "
                              f"{info.offset + info.num_bytes}, the file has {size}")
         tensors.append(info)
-    del reader  # its memory map: only the header's pages were touched
-    return GgufFile(path, tuple(tensors))
+    return GgufFile(path, tuple(tensors), metadata)
+
+
+class _HeaderReader:
+    """Reads a GGUF header's records; scalars and strings kept, arrays skipped over."""
+
+    SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+    FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    STRING, ARRAY = 8, 9
+
+    def __init__(self, f, name: str, size: int) -> None:
+        self.f, self.name, self.size = f, name, size
+
+    def read(self, count: int) -> bytes:
+        data = self.f.read(count)
+        if len(data) != count:
+            raise ValueError(f"{self.name}: truncated GGUF: its header ends early ({self.size} bytes)")
+        return data
+
+    def unpack(self, fmt: str) -> tuple:
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))
+
+    def string(self) -> str:
+        (length,) = self.unpack("<Q")
+        if length > self.size:
+            raise ValueError(f"{self.name}: corrupt GGUF: a string of {length} bytes")
+        return self.read(length).decode("utf-8", errors="replace")
+
+    def value(self, value_type: int):
+        if value_type == self.STRING:
+            return self.string()
+        if value_type == self.ARRAY:  # the vocabulary, merges, token types: not needed here
+            item_type, count = self.unpack("<IQ")
+            if item_type == self.STRING:
+                for _ in range(count):
+                    (length,) = self.unpack("<Q")
+                    self.f.seek(length, os.SEEK_CUR)
+            elif item_type in self.SIZES and count * self.SIZES[item_type] <= self.size:
+                self.f.seek(count * self.SIZES[item_type], os.SEEK_CUR)
+            else:
+                raise ValueError(f"{self.name}: corrupt GGUF: an array of {count} items of type {item_type}")
+            return None
+        if value_type not in self.FORMATS:
+            raise ValueError(f"{self.name}: corrupt GGUF: metadata value type {value_type}")
+        return self.unpack(self.FORMATS[value_type])[0]
 
 
 def read_tensor(path: Path, info: GgufTensorInfo) -> torch.Tensor:

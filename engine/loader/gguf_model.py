@@ -136,27 +136,28 @@ def load_gguf_model(config: ModelConfig, gguf_path: Path, dtype: torch.dtype, de
 
 
 def map_checkpoint(file: GgufFile, folder: Path) -> CheckpointMap:
-    """Run transformers' GGUF loader with row numbers for values (module docstring, step 1)."""
-    import gguf
+    """transformers' GGUF tensor processing (its load_gguf_checkpoint's loop: the name map, the
+    architecture's processor) run on row numbers for values (module docstring, step 1). The loop
+    is ours so that the file is read by open_gguf alone: load_gguf_checkpoint also parses the
+    whole vocabulary with GGUFReader, which takes longer than loading the weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from engine.loader.gguf_convert import memoized_tensor_name_maps, replaced
+    from engine.loader.gguf_convert import memoized_tensor_name_maps
 
+    config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    tensor_indices = itertools.count()
-    dequantize = gguf.dequantize
-
-    def rows_or_values(data: np.ndarray, qtype) -> np.ndarray:
-        index = next(tensor_indices)  # the loader visits the tensors in the file's order
-        if data.ndim == 1:  # read through our own buffer, not the reader's memory map
-            return dequantize(read_tensor(file.path, file.tensors[index]).numpy().reshape(-1), qtype)
-        shape = data.shape[:-1] + (1,)  # a row a value, whatever the row's bytes
-        return np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + index * ROW_SPAN
-
-    with replaced(gguf, "dequantize", rows_or_values), memoized_tensor_name_maps():
-        parsed = load_gguf_checkpoint(str(file.path), return_tensors=True, model_to_load=skeleton)
+        skeleton = AutoModelForCausalLM.from_config(config)
+    processor_class = TENSOR_PROCESSORS.get(file.metadata.get("general.architecture"), TensorProcessor)
+    processor = processor_class(config=config.to_dict())
+    with memoized_tensor_name_maps():
+        names = get_gguf_hf_weights_map(skeleton, processor)
+    parsed = {"tensors": {}}
+    for info in file.tensors:
+        result = processor.process(weights=_rows_or_values(file, info), name=info.name, tensor_key_mapping=names,
+                                   parsed_parameters=parsed)
+        if result.name in names:
+            parsed["tensors"][names[result.name]] = torch.from_numpy(np.copy(result.weights))
     checkpoint = CheckpointMap({}, {})
     for name, tensor in parsed["tensors"].items():
         if tensor.dtype != torch.float64:  # values (fp32, from the 1-D branch)
@@ -167,6 +168,17 @@ def map_checkpoint(file: GgufFile, folder: Path) -> CheckpointMap:
                              "not only the order of its rows; tokenloom cannot load it from the file's blocks")
         checkpoint.rows[name] = _checked_row_ids(tensor.squeeze(-1).long(), file, name)
     return checkpoint
+
+
+def _rows_or_values(file: GgufFile, info) -> np.ndarray:
+    """A 1-D tensor's values (fp32; small: norms, biases), read through our own buffer; else its
+    row ids (float64, rows first, a last dimension of 1) in place of its values."""
+    import gguf
+
+    if len(info.shape) == 1:
+        return gguf.dequantize(read_tensor(file.path, info).numpy().reshape(-1), gguf.GGMLQuantizationType[info.type_name])
+    shape = info.shape[:-1] + (1,)  # a row a value, whatever the row's bytes
+    return np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + info.index * ROW_SPAN
 
 
 def place_rows(model: nn.Module, checkpoint: CheckpointMap) -> list[MatmulPlan]:

@@ -20,6 +20,7 @@ from torch import nn
 from engine import LLM, SamplingParams
 from engine.cpu.gguf_kernels import load_gguf_kernels
 from engine.loader.gguf_convert import convert_gguf
+from engine.loader.gguf_file import open_gguf
 from engine.loader.model_files import gguf_folder, resolve_model
 from tests.helpers.gguf_writer import q4_k_m_types, write_random_llama_gguf
 from tests.helpers.server import REAL_ENGINE_ARGS
@@ -185,12 +186,18 @@ def test_truncated_gguf_is_named(tokenizer_folder, in_gguf_cache, tmp_path):
     path.write_bytes(data[: len(data) - 1000])
     with pytest.raises(ValueError, match=r"cut\.gguf: the gguf package .* cannot read it: .* A truncated or corrupt"):
         resolve_model(str(path))
+    with pytest.raises(ValueError, match=r"cut\.gguf: truncated GGUF: tensor .* ends at byte \d+, the file has"):
+        open_gguf(path)  # the loader's own reader of the header, as the engine opens the file
     path.write_bytes(data[:200])  # the header itself cut
     with pytest.raises(ValueError, match=r"cut\.gguf: the gguf package .* cannot read it: .* A truncated or corrupt"):
         resolve_model(str(path))
+    with pytest.raises(ValueError, match=r"cut\.gguf: truncated GGUF: its header ends early"):
+        open_gguf(path)
     path.write_bytes(b"GGUF" + bytes(range(256)) * 8)  # garbage after the magic
     with pytest.raises(ValueError, match=r"cut\.gguf: the gguf package .* cannot read it"):
         resolve_model(str(path))
+    with pytest.raises(ValueError, match=r"cut\.gguf: corrupt GGUF header"):
+        open_gguf(path)
     assert not gguf_folder(path).exists()
 
 
