@@ -173,8 +173,6 @@ def read_tensor(path: Path, info: GgufTensorInfo) -> torch.Tensor:
             if not count:
                 raise ValueError(f"{Path(path).name}: truncated GGUF: tensor {info.name} ends early")
             done += count
-        # The bytes are ours now; the page cache need not keep them for us.
-        os.posix_fadvise(f.fileno(), info.offset, info.num_bytes, os.POSIX_FADV_DONTNEED)
     return raw
 
 
