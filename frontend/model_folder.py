@@ -1,9 +1,9 @@
 """The frontend's model folder and tokenizer, found without importing the engine.
 
 A model is a local folder, or a known name (`smollm2`) or a `.gguf` file whose
-converted folder `engine.loader.model_files` keeps in its cache. That conversion (dequantize)
-imports torch, which the frontend must never do, so it runs in a child process;
-once converted, the child just prints the cached folder. The tokenizer itself is
+folder (config and tokenizer; a known name's weights too) `engine.loader.model_files` keeps in
+its cache. Making that folder imports transformers and torch, which the frontend must never do,
+so it runs in a child process; once made, the child just prints the cached folder. The tokenizer itself is
 the shared torch-free `ipc.text.tokenizer.Tokenizer`.
 """
 

@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.cpu.decode_stack import DecodeStack, build_decode_stack
 from engine.cpu.fast_paths import apply_fast_paths
 from engine.cpu.fused import CpuFusedOps, select_fused_ops
+from engine.cpu.gguf_kernels import GgufKernels, load_gguf_kernels
 from engine.cpu.packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.cpu.quantized_plan import QuantizedPlan, plan_quantization
 from engine.cpu.host import CpuFeatures
@@ -46,6 +47,7 @@ class CpuExecutionPlan:
     has_decode_stack: bool  # config allows it, on the CPU, eager, one pipeline stage
     gguf_source: tuple[str, Path] | None  # (model as given, its folder): quantize from a GGUF's own blocks
     read_gguf_blocks: Callable | None  # the loader's (engine.loader.gguf_blocks.blocks_for_model), handed in
+    can_keep_gguf_blocks: bool  # a GGUF's matmuls may run on its own blocks (GgufLinear), not dequantized
 
     @classmethod
     def make(cls, config: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype,
@@ -72,7 +74,15 @@ class CpuExecutionPlan:
             batch_size_hint=config.max_num_seqs,
             has_decode_stack=_has_decode_stack(config, device, is_compiled),
             gguf_source=(config.model, model_path) if may_use_gguf else None, read_gguf_blocks=read_gguf_blocks,
+            # The block kernels are eager CPU matmuls of one process: --quantization, inductor and
+            # tensor parallelism take dequantized weights instead.
+            can_keep_gguf_blocks=(device.type == "cpu" and quantization is None and not is_compiled
+                                  and not is_tensor_parallel),
         )
+
+    def gguf_kernels(self) -> GgufKernels | None:
+        """The GGUF block kernels a GGUF's matmuls may run on (engine/loader/gguf_model.py), or None."""
+        return load_gguf_kernels() if self.can_keep_gguf_blocks else None
 
     @property
     def attention_kernels(self) -> ModuleType | None:

@@ -20,7 +20,6 @@ Reference for the block layouts: ggml/src/ggml-common.h (block_q4_0, block_q4_1,
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.loader.gguf_model import ROW_SPAN
+
 logger = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per block, in all three types
 SCHEME_OF_TYPE = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
-# A row source is tensor_index * ROW_SPAN + row, exact in the float64 the loader carries it in.
-ROW_SPAN = 1 << 32
 
 
 @dataclass
@@ -102,30 +101,13 @@ def read_gguf_blocks(gguf_path: Path, folder: Path, scheme: str) -> dict[str, Gg
 
 
 def hf_row_sources(gguf_path: Path, folder: Path) -> dict[str, torch.Tensor]:
-    """Hugging Face parameter name -> [rows] int64, each row's (GGUF tensor index * ROW_SPAN +
-    row there): transformers' GGUF loader run on row numbers (module docstring)."""
-    import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """Hugging Face parameter name -> int64 row ids (GGUF tensor index * ROW_SPAN + row there),
+    [rows] for a 2-D weight: transformers' GGUF loader run on row numbers (module docstring), as
+    the GGUF loader itself maps the file (engine/loader/gguf_model.py)."""
+    from engine.loader.gguf_file import open_gguf
+    from engine.loader.gguf_model import map_checkpoint
 
-    from engine.loader.gguf_convert import memoized_tensor_name_maps, replaced
-
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensor_indices = itertools.count()
-
-    def row_numbers(data: np.ndarray, qtype) -> np.ndarray:
-        # The loader calls this once per tensor, in the file's order: the i-th call is tensor i.
-        index = next(tensor_indices)
-        shape = data.shape[:-1] + (1,)  # a row a value, whatever the rows' bytes
-        return np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) + index * ROW_SPAN
-
-    with replaced(gguf, "dequantize", row_numbers), memoized_tensor_name_maps():
-        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton,
-                                      torch_dtype=torch.float64)
-    return {name: tensor.reshape(tensor.shape[:-1]).long() if tensor.dim() == 2 else tensor.long()
-            for name, tensor in parsed["tensors"].items()}
+    return map_checkpoint(open_gguf(gguf_path), folder).rows
 
 
 def place_blocks(model: nn.Module, hf_blocks: dict[str, GgufBlocks]) -> dict[str, GgufBlocks]:

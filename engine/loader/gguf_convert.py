@@ -1,15 +1,18 @@
-"""Convert a GGUF file (llama.cpp's format) into a Hugging Face folder the engine loads.
+"""A GGUF file (llama.cpp's format) as a Hugging Face folder the engine loads.
 
-    inspect_gguf(path)          metadata and tensor types; ValueError for a quantization
-                                the gguf package cannot dequantize
-    convert_gguf(path, out_dir) config.json, generation_config.json, model.safetensors,
-                                tokenizer files, chat template, gguf_source.json
+    inspect_gguf(path)               metadata and tensor types; ValueError for a quantization
+                                     the gguf package cannot dequantize
+    write_gguf_folder(path, out_dir) config.json, generation_config.json, tokenizer files, chat
+                                     template, gguf_source.json naming the file: the weights stay
+                                     in the GGUF (engine/loader/gguf_model.py loads them)
+    convert_gguf(path, out_dir)      the same and model.safetensors, the weights dequantized: the
+                                     default model's folder (engine/loader/model_files.py)
 
 The architecture must be one transformers' GGUF loader reads and one the engine serves
 (`engine.models.MODEL_CLASSES`); anything else is a ValueError naming it. Q4_0, Q4_1,
 Q5_x, Q8_0, the K-quants, the IQ types, F16, BF16 and F32 all dequantize.
 
-Weights are stored in fp32: the exact dequantized values, so the folder served in fp32
+convert_gguf's weights are stored in fp32: the exact dequantized values, so the folder served in fp32
 is the GGUF itself, and the engine casts to the served dtype as it loads. Past
 FP32_FOLDER_MAX_BYTES (a model over ~1B parameters) fp32 would cost 4 bytes a
 parameter on disk and in memory while converting (28 GB for a 7B), so such a model is
@@ -60,23 +63,32 @@ class GgufInfo:
         return "float16" if set(self.tensor_types) - {"F32"} == {"F16"} else "bfloat16"
 
 
-def inspect_gguf(gguf_path: Path) -> GgufInfo:
-    """Read a GGUF's metadata and check that every tensor type can be dequantized.
+def inspect_gguf(gguf_path: Path, check_dequantize: bool = True) -> GgufInfo:
+    """Read a GGUF's metadata and (with `check_dequantize`) check that every tensor type can be
+    dequantized; a file loaded directly (engine/loader/gguf_model.py) checks its types at load,
+    knowing which have kernels.
 
     Raises ValueError naming the problem: not readable by the `gguf` package (an unknown
-    tensor type or a newer format), or a quantization it cannot dequantize."""
+    tensor type, a newer format, a truncated or corrupt file), or a quantization it cannot
+    dequantize."""
     import gguf
 
     try:
         reader = gguf.GGUFReader(gguf_path)
-    except (ValueError, KeyError) as error:
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError) as error:
         raise ValueError(f"{gguf_path.name}: the gguf package (version {_gguf_version()}) cannot read it: {error}. "
-                         "A tensor type or format version newer than it knows?") from error
+                         "A truncated or corrupt file, or a tensor type or format version newer than it knows?"
+                         ) from error
     architecture = _read_field(reader, "general.architecture")
     if not reader.tensors or architecture is None:
         raise ValueError(f"{gguf_path.name}: no tensors or no general.architecture, not a model GGUF")
-    readable = set(GGUF_FLOAT_TYPES)
+    size = gguf_path.stat().st_size
     for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise ValueError(f"{gguf_path.name}: truncated GGUF: tensor {tensor.name} ends at byte "
+                             f"{tensor.data_offset + tensor.n_bytes}, the file has {size}")
+    readable = set(GGUF_FLOAT_TYPES)
+    for tensor in reader.tensors if check_dequantize else ():
         qtype = tensor.tensor_type
         if qtype.name in readable:
             continue
@@ -100,14 +112,52 @@ def inspect_gguf(gguf_path: Path) -> GgufInfo:
     )
 
 
+def write_gguf_folder(gguf_path: Path, out_dir: Path) -> None:
+    """The small files of a GGUF served from its own blocks (engine/loader/gguf_model.py): config,
+    generation config, tokenizer, chat template, and gguf_source.json naming the file."""
+    info = inspect_gguf(gguf_path, check_dequantize=False)
+    config, tokenizer = _config_and_tokenizer(gguf_path, info)
+    _write_model_files(gguf_path, out_dir, info, config, tokenizer, {"path": str(gguf_path.resolve())})
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF of an architecture the engine serves into an HF folder: weights
     (fp32 unless too large, see GgufInfo.weights_dtype), config, tokenizer, chat template."""
     info = inspect_gguf(gguf_path)
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config, tokenizer = _config_and_tokenizer(gguf_path, info)
+    dtype = getattr(torch, info.weights_dtype)
+    needed = info.num_elements * dtype.itemsize
+    if shutil.disk_usage(out_dir.parent).free < needed * 1.05:
+        raise RuntimeError(f"{gguf_path.name}: converting needs {needed / 1e9:.1f} GB free in {out_dir.parent}")
+    # The meta-device model only supplies parameter names for the GGUF -> HF mapping.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    logger.info("dequantizing %s to %s", gguf_path.name, info.weights_dtype)
+    try:
+        with memoized_tensor_name_maps():
+            parsed = load_gguf_checkpoint(
+                str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype
+            )
+    except NotImplementedError as error:
+        raise ValueError(f"{gguf_path.name}: transformers cannot load its tensors: {error}") from error
+    tensors = {name: t.to(dtype).contiguous() for name, t in parsed["tensors"].items()}
+    _check_tensors(tensors, skeleton, config)
+
+    weights_path = out_dir / "model.safetensors"
+    out_dir.mkdir(parents=True)
+    save_file(tensors, str(weights_path), metadata={"format": "pt"})
+    weights_path.chmod(0o644)  # safetensors writes 0600; the cache is shared
+    _write_model_files(gguf_path, out_dir, info, config, tokenizer, {})
+
+
+def _config_and_tokenizer(gguf_path: Path, info: GgufInfo):
+    """transformers' config (its architecture one the engine serves) and tokenizer of a GGUF."""
+    from transformers import AutoConfig, AutoTokenizer
 
     folder, file_name = str(gguf_path.parent), gguf_path.name
     types = ", ".join(f"{count} {name}" for name, count in sorted(info.tensor_types.items()))
@@ -118,33 +168,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise ValueError(f"{file_name}: transformers' GGUF loader cannot read architecture "
                          f"{info.architecture!r}: {error}") from error
     config.architectures = [_served_architecture(config, info, file_name)]
-    dtype = getattr(torch, info.weights_dtype)
-    needed = info.num_elements * dtype.itemsize
-    if shutil.disk_usage(out_dir.parent).free < needed * 1.05:
-        raise RuntimeError(f"{file_name}: converting needs {needed / 1e9:.1f} GB free in {out_dir.parent}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file_name)
     except (ValueError, KeyError, NotImplementedError) as error:
         raise ValueError(f"{file_name}: transformers cannot build a tokenizer from its metadata: {error}") from error
+    return config, tokenizer
 
-    # The meta-device model only supplies parameter names for the GGUF -> HF mapping.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    logger.info("dequantizing %s to %s", file_name, info.weights_dtype)
-    try:
-        with memoized_tensor_name_maps():
-            parsed = load_gguf_checkpoint(
-                str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype
-            )
-    except NotImplementedError as error:
-        raise ValueError(f"{file_name}: transformers cannot load its tensors: {error}") from error
-    tensors = {name: t.to(dtype).contiguous() for name, t in parsed["tensors"].items()}
-    _check_tensors(tensors, skeleton, config)
 
-    out_dir.mkdir(parents=True)
-    weights_path = out_dir / "model.safetensors"
-    save_file(tensors, str(weights_path), metadata={"format": "pt"})
-    weights_path.chmod(0o644)  # safetensors writes 0600; the cache is shared
+def _write_model_files(gguf_path: Path, out_dir: Path, info: GgufInfo, config, tokenizer, source: dict) -> None:
+    """config.json, generation_config.json, the tokenizer and chat template, gguf_source.json."""
+    from transformers import GenerationConfig
+
+    out_dir.mkdir(parents=True, exist_ok=True)
     _save_config(config, out_dir, info.weights_dtype)
     generation_config = GenerationConfig.from_model_config(config)
     stop_ids = list(dict.fromkeys([*_as_list(config.eos_token_id), *info.stop_token_ids]))
@@ -152,15 +187,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         generation_config.eos_token_id = stop_ids
     generation_config.save_pretrained(out_dir)
 
-    if not tokenizer.chat_template:
-        if info.chat_template is None:
-            raise RuntimeError(f"{file_name} has no chat template")
+    if not tokenizer.chat_template and info.chat_template is not None:
         logger.info("restoring the chat template from GGUF metadata")
         tokenizer.chat_template = info.chat_template
+    if not tokenizer.chat_template:  # a base model: completions serve; chat requests get a 400 saying why
+        logger.warning("%s has no chat template: only completions are served", gguf_path.name)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)
-    source = {"file": file_name, "size": gguf_path.stat().st_size, "architecture": info.architecture,
-              "tensor_types": info.tensor_types, "weights_dtype": info.weights_dtype}
+    stat = gguf_path.stat()
+    source = {"file": gguf_path.name, "size": stat.st_size, "architecture": info.architecture,
+              "tensor_types": info.tensor_types, "weights_dtype": info.weights_dtype, **source}
     (out_dir / "gguf_source.json").write_text(json.dumps(source, indent=2, sort_keys=True) + "\n")
 
 

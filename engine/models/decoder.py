@@ -184,12 +184,12 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def load_weights(self, weights, into: dict[str, torch.Tensor] | None = None) -> None:
+    def load_weights(self, weights, into: dict[str, torch.Tensor] | None = None) -> set[str]:
         """Copy Hugging Face-named tensors in, each renamed by `checkpoint_names` and its parts
         written to their rows of our merged weights. Under TP each rank keeps its shard (the
         tensors may be safetensors slices). `into`: write into these tensors, by our parameter
         name, instead (row by row, any dtype and width: a GGUF's blocks, engine/loader/gguf_blocks.py),
-        skipping the names it lacks; at TP = 1 only."""
+        skipping the names it lacks; at TP = 1 only. Returns the names (ours) it wrote."""
         params = dict(self.named_parameters()) if into is None else into
         if into is not None and self.tp.size != 1:
             raise ValueError("loading into other tensors is for TP = 1")
@@ -224,6 +224,7 @@ class DecoderForCausalLM(nn.Module):
                              "(--runner pooling)")
         if missing and into is None:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+        return loaded
 
     def _is_elsewhere(self, name: str) -> bool:
         """Whether `name` (ours) is a weight of a layer another pipeline stage holds."""

@@ -25,6 +25,8 @@ from engine.core.request import Request
 from engine.core.scheduler_output import SampledToken, SchedulerOutput
 from engine.cpu.execution_plan import CpuExecutionPlan
 from engine.loader.gguf_blocks import blocks_for_model
+from engine.loader.gguf_model import load_gguf_model
+from engine.loader.model_files import gguf_file_of
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.parallel.parallel_layers import num_local_kv_heads
@@ -38,7 +40,9 @@ from engine.worker.attention_choice import make_attention_backend, resolve_atten
 from engine.worker.compilation import compile_forward, inductor_cache_dir, warm_up
 from engine.worker.cuda_graph_check import check_replays
 from engine.worker.cuda_graphs import CudaGraphRunner
-from engine.worker.device_and_dtype import cpu_features_of, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from engine.worker.device_and_dtype import (
+    cpu_features_of, kv_bytes_per_block, resolve_device, resolve_dtype, resolve_kv_cache_dtype,
+)
 from engine.worker.pooler import Pooler
 from engine.worker.step_executors import make_step_executor
 from engine.worker.step_inputs import PreparedStep, StepInputs, make_sampling_batch, prepare_step
@@ -70,7 +74,7 @@ class ModelRunner:
         self.cpu_plan = CpuExecutionPlan.make(config, model_config.path, self.device, self.dtype, cpu, backend_name,
                                               self.is_compiled, is_tensor_parallel=self.tp is not None,
                                               read_gguf_blocks=blocks_for_model)
-        self.model = self._load_model()
+        self.model = self._load_model(num_kv_blocks)
         if self.kv_dtype != self.dtype:
             self.model.set_attention_dtype(self.kv_dtype)
         self.backend = self._make_backend(backend_name, self.cpu_plan.attention_kernels)
@@ -90,11 +94,22 @@ class ModelRunner:
             compiled_forward=self.compiled_forward, decode_stack=self.decode_stack)
         logger.info("steps run on: %s", self.step_executor.name)
 
-    def _load_model(self) -> torch.nn.Module:
-        model = load_model(self.model_config, self.dtype, self.device, self.config.load_format, self.tp)
-        # Counted before prepacking, which turns weights into opaque oneDNN buffers.
+    def _load_model(self, num_kv_blocks: int) -> torch.nn.Module:
+        """From the folder's safetensors, or from the GGUF file the folder names, in its own blocks
+        where the CPU plan has kernels for them (engine/loader/gguf_model.py)."""
+        gguf_path = gguf_file_of(self.model_config.path)
+        if gguf_path is not None and self.config.load_format == "auto":
+            kv_pool_bytes = num_kv_blocks * kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype,
+                                                               self.config.tensor_parallel_size)
+            model = load_gguf_model(self.model_config, gguf_path, self.dtype, self.device, self.tp,
+                                    kernels=self.cpu_plan.gguf_kernels(), reserve_bytes=kv_pool_bytes)
+        else:
+            model = load_model(self.model_config, self.dtype, self.device, self.config.load_format, self.tp)
+        # Counted before prepacking, which turns weights into opaque oneDNN buffers; a GgufLinear
+        # counts its blocks (num_weight_bytes).
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.num_weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.num_weight_bytes = (sum(p.numel() * p.element_size() for p in model.parameters())
+                                 + sum(getattr(m, "num_weight_bytes", 0) for m in model.modules()))
         return model
 
     def _make_backend(self, name: str, kernels) -> AttentionBackend:

@@ -92,7 +92,8 @@ class Tokenizer:
             raise TemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         if self._template is None:
             if not self.chat_template:
-                raise TemplateError(f"the model at {self.folder} has no chat template")
+                raise TemplateError(f"the model at {self.folder} has no chat template (a base model?): "
+                                    "send its prompt as text to /v1/completions or /generate")
             self._template = _compile_template(self.chat_template)
         try:
             return self._template.render(

@@ -96,7 +96,7 @@ def write_llama_gguf(folder: Path, out_path: Path, qtype: GGMLQuantizationType =
     return out_path
 
 
-def _add_tokenizer(writer: GGUFWriter, folder: Path, vocab_size: int) -> None:
+def _add_tokenizer(writer: GGUFWriter, folder: Path, vocab_size: int, chat_template: bool = True) -> None:
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     if tokenizer["model"]["type"] != "BPE":
         raise ValueError(f"only byte-level BPE tokenizers, not {tokenizer['model']['type']}")
@@ -122,5 +122,132 @@ def _add_tokenizer(writer: GGUFWriter, folder: Path, vocab_size: int) -> None:
             add(ids[token_config[key]])
     writer.add_add_bos_token(False)
     template = folder / "chat_template.jinja"
-    if template.is_file():
+    if chat_template and template.is_file():
         writer.add_chat_template(template.read_text())
+
+
+# ---------------------------------------------------------------- random weights, any block type
+
+# Where a block keeps its fp16 scale d and, for the types with one, its fp16 minimum (dmin or m),
+# with the minimum's ratio to d that centres the weights near zero (ggml-common.h's layouts).
+FP16_FIELDS = {
+    "Q4_0": (0, None), "Q5_0": (0, None), "Q8_0": (0, None),
+    "Q4_1": (0, (2, -7.5)), "Q5_1": (0, (2, -15.5)),  # w = d q + m
+    "Q2_K": (80, (82, 1.5)), "Q4_K": (0, (2, 7.5)), "Q5_K": (0, (2, 15.5)),  # w = d sc q - dmin m
+    "Q3_K": (108, None), "Q6_K": (208, None),
+}
+
+
+def random_blocks(shape: tuple[int, int], type_name: str, rng: np.random.Generator, std: float = 0.05) -> np.ndarray:
+    """[rows, bytes per row] uint8: valid blocks of `type_name` with random codes and sub-block
+    scales, and fp16 scales set so the weights' standard deviation is about `std` (the gguf
+    package cannot quantize to the K-quants, so they are made, not quantized)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[type_name]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rows, columns = shape
+    num_blocks = columns // block_size
+    blocks = rng.integers(0, 256, size=(rows, num_blocks, type_size), dtype=np.uint8)
+    d_offset, minimum = FP16_FIELDS[type_name]
+    d = rng.uniform(0.5, 1.5, size=(rows, num_blocks)).astype(np.float32)
+    # Measure the weights at d = 1 on a few rows, then scale d (and the minimum with it) to `std`.
+    sample = min(rows, 16)
+    _set_fp16(blocks[:sample], d_offset, d[:sample])
+    if minimum is not None:
+        _set_fp16(blocks[:sample], minimum[0], d[:sample] * minimum[1])
+    measured = float(dequantize(blocks[:sample].reshape(sample, -1), qtype).std())
+    d *= std / measured
+    _set_fp16(blocks, d_offset, d)
+    if minimum is not None:
+        _set_fp16(blocks, minimum[0], d * minimum[1])
+    return blocks.reshape(rows, num_blocks * type_size)
+
+
+def _set_fp16(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
+    blocks[:, :, offset:offset + 2] = values.astype(np.float16)[:, :, None].view(np.uint8)
+
+
+def random_tensor(shape: tuple[int, ...], type_name: str, rng: np.random.Generator, std: float = 0.05) -> np.ndarray:
+    """A tensor's data as GGUFWriter takes it: float values for F32/F16, blocks otherwise."""
+    if type_name in ("F32", "F16"):
+        return (rng.standard_normal(shape) * std).astype(np.float32 if type_name == "F32" else np.float16)
+    return random_blocks(shape, type_name, rng, std)
+
+
+def q4_k_m_types(num_layers: int) -> dict[str, str]:
+    """llama.cpp's Q4_K_M recipe, near enough: Q4_K, with Q6_K for the LM head and for attn_v
+    and ffn_down in a few layers (the first and last eighth, and every third between)."""
+    def more_bits(i: int) -> bool:
+        return i < num_layers // 8 or i >= 7 * num_layers // 8 or (i - num_layers // 8) % 3 == 2
+
+    types = {"output": "Q6_K", "token_embd": "Q4_K"}
+    for i in range(num_layers):
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            types[f"blk.{i}.{name}"] = "Q4_K"
+        for name in ("attn_v", "ffn_down"):
+            types[f"blk.{i}.{name}"] = "Q6_K" if more_bits(i) else "Q4_K"
+    return types
+
+
+def write_random_llama_gguf(out_path: Path, tokenizer_folder: Path, *, vocab_size: int, hidden_size: int,
+                            intermediate_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                            types: str | dict[str, str] = "Q8_0", tie_word_embeddings: bool = False,
+                            chat_template: bool = True, seed: int = 0, context_length: int = 2048,
+                            std: float = 0.05) -> Path:
+    """A Llama GGUF with random weights in any ggml type (`types`: one name for every matmul
+    weight, or llama.cpp tensor name without ".weight" -> type, e.g. q4_k_m_types), the tokenizer
+    of `tokenizer_folder` padded to `vocab_size`, norms in F32, weights of about `std`. Tensors are streamed to the file
+    one at a time, so an 8B-shaped file needs no more memory than its largest tensor."""
+    rng = np.random.default_rng(seed)
+    head_dim = hidden_size // num_heads
+    shapes = {"token_embd": (vocab_size, hidden_size)}
+    if not tie_word_embeddings:
+        shapes["output"] = (vocab_size, hidden_size)
+    for i in range(num_layers):
+        shapes.update({
+            f"blk.{i}.attn_q": (num_heads * head_dim, hidden_size), f"blk.{i}.attn_k": (num_kv_heads * head_dim, hidden_size),
+            f"blk.{i}.attn_v": (num_kv_heads * head_dim, hidden_size), f"blk.{i}.attn_output": (hidden_size, num_heads * head_dim),
+            f"blk.{i}.ffn_gate": (intermediate_size, hidden_size), f"blk.{i}.ffn_up": (intermediate_size, hidden_size),
+            f"blk.{i}.ffn_down": (hidden_size, intermediate_size),
+        })
+    norms = ["output_norm", *(f"blk.{i}.{n}" for i in range(num_layers) for n in ("attn_norm", "ffn_norm"))]
+    type_of = (lambda name: types) if isinstance(types, str) else types.__getitem__
+
+    writer = GGUFWriter(out_path, "llama")
+    writer.add_name("tokenloom random llama")
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(hidden_size)
+    writer.add_block_count(num_layers)
+    writer.add_feed_forward_length(intermediate_size)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(vocab_size)
+    _add_tokenizer(writer, tokenizer_folder, vocab_size, chat_template)
+    for name, shape in shapes.items():
+        type_name = type_of(name)
+        qtype = GGMLQuantizationType[type_name]
+        if type_name in ("F32", "F16"):
+            dtype = np.float32 if type_name == "F32" else np.float16
+            writer.add_tensor_info(f"{name}.weight", shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        else:
+            from gguf import GGML_QUANT_SIZES
+
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            byte_shape = (shape[0], shape[1] // block_size * type_size)
+            writer.add_tensor_info(f"{name}.weight", byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype)
+    for name in norms:
+        writer.add_tensor_info(f"{name}.weight", (hidden_size,), np.dtype(np.float32), hidden_size * 4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, shape in shapes.items():
+        writer.write_tensor_data(random_tensor(shape, type_of(name), rng, std))
+    for name in norms:
+        writer.write_tensor_data(rng.uniform(0.5, 1.5, hidden_size).astype(np.float32))
+    writer.close()
+    return out_path

@@ -21,7 +21,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from engine import LLM, SamplingParams
-from engine.loader.model_files import DEFAULT_MODEL, download_known_gguf, find_known_model, gguf_folder, resolve_model
+from engine.loader.gguf_convert import convert_gguf
+from engine.loader.model_files import (
+    DEFAULT_MODEL, download_known_gguf, find_known_model, gguf_file_of, gguf_folder, resolve_model,
+)
 from tests.helpers import REPO_ROOT
 from tests.helpers.gguf_writer import permute_for_llama_cpp, write_llama_gguf
 from scripts.lib.greedy_drift import hf_greedy
@@ -84,11 +87,13 @@ def test_permutation_is_the_inverse_of_transformers_loader():
     assert (restored == weights).all()
 
 
-def test_tiny_f32_gguf_round_trips_exactly(tiny_llama, in_gguf_cache):
+def test_tiny_f32_gguf_round_trips_exactly(tiny_llama, in_gguf_cache, tmp_path):
     hf_folder, _, gguf_path = tiny_llama
     folder = Path(resolve_model(str(gguf_path)))
     assert folder == gguf_folder(gguf_path) and folder.parent == in_gguf_cache / "models" / "gguf"
-    expected, converted = load_state_dict(hf_folder), load_state_dict(folder)
+    assert not (folder / "model.safetensors").exists()  # served from the file's blocks (test_gguf_direct.py)
+    convert_gguf(gguf_path, tmp_path / "fp32")  # the default model's way: the weights dequantized
+    expected, converted = load_state_dict(hf_folder), load_state_dict(tmp_path / "fp32")
     assert sorted(converted) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(converted[name], tensor), name
@@ -117,6 +122,7 @@ def test_llm_serves_a_gguf_like_transformers(tiny_llama, in_gguf_cache):
     _, hf_model, gguf_path = tiny_llama
     llm = LLM(model=str(gguf_path), dtype="float32", block_size=4)
     assert llm.engine.model_path == str(gguf_folder(gguf_path))
+    assert llm.engine.model_runner.model.gguf_types["layers.0.self_attn.qkv_proj"] == ("F32", "F32", "F32")
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in ("hello", "What is the capital?")]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outputs] == [hf_greedy(hf_model, p, 24) for p in prompts]
@@ -125,25 +131,26 @@ def test_llm_serves_a_gguf_like_transformers(tiny_llama, in_gguf_cache):
 def test_second_resolve_reuses_the_folder_without_torch(tiny_llama, in_gguf_cache):
     _, _, gguf_path = tiny_llama
     folder = Path(resolve_model(str(gguf_path)))
-    weights_mtime = (folder / "model.safetensors").stat().st_mtime_ns
+    config_mtime = (folder / "config.json").stat().st_mtime_ns
     script = ("import sys, time; from engine.loader.model_files import resolve_model; start = time.monotonic(); "
               "print(resolve_model(sys.argv[1])); print('torch' in sys.modules, time.monotonic() - start)")
     result = subprocess.run([sys.executable, "-c", script, str(gguf_path)], cwd=REPO_ROOT, capture_output=True,
                             text=True, check=True)
     printed_folder, imported_torch, seconds = result.stdout.split()
     assert printed_folder == str(folder) and imported_torch == "False" and float(seconds) < 1.0
-    assert (folder / "model.safetensors").stat().st_mtime_ns == weights_mtime
+    assert (folder / "config.json").stat().st_mtime_ns == config_mtime
 
 
-def test_changed_file_converts_again(tiny_llama, in_gguf_cache, tmp_path):
+def test_moved_or_changed_file_gets_its_own_folder(tiny_llama, in_gguf_cache, tmp_path):
     _, _, gguf_path = tiny_llama
     copy = tmp_path / gguf_path.name
-    shutil.copy2(gguf_path, copy)  # same name, size and mtime: the same key
-    assert gguf_folder(copy) == gguf_folder(gguf_path)
-    os.utime(copy, ns=(time.time_ns(), time.time_ns() + 10**9))
+    shutil.copy2(gguf_path, copy)  # same name, size and mtime, another path: the folder names the file
     assert gguf_folder(copy) != gguf_folder(gguf_path)
+    folder = gguf_folder(copy)
+    os.utime(copy, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert gguf_folder(copy) != folder
     folder = Path(resolve_model(str(copy)))
-    assert folder == gguf_folder(copy) and (folder / "model.safetensors").is_file()
+    assert folder == gguf_folder(copy) and gguf_file_of(folder) == copy.resolve()
 
 
 def test_tiny_q8_0_gguf_dequantizes_like_gguf_py(tiny_llama, in_gguf_cache, tmp_path):
@@ -151,7 +158,8 @@ def test_tiny_q8_0_gguf_dequantizes_like_gguf_py(tiny_llama, in_gguf_cache, tmp_
 
     hf_folder, _, _ = tiny_llama
     gguf_path = write_llama_gguf(hf_folder, tmp_path / "tiny-llama.q8_0.gguf", GGMLQuantizationType.Q8_0)
-    converted = load_state_dict(resolve_model(str(gguf_path)))
+    convert_gguf(gguf_path, tmp_path / "fp32")
+    converted = load_state_dict(tmp_path / "fp32")
     for name, tensor in load_state_dict(hf_folder).items():
         if tensor.ndim == 1:
             assert torch.equal(converted[name], tensor), name
@@ -182,10 +190,12 @@ def write_minimal_gguf(path: Path, architecture: str, tensor_type: GGMLQuantizat
 
 
 def test_unsupported_quantization_is_named(tmp_path, in_gguf_cache):
+    # The converter's check (the default model's folder); a GGUF served from its blocks checks its
+    # types as it loads, knowing which have kernels (test_gguf_direct.py).
     path = write_minimal_gguf(tmp_path / "odd.gguf", "llama", GGMLQuantizationType.Q8_K)
     with pytest.raises(ValueError, match=r"odd\.gguf: tensor token_embd\.weight is quantized as Q8_K"):
-        resolve_model(str(path))
-    assert not (in_gguf_cache / "models" / "gguf" / gguf_folder(path).name).exists()
+        convert_gguf(path, tmp_path / "fp32")
+    assert not (tmp_path / "fp32").exists()
 
 
 def test_architecture_transformers_cannot_read_is_named(tmp_path, in_gguf_cache):
@@ -237,8 +247,9 @@ def test_smollm2_gguf_answers_paris(smollm2_gguf, default_model_path, in_gguf_ca
     print(f"converted and loaded {smollm2_gguf.name} in {time.monotonic() - start:.1f} s")
     folder = Path(llm.engine.model_path)
     assert folder.parent == in_gguf_cache / "models" / "gguf"
+    assert not (folder / "model.safetensors").exists()  # the weights stay in the file
     # The same bytes as the default model's folder, which comes from the same file.
-    for name in ("model.safetensors", "tokenizer.json", "chat_template.jinja"):
+    for name in ("tokenizer.json", "chat_template.jinja"):
         assert (folder / name).read_bytes() == (Path(default_model_path) / name).read_bytes(), name
     # config.json records the transformers version that wrote it; a cached default model may
     # come from an older one, so compare what the config says, less that stamp.
@@ -251,12 +262,12 @@ def test_smollm2_gguf_answers_paris(smollm2_gguf, default_model_path, in_gguf_ca
     output = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params, use_tqdm=False)[0]
     assert output.text.startswith("The capital of France is Paris."), output.text
 
-    # The server's path: the child process prints the folder, converting nothing again.
-    weights_mtime = (folder / "model.safetensors").stat().st_mtime_ns
+    # The server's path: the child process prints the folder, making nothing again.
+    config_mtime = (folder / "config.json").stat().st_mtime_ns
     result = subprocess.run([sys.executable, "-m", "engine.loader.model_files", str(smollm2_gguf)], cwd=REPO_ROOT,
                             capture_output=True, text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == str(folder)
-    assert (folder / "model.safetensors").stat().st_mtime_ns == weights_mtime
+    assert (folder / "config.json").stat().st_mtime_ns == config_mtime
 
 
 def greedy_answers(model: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -288,9 +299,9 @@ def folder_fp32_answers(default_model_path):
 def test_f16_gguf_of_the_default_model_matches_its_folder(default_model_path, folder_fp32_answers, in_gguf_cache,
                                                           tmp_path):
     gguf_path = write_llama_gguf(default_model_path, tmp_path / "SmolLM2-135M-Instruct.F16.gguf")
-    folder = resolve_model(str(gguf_path))
+    convert_gguf(gguf_path, tmp_path / "fp32")
     # Weight for weight: the folder's fp32 values rounded to fp16, nothing else.
-    converted = load_state_dict(folder)
+    converted = load_state_dict(tmp_path / "fp32")
     for name, tensor in load_state_dict(default_model_path).items():
         expected = tensor if tensor.ndim == 1 else tensor.half().float()
         assert torch.equal(converted[name], expected), name
