@@ -6,21 +6,17 @@ rows of several types stacked (a Q4_K_M file's qkv_proj: Q4_K rows for q and k, 
 `GgufEmbedding` reads an embedding's rows back out of one (the LM head's, when tied), so the
 vocabulary is held once, in its blocks, as int8_linear.QuantizedEmbedding does for int8.
 
-Where engine/cpu/gguf_linear.py is absent (a build without the block kernels), no type has a
-kernel: every GGUF tensor is then dequantized into the model's dtype as it loads.
+Where the block kernels cannot be built or run here, no type has a kernel (GGUF_KERNEL_TYPES is
+empty): every GGUF tensor is then dequantized into the model's dtype as it loads.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
-
-GGUF_LINEAR_MODULE = "engine.cpu.gguf_linear"
-
 
 @dataclass(frozen=True)
 class GgufKernels:
@@ -31,16 +27,11 @@ class GgufKernels:
         return GgufEmbedding(table, dtype, is_shared)
 
 
-NO_GGUF_KERNELS = GgufKernels(frozenset(), None)
-
-
 def load_gguf_kernels() -> GgufKernels:
-    """engine/cpu/gguf_linear.py's types and GgufLinear; none where that module is absent. An
-    error inside the module (a kernel that fails to build) is raised, not taken for absence."""
-    if importlib.util.find_spec(GGUF_LINEAR_MODULE) is None:
-        return NO_GGUF_KERNELS
-    module = importlib.import_module(GGUF_LINEAR_MODULE)
-    return GgufKernels(frozenset(module.GGUF_KERNEL_TYPES), module.GgufLinear)
+    """engine/cpu/gguf_linear.py's types (none where its extension cannot build) and GgufLinear."""
+    from engine.cpu import gguf_linear  # its kernels build on first use
+
+    return GgufKernels(frozenset(gguf_linear.GGUF_KERNEL_TYPES), gguf_linear.GgufLinear)
 
 
 class GgufEmbedding(nn.Module):
