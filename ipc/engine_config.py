@@ -81,6 +81,10 @@ class EngineConfig:
     # Decode steps' layers in one C++ loop, not ~15 Python calls a layer (engine.cpu.decode_stack).
     cpu_decode_stack: bool = field(default=True, metadata=_flag(
         "CPU: run decode-only steps' decoder layers in one C++ call"))
+    # A .gguf's matmuls on its own blocks, activations in 8 bits per block as llama.cpp's (docs/models.md);
+    # off, each is dequantized into the served dtype: the file's weights exactly, at fp32's memory.
+    gguf_blocks: bool = field(default=True, metadata=_flag(
+        "CPU: serve a .gguf's matmuls from its own blocks (off: dequantize them as they load)"))
     # Off recomputes every prompt, for comparison.
     enable_prefix_caching: bool = field(default=True, metadata=_flag(
         "reuse the KV of full blocks whose whole prefix matches an earlier request's"))

@@ -76,8 +76,8 @@ class CpuExecutionPlan:
             gguf_source=(config.model, model_path) if may_use_gguf else None, read_gguf_blocks=read_gguf_blocks,
             # The block kernels are eager CPU matmuls of one process: --quantization, inductor and
             # tensor parallelism take dequantized weights instead.
-            can_keep_gguf_blocks=(device.type == "cpu" and quantization is None and not is_compiled
-                                  and not is_tensor_parallel),
+            can_keep_gguf_blocks=(config.gguf_blocks and device.type == "cpu" and quantization is None
+                                  and not is_compiled and not is_tensor_parallel),
         )
 
     def gguf_kernels(self) -> GgufKernels | None:
