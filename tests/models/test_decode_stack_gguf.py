@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cpu.decode_stack import build_decode_stack
+from engine.worker.step_executors import make_step_executor
 from engine.cpu.gguf_linear import GgufLinear
 from tests.helpers.models import make_tiny_model
 from tests.kernels.test_gguf_linear import make_blocks
@@ -64,12 +65,15 @@ def test_stack_runs_gguf_blocks_bit_for_bit_on_the_work_pool(tmp_path):
     assert stack is not None, note
     assert stack._stack.is_pooled()  # every matmul shares its rows out on the pool
     calls = []
-    runner.decode_stack = stack
+    runner.decode_stack = runner.step_executor.decode_stack = stack  # the runner's one way to run steps: the stack
     forward = stack.forward
     stack.forward = lambda *args: calls.append(1) or forward(*args)
     stacked = generate(llm)
     assert len(calls) >= 15  # every decode step after the prompts' went through the stack
     runner.decode_stack = None
+    runner.step_executor = make_step_executor(runner.model, runner.kv_caches, runner.backend, runner.device,
+                                              runner.dtype, group=None)  # eager: no stack
+    assert runner.step_executor.name == "eager"
     eager = generate(llm)
     assert len({t for tokens, _ in eager for t in tokens}) >= 6, eager  # answers that vary: a real check
     assert all(np.isfinite(lp.logprob) for _, lps in eager for lp in lps)
