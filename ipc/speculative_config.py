@@ -37,7 +37,10 @@ class SpeculativeConfig:
         if value is None or value == "":
             return None
         if isinstance(value, str):
-            value = loads_bounded(value, "speculative_config", max_bytes=MAX_CONFIG_BYTES)
+            try:
+                value = loads_bounded(value, "speculative_config", max_bytes=MAX_CONFIG_BYTES)
+            except ValueError as e:  # not JSON, or past the bounds: say what the flag wants
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a JSON object")
         unknown = sorted(set(value) - set(_FIELDS))
