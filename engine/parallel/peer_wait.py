@@ -13,7 +13,8 @@ How to wait without bounding the step depends on the op, because gloo's timed wa
 
     collective (all-reduce, gather, broadcast: gloo's queued work)   wait_for_peers
         `work.wait(timeout)` that times out raises "Operation timed out!" and leaves the work
-        pending: wait again. A work that is completed when its wait raised has failed.
+        pending: wait again. A work found completed after its wait raised either finished as the
+        slice ran out or failed; a plain wait tells which (it returns, or raises the op's error).
     point-to-point (send, recv)                                        run_with_peers
         a timed-out `wait(timeout)` completes the work with an error ("Timed out waiting
         <timeout> for recv operation to complete") and closes the pair ("Application timeout
@@ -49,7 +50,10 @@ def wait_for_peers(work, check_alive: Callable[[], None] | None) -> None:
             return
         except RuntimeError:
             if work.is_completed():
-                raise  # the collective itself failed (a peer's socket closed): not a timed-out slice
+                # Done since: the slice ran out as the collective finished (then this returns), or
+                # the collective itself failed, a peer's socket closed (then this raises its error).
+                work.wait()
+                return
         check_alive()
 
 

@@ -132,3 +132,35 @@ def test_the_stage_delay_hook_reads_its_rank_and_seconds(monkeypatch):
     for bad in ("rank=1", "seconds=3", "rank=x,seconds=3", "rank=1,seconds=3,steps=2", "rank=1,seconds=-1", "3"):
         with pytest.raises(ValueError, match=STAGE_DELAY_ENV):
             stage_delay_s(1, bad)
+
+
+class RacingWork:
+    """A c10d Work whose timed wait ran out just as it finished: the slice raises, and by then the
+    work is completed, with `error` (a peer gone) or without (the collective simply finished)."""
+
+    def __init__(self, error: Exception | None):
+        self.error = error
+        self.num_plain_waits = 0
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            raise RuntimeError("Operation timed out!")
+        self.num_plain_waits += 1
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def test_a_collective_done_as_its_slice_ran_out_is_not_taken_for_a_failure():
+    """Seen in the TP=2 fault test under load: a step that finished as its slice ran out was
+    failed with "Operation timed out!" (is_completed() was taken to mean the op had failed)."""
+    checks = []
+    work = RacingWork(error=None)
+    wait_for_peers(work, check_alive=lambda: checks.append(1))
+    assert work.num_plain_waits == 1 and checks == []
+    failed = RacingWork(error=RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        wait_for_peers(failed, check_alive=lambda: checks.append(1))
