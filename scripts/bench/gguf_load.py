@@ -5,7 +5,7 @@ from there ("convert", what the default model still does).
     flock /tmp/bench.lock python -m scripts.bench.gguf_load --shape llama-3.2-1b --how direct convert \
         --out results/gguf_load.json
 
-The file has random weights in llama.cpp's Q4_K_M mix (tests/helpers/gguf_writer.q4_k_m_types) and
+The file has random weights in llama.cpp's Q4_K_M mix (scripts/lib/gguf_writer.q4_k_m_types) and
 the default model's tokenizer; it is written once to --dir and kept (--delete removes it after).
 Each run is a fresh process: it builds `LLM(model=...)`, answers one greedy request, and reports its
 peak RSS (ru_maxrss: the model, the KV pool's touched pages, Python and torch) and the load time.
@@ -37,7 +37,7 @@ NUM_KV_BLOCKS = 64  # 1024 tokens: the KV pool stays small beside the weights
 
 def write_file(shape: str, path: Path) -> Path:
     from engine.loader.model_files import resolve_model
-    from tests.helpers.gguf_writer import q4_k_m_types, write_random_llama_gguf
+    from scripts.lib.gguf_writer import q4_k_m_types, write_random_llama_gguf
 
     sizes = SHAPES[shape]
     types = q4_k_m_types(sizes["num_layers"])

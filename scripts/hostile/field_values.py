@@ -4,6 +4,8 @@ ids, schemas, regexes and grammars, embeddings' input)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from scripts.hostile.client import Raw
 
 MAX_GRAMMAR_BYTES = 256 * 1024  # ipc.structured_outputs: a schema, regex or grammar
@@ -12,6 +14,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     "x": {"type": "integer"}}}}}
 
 
+@dataclass(frozen=True)
 class Big:
     """A value too long for the report: sent as `value`, shown as `label`."""
 

@@ -20,7 +20,6 @@ import json
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import msgpack
 
@@ -82,7 +81,6 @@ ROUTE_TOOLS = {"/v1/responses": ({"type": "function", "name": "f", "parameters":
                "/v1/messages": ({"name": "f", "input_schema": TOOL["function"]["parameters"]}, {"type": "any"})}
 
 
-@dataclass(frozen=True)
 def http_body(route: str, name: str, kind: str, value) -> dict:
     body = dict(HTTP_BASE[route])
     value = value.value if isinstance(value, Big) else value

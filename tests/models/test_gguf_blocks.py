@@ -23,7 +23,7 @@ from engine.loader.model_files import resolve_model
 from engine.models import load_model
 from engine.models.config import ModelConfig
 from engine.cpu.int8_linear import QuantizedLinear
-from tests.helpers.gguf_writer import write_llama_gguf
+from scripts.lib.gguf_writer import write_llama_gguf
 from tests.models.test_gguf_files import write_tiny_llama
 
 needs_vnni = pytest.mark.skipif(not detect_cpu_features().has_avx512_vnni, reason="int8/int4 need AVX512_VNNI")

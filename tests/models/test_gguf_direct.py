@@ -1,7 +1,7 @@
 """A GGUF served from its own blocks (engine/loader/gguf_model.py): no fp32 folder, each tensor in
 its own type, base models without a chat template, and honest errors at start.
 
-The files are written here with random weights (tests/helpers/gguf_writer.write_random_llama_gguf:
+The files are written here with random weights (scripts/lib/gguf_writer.write_random_llama_gguf:
 valid blocks of any type, the K-quants too) at a tiny Llama shape whose rows are whole K-quant
 super-blocks (256 inputs). The reference is transformers in fp32 on the file's dequantized
 weights: engine/loader/gguf_convert.convert_gguf's folder, gguf-py's values exactly.
@@ -22,7 +22,7 @@ from engine.cpu.gguf_kernels import load_gguf_kernels
 from engine.loader.gguf_convert import convert_gguf
 from engine.loader.gguf_file import open_gguf
 from engine.loader.model_files import gguf_folder, resolve_model
-from tests.helpers.gguf_writer import q4_k_m_types, write_random_llama_gguf
+from scripts.lib.gguf_writer import q4_k_m_types, write_random_llama_gguf
 from tests.helpers.server import REAL_ENGINE_ARGS
 from tests.models.test_gguf_files import write_tiny_llama
 from scripts.lib.fake_engine import FrontendServer

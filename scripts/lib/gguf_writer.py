@@ -1,5 +1,5 @@
 """Write a Llama-family Hugging Face folder as a GGUF file, the way llama.cpp's
-convert_hf_to_gguf.py does, for tests that feed GGUFs back into tokenloom.
+convert_hf_to_gguf.py does, for the tests and benchmarks that feed GGUFs back into tokenloom.
 
     write_llama_gguf(folder, "model.f16.gguf", GGMLQuantizationType.F16)
 
