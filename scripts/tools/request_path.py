@@ -36,6 +36,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from scripts.lib.bench_report import write_report
 from scripts.lib.local_server import free_port, launch_server, stop_server
 from scripts.tools.trace_files import ENV_VAR
 
@@ -188,9 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
     report = measure(args)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.json, report, indent=2)
     print(plain_list(report) if args.list else json.dumps(report, indent=2))
     return report
 
