@@ -27,17 +27,22 @@ def tiny_llama(tmp_path_factory) -> str:
     return path
 
 
-def generate(path: str, **kwargs):
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (1, 7, 30)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
-    llm = LLM(path, **ENGINE_KWARGS | kwargs)
+def run_greedy(path: str, prompts: list[list[int]], max_tokens: int, **engine_kwargs):
+    """Greedy outputs with log-probs; every block is back in the pool after."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    llm = LLM(path, **engine_kwargs)
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.block_manager.num_used_blocks == 0
         return outputs
     finally:
         llm.shutdown()
+
+
+def generate(path: str, **kwargs):
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (1, 7, 30)]
+    return run_greedy(path, prompts, 12, **ENGINE_KWARGS | kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +89,7 @@ def generate_smollm2(path: str, **kwargs):
     """Greedy tokens for issue #54's prompts, SmolLM2 in fp32 at the engine's defaults otherwise."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (n,), generator=generator).tolist() for n in SMOLLM2_PROMPT_LENGTHS]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    llm = LLM(path, dtype="float32", **kwargs)
-    try:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.block_manager.num_used_blocks == 0
-        return outputs
-    finally:
-        llm.shutdown()
+    return run_greedy(path, prompts, 8, dtype="float32", **kwargs)
 
 
 @pytest.mark.slow
