@@ -41,10 +41,10 @@ from collections import deque
 from engine.core.block_manager import BlockManager
 from ipc.pooling_params import needs_every_position
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
-from engine.core.spec_scheduling import add_proposals, emitted_tokens, make_output, record_acceptance, roll_back
-from engine.core.spec_stats import SpecStats
-from engine.core.step_outputs import RequestError, StepOutputs
+from engine.core.scheduler_output import (
+    RequestError, SampledToken, ScheduledRequest, SchedulerOutput, StepOutputs, emitted_tokens, make_output,
+)
+from engine.core.spec_scheduling import SpecStats, add_proposals, record_acceptance, roll_back
 from ipc.messages import RequestOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)

@@ -1,17 +1,25 @@
-"""What the scheduler hands the model runner each step, and what comes back.
+"""What the scheduler hands the model runner each step, what comes back, and what the step returns.
 
 `SchedulerOutput` is one flat batch of (request, num_new_tokens) pairs (engine.core.scheduler
 explains how it is chosen); `SampledToken` is a request's new token from the runner,
 with the proposed tokens it accepted before it.
+
+`StepOutputs` is what one engine step returns (vLLM's `EngineCoreOutputs`): the requests'
+deltas, and the requests that failed by their own parameters, each with why. An error
+travels with the step that found it, as a return value: the scheduler returns it from
+`update` (constraints that leave no token) or `take_grammar_failures` (a grammar that did
+not compile), `EngineCore.step` returns it, and the core process sends it as that request's
+`EngineError`. Nobody keeps a list for another object to clear.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.core.request import Request
 from engine.core.step_stats import StepStats
-from ipc.messages import StepCounts, TokenLogprobs
+from ipc.messages import RequestOutput, SpecMethod, StepCounts, TokenLogprobs
 
 
 @dataclass
@@ -75,3 +83,42 @@ class SampledToken:
     prompt_logprobs: list[TokenLogprobs] | None = None  # with a request's first token, if it asked
     # Speculative decoding: the proposed tokens accepted before this one (which ends the step's tokens)
     accepted: list[SampledToken] = field(default_factory=list)
+
+
+class RequestError(NamedTuple):
+    request_id: str
+    message: str  # the client's to read: about its own request, never the engine's internals
+
+
+@dataclass
+class StepOutputs:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)  # each also has its output, finish_reason ERROR
+    step_counts: StepCounts | None = None  # the batch's prefill and decode shares, while EngineCore.count_steps
+
+    def extend(self, other: StepOutputs) -> None:
+        self.outputs.extend(other.outputs)
+        self.errors.extend(other.errors)
+
+
+def emitted_tokens(token: SampledToken) -> list[SampledToken]:
+    """A step's tokens for one request, in order: the accepted proposed ones, then the sampled one."""
+    return [*token.accepted, token] if token.accepted else [token]
+
+
+def make_output(request: Request, new_tokens: list[SampledToken], prompt_logprobs, num_proposed: int,
+                num_accepted: int) -> RequestOutput:
+    """The step's delta for `request`: its new tokens and, for a prediction's draft, what was kept of it."""
+    output = RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[t.token_id for t in new_tokens],
+        finish_reason=request.status.finish_reason,
+        new_logprobs=[t.logprobs for t in new_tokens] if new_tokens[0].logprobs is not None else None,
+        stop_token_id=request.stop_token_id,
+        num_cached_tokens=request.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
+    )
+    if num_proposed and request.spec_method == SpecMethod.PREDICTION:
+        output.num_accepted_prediction_tokens = num_accepted
+        output.num_rejected_prediction_tokens = num_proposed - num_accepted
+    return output

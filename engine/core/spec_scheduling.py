@@ -12,6 +12,8 @@ after it, at the next positions, so one weight read scores them all.
 The stale slots lie at positions >= num_computed_tokens, which attention never reads (it stops at
 the sequence's computed length) and the next step overwrites before counting them. Prefix caching
 registers only full blocks of computed tokens, so a rejected token's KV never enters a cached block.
+
+`SpecStats` keeps the cumulative counters per method, as `SchedulerStats.spec_decode` carries them.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from typing import TYPE_CHECKING
 
 from engine.core.block_manager import BlockManager, num_blocks_for
 from engine.core.request import Request
-from ipc.messages import RequestOutput, SpecMethod
+from ipc.messages import SpecDecodeStats, SpecMethod
 
 if TYPE_CHECKING:
-    from engine.core.scheduler_output import SampledToken, SchedulerOutput
+    from engine.core.scheduler_output import SchedulerOutput
 
 
 def add_proposals(output: SchedulerOutput, block_manager: BlockManager, budget: int, max_model_len: int) -> None:
@@ -47,35 +49,12 @@ def add_proposals(output: SchedulerOutput, block_manager: BlockManager, budget: 
         budget -= num_proposed
 
 
-def emitted_tokens(token: SampledToken) -> list[SampledToken]:
-    """A step's tokens for one request, in order: the accepted proposed ones, then the sampled one."""
-    return [*token.accepted, token] if token.accepted else [token]
-
-
 def roll_back(block_manager: BlockManager, request: Request) -> None:
     """Give back the blocks past what the request's tokens need (they held only rejected tokens' KV)."""
     num_needed = num_blocks_for(request.num_tokens, block_manager.block_size)
     if len(request.block_ids) > num_needed:
         block_manager.free(request.block_ids[num_needed:])
         del request.block_ids[num_needed:]
-
-
-def make_output(request: Request, new_tokens: list[SampledToken], prompt_logprobs, num_proposed: int,
-                num_accepted: int) -> RequestOutput:
-    """The step's delta for `request`: its new tokens and, for a prediction's draft, what was kept of it."""
-    output = RequestOutput(
-        request_id=request.request_id,
-        new_token_ids=[t.token_id for t in new_tokens],
-        finish_reason=request.status.finish_reason,
-        new_logprobs=[t.logprobs for t in new_tokens] if new_tokens[0].logprobs is not None else None,
-        stop_token_id=request.stop_token_id,
-        num_cached_tokens=request.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs,
-    )
-    if num_proposed and request.spec_method == SpecMethod.PREDICTION:
-        output.num_accepted_prediction_tokens = num_accepted
-        output.num_rejected_prediction_tokens = num_proposed - num_accepted
-    return output
 
 
 EMA_WEIGHT = 0.5  # of the newest draft's accepted count
@@ -85,3 +64,23 @@ def record_acceptance(request: Request, num_proposed: int, num_accepted: int) ->
     """Fold one verified draft into the request's average accepted count (adaptive k)."""
     if num_proposed:
         request.spec_ema = (1 - EMA_WEIGHT) * request.spec_ema + EMA_WEIGHT * num_accepted
+
+
+class SpecStats:
+    def __init__(self) -> None:
+        self.by_method: dict[SpecMethod, SpecDecodeStats] = {}
+
+    def record(self, method: SpecMethod, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
+        """One verified row: `num_proposed` tokens proposed, the first `num_accepted` kept, `num_emitted` out."""
+        stats = self.by_method.get(method)
+        if stats is None:
+            stats = self.by_method[method] = SpecDecodeStats(method)
+        stats.num_drafts += 1
+        stats.num_proposed_tokens += num_proposed
+        stats.num_accepted_tokens += num_accepted
+        stats.num_emitted_tokens += num_emitted
+
+    def to_wire(self) -> list[SpecDecodeStats]:
+        """A copy per method that has proposed anything, in method order."""
+        return [SpecDecodeStats(m, s.num_drafts, s.num_proposed_tokens, s.num_accepted_tokens, s.num_emitted_tokens)
+                for m, s in sorted(self.by_method.items())]

@@ -22,7 +22,7 @@ from engine.models.config import ModelConfig
 from engine.core.request import Request
 from engine.worker.pooler import check_pooling_request, pooling_num_kv_blocks
 from engine.spec_decode.proposer import SpecProposer
-from engine.core.step_outputs import StepOutputs
+from engine.core.scheduler_output import StepOutputs
 from engine.core.step_stats import StepStats
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
 from ipc.messages import RequestOutput, SchedulerStats, StepCounts
