@@ -26,7 +26,7 @@ import zmq
 from frontend.background_tasks import cancel_and_wait
 from frontend.engine_client import AsyncEngineClient
 from frontend.errors import FrontendError
-from frontend.stream_loop import relay
+from frontend.request_state import relay
 from ipc.codec import MAX_REQUEST_ID_LEN, DecodeError
 from ipc.sampling_params import MAX_STOP_SEQUENCES, MAX_STOP_STRING_LEN
 from ipc.messages import AbortRequests, FinishReason, GenerateOutput, GenerateRequest, MessageType

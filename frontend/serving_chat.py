@@ -23,9 +23,8 @@ from frontend.chat_tools import ToolOptions
 from frontend.engine_client import AsyncEngineClient
 from frontend.protocol import ChatCompletionRequest
 from frontend.reasoning_parsers import ReasoningPrompt
-from frontend.request_state import RequestDelta
+from frontend.request_state import RequestDelta, finish_reason_of
 from frontend.serving_utils import chat_logprobs, collect_unless_disconnected, now_s, sse_stream
-from frontend.stream_loop import finish_reason_of
 from frontend.tool_parsers import merge_call_deltas
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from frontend.engine_client import AsyncEngineClient
 from frontend.errors import InvalidRequestError
 from frontend.protocol import CompletionRequest, GenerateBody
-from frontend.request_state import RequestDelta, RequestStream
-from frontend.stream_loop import finish_reason_of, relay
+from frontend.request_state import RequestDelta, RequestStream, finish_reason_of, relay
 from frontend.serving_utils import (
     collect_unless_disconnected, completion_logprobs, now_s, prompt_logprobs_field, random_id, sse_stream,
 )

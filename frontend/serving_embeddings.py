@@ -22,9 +22,8 @@ from frontend.engine_client import AsyncEngineClient
 from frontend.errors import InvalidRequestError, RequestFailedError
 from frontend.protocol_embeddings import MAX_EMBEDDING_INPUTS, EmbeddingRequest, prompts_of
 from frontend.request_fields import check_extra_fields
-from frontend.request_state import RequestDelta
+from frontend.request_state import RequestDelta, relay
 from frontend.serving_utils import now_s, random_id, run_unless_disconnected
-from frontend.stream_loop import relay
 from ipc.pooling_params import POOLING_SAMPLING_PARAMS
 
 async def create_embedding(body: EmbeddingRequest, raw_request: Request, client: AsyncEngineClient) -> dict:

@@ -29,9 +29,8 @@ from frontend.engine_client import AsyncEngineClient
 from frontend.errors import FrontendError, anthropic_error
 from frontend.protocol_messages import MessagesRequest
 from frontend.reasoning_parsers import ReasoningPrompt
-from frontend.request_state import RequestDelta
+from frontend.request_state import RequestDelta, relay
 from frontend.serving_utils import collect_unless_disconnected, is_stop_string
-from frontend.stream_loop import relay
 from frontend.tool_parsers import ToolCallDelta
 from frontend.tool_parsers.base import MODEL_TEXT_MAX_BYTES
 from ipc.bounded_json import loads_bounded

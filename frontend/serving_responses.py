@@ -37,9 +37,8 @@ from frontend.errors import FrontendError, InvalidRequestError, NotFoundError
 from frontend.protocol_responses import ResponsesRequest
 from frontend.reasoning_parsers import ReasoningPrompt
 from frontend.response_store import ResponseStore, StoredResponse
-from frontend.request_state import RequestDelta
+from frontend.request_state import RequestDelta, relay
 from frontend.serving_utils import Usage, collect_unless_disconnected, now_s
-from frontend.stream_loop import relay
 from frontend.tool_parsers import ToolCallDelta
 
 logger = logging.getLogger(__name__)

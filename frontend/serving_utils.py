@@ -12,8 +12,7 @@ from typing import AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 
 from fastapi import Request
 
-from frontend.request_state import RequestStream
-from frontend.stream_loop import relay
+from frontend.request_state import RequestStream, relay
 from ipc.messages import FinishReason, TokenLogprobs
 from ipc.text.output_processor import RequestDelta
 
