@@ -87,7 +87,7 @@ class ChatRun:
     request_id: str
     stream: RequestStream
     prompt_token_ids: list[int]
-    tool_mode: ToolMode
+    tool_mode: ToolMode | None  # None: plain chat, no tools asked for (frontend.chat_tools never runs)
     reasoning: ReasoningPrompt | None
     reasoning_state: ReasoningState
 
@@ -96,7 +96,7 @@ class ChatRun:
         reasoning_content, content = None, text
         if self.reasoning is not None:
             reasoning_content, content = self.reasoning.new_parser(self.reasoning_state).extract(text)
-        parser = self.tool_mode.new_parser()
+        parser = self.tool_mode.new_parser() if self.tool_mode is not None else None
         if parser is None:
             return ChatAnswer(reasoning_content, content, [], finish_reason)
         content, calls = parser.extract(content or "")
@@ -106,21 +106,28 @@ class ChatRun:
 
     def new_delta_parser(self) -> ChatDeltaParser:
         reasoning_parser = self.reasoning.new_parser(self.reasoning_state) if self.reasoning is not None else None
-        return ChatDeltaParser(reasoning_parser, self.tool_mode.new_parser())
+        tool_parser = self.tool_mode.new_parser() if self.tool_mode is not None else None
+        return ChatDeltaParser(reasoning_parser, tool_parser)
 
 
 async def start_chat(body: ChatCompletionRequest, client: AsyncEngineClient, tool_options: ToolOptions | None,
                      reasoning: ReasoningPrompt | None, id_prefix: str = "chatcmpl") -> ChatRun:
     """Check the body, render the template, send the request; InvalidRequestError before anything is sent."""
     body.check_supported()
-    tool_mode = resolve_tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls, tool_options or ToolOptions())
+    tool_mode = None
+    if body.tools is not None or body.tool_choice is not None:
+        tool_mode = resolve_tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                      tool_options or ToolOptions())
     structured_outputs = body.structured_outputs_params()
-    if tool_mode.structured_outputs is not None:
+    if tool_mode is not None and tool_mode.structured_outputs is not None:
         if structured_outputs is not None:
             raise InvalidRequestError(f'tool_choice "{tool_mode.kind}" cannot be combined with a structured output')
         structured_outputs = tool_mode.structured_outputs
-    messages = template_messages([message.to_template_dict() for message in body.messages])
-    prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, tool_mode.template_tools,
+    messages = [message.to_template_dict() for message in body.messages]
+    if any("tool_calls" in message for message in messages):  # earlier answers' calls, arguments as JSON text
+        messages = template_messages(messages)
+    template_tools = tool_mode.template_tools if tool_mode is not None else None
+    prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, template_tools,
                                                   body.chat_template_kwargs)
     reasoning_state = reasoning.state_after(prompt_token_ids) if reasoning is not None else ReasoningState.CONTENT
     if reasoning is not None:
