@@ -101,6 +101,8 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(self.make_layer(config, i, tp) if tp.stage.holds(i, config.num_layers)
                                     else MissingLayer() for i in range(config.num_layers))
+        self.stage_layers = tp.stage.layers(config.num_layers)  # this pipeline stage's, fixed from here on
+        self.is_last_stage = tp.stage.is_last
         self.norm = self.make_norm(config)
         self.rotary = make_rotary(config)
         # The sliding-window layers' own rotary where the config gives one (Gemma 3); None: the same.
@@ -161,12 +163,12 @@ class DecoderForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(positions, angle_dtype)
         local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, angle_dtype)
         last = len(self.layers) - 1
-        for i in self.tp.stage.layers(len(self.layers)):
+        for i in self.stage_layers:
             layer, kv_cache = self.layers[i], kv_caches[i] if kv_caches else None
             rows = output_rows if i == last else None
             angles = cos_sin if layer.self_attn.sliding_window == NO_WINDOW else local_cos_sin
             hidden, residual = layer(angles, hidden, residual, kv_cache, backend, rows)
-        if not self.tp.stage.is_last:
+        if not self.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
