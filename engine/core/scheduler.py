@@ -41,9 +41,8 @@ from collections import deque
 from engine.core.block_manager import BlockManager
 from ipc.pooling_params import needs_every_position
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler_output import (
-    RequestError, SampledToken, ScheduledRequest, SchedulerOutput, StepOutputs, emitted_tokens, make_output,
-)
+from engine.core.scheduler_output import (RequestError, SampledToken, ScheduledRequest, SchedulerOutput, StepOutputs,
+                                          emitted_tokens, make_output)
 from engine.core.spec_scheduling import SpecStats, add_proposals, record_acceptance, roll_back
 from ipc.messages import RequestOutput, SchedulerStats
 
@@ -142,7 +141,7 @@ class Scheduler:
             num_prefix_cache_queries=self.num_prefix_cache_queries,
             num_prefix_cache_hits=self.num_prefix_cache_hits,
             num_cached_blocks=self.block_manager.num_cached_blocks,
-            spec_decode=self.spec_stats.to_wire(),
+            spec_decode=self.spec_stats.to_wire() if self.spec_stats.by_method else [],  # [] until a draft
         )
 
     def reset_prefix_cache(self) -> int:
@@ -158,8 +157,9 @@ class Scheduler:
         if output.num_preempted == 0:
             self._admit_waiting(output, budget)
         # Proposed tokens last, from what the budget and the pool have left: optional work never
-        # preempts a request nor keeps one waiting.
-        add_proposals(output, self.block_manager, self.max_num_batched_tokens - output.num_tokens, self.max_model_len)
+        # preempts a request nor keeps one waiting. Without speculation no request has any.
+        if any(s.request.spec_token_ids for s in output.scheduled):
+            add_proposals(output, self.block_manager, self.max_num_batched_tokens - output.num_tokens, self.max_model_len)
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -217,7 +217,7 @@ class Scheduler:
         """The cached blocks `request` can start from, and the hash of the first block
         it would compute itself (None when there is none to share or caching is off)."""
         if (not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None
-                or needs_every_position(request.pooling_params)):
+                or request.pooling_params is not None and needs_every_position(request.pooling_params)):
             return [], None  # prompt log-probs and mean pooling need every prompt position computed
         # Stop before the block holding the last token: it must be recomputed for its logits.
         num_lookup_blocks = (request.num_tokens - 1) // self.block_manager.block_size

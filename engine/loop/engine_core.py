@@ -122,7 +122,8 @@ class EngineCore:
         Everything that reaches a tensor is checked here, against this model, by the same
         `check_request` the frontend runs: the offline API and the core's socket both come
         through here, so a bad value fails this request alone, never a step."""
-        sampling_params = check_pooling_request(self.config, pooling_params, sampling_params)
+        if pooling_params is not None or self.config.runner == "pooling":  # else generation, as asked
+            sampling_params = check_pooling_request(self.config, pooling_params, sampling_params)
         params = check_request(prompt_token_ids, sampling_params, vocab_size=self.vocab_size,
                                max_model_len=self.max_model_len, cap_max_tokens=pooling_params is None,
                                is_pooling=pooling_params is not None)
@@ -140,9 +141,10 @@ class EngineCore:
         return self.grammar_compiler
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        requests = [r for r in map(self.scheduler.requests.get, request_ids) if r is not None]
         outputs = self.scheduler.abort_requests(request_ids)
-        for output in outputs:
-            self.model_runner.release(output.request_id)
+        for request in requests:
+            self.model_runner.release(request)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -190,18 +192,25 @@ class EngineCore:
         except Exception as e:
             request_ids = [s.request.request_id for s in scheduler_output.scheduled]
             logger.exception("a step of %d requests failed; failing them: %s", len(request_ids), request_ids)
-            for output in self.scheduler.fail_requests(request_ids):
-                self.model_runner.release(output.request_id)
+            self.scheduler.fail_requests(request_ids)
+            for scheduled in scheduler_output.scheduled:
+                self.model_runner.release(scheduled.request)
             raise StepError(request_ids, e) from e
         results.extend(self.scheduler.update(scheduler_output, sampled))
-        for output in results.outputs:
-            if output.finish_reason is not None:
-                self.model_runner.release(output.request_id)
-        if self.proposer is not None:
+        for scheduled in scheduler_output.scheduled:
+            if scheduled.request.is_finished:
+                self.model_runner.release(scheduled.request)
+        if self.proposer is not None and self._may_propose():
             self.proposer.propose(self.scheduler.running)  # the next step's proposed tokens
         if self.record_step_stats:
             self._record(scheduler_output, counts, start_time)
         return self._log_errors(results)
+
+    def _may_propose(self) -> bool:
+        """A configured method, or a running request with a prediction; else no request has proposed
+        tokens to clear, and none gets any."""
+        return (self.proposer.config is not None  # --speculative-config's method
+                or any(r.sampling_params.prediction_token_ids for r in self.scheduler.running))
 
     @staticmethod
     def _log_errors(results: StepOutputs) -> StepOutputs:

@@ -64,7 +64,7 @@ class Sampler:
         # logits: [num_rows, vocab_size]
         logits, raw_logprobs = self.process(logits, batch)
         token_ids = self.draw(logits, batch)
-        if self.logits_state is not None:
+        if self.logits_state is not None and batch.processing is not None:  # penalised rows' counts
             self.logits_state.record(batch.processing, token_ids)
         return self._collect(token_ids.tolist(), raw_logprobs, batch)
 

@@ -185,7 +185,8 @@ class ModelRunner:
         else:
             tokens = self.sampler.sample(logits, self._prepare_sampling(sampled_requests))
         for request, token in zip(sampled_requests, tokens):
-            token.prompt_logprobs = self.prompt_logprobs.take(request)
+            if request.sampling_params.prompt_logprobs is not None:
+                token.prompt_logprobs = self.prompt_logprobs.take(request)
         return {request.request_id: token for request, token in zip(sampled_requests, tokens)}
 
     def _verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> list[SampledToken]:
@@ -219,11 +220,16 @@ class ModelRunner:
         self.pooled_hidden = result.pooled  # [num_pooled, hidden_size] or None
         return result.logits  # [num_sampled, vocab_size] or None
 
-    def release(self, request_id: str) -> None:
+    def release(self, request: Request) -> None:
+        """Drop a finished request's state, in the parts it used."""
+        request_id, params = request.request_id, request.sampling_params
         self.generators.pop(request_id, None)
-        self.prompt_logprobs.release(request_id)
-        self.pooler.release(request_id)
-        self.logits_state.release(request_id)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs.release(request_id)
+        if request.pooling_params is not None:
+            self.pooler.release(request_id)
+        if params.needs_logits_processing:
+            self.logits_state.release(request_id)
 
     def _prepare_sampling(self, requests: list[Request]) -> SamplingBatch:
         return make_sampling_batch(requests, self.model_config, self.device, self.generators, self.logits_state)

@@ -105,6 +105,7 @@ def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logp
     sampled_requests: list[Request] = []
     sampled_rows: list[int] = []  # indices into logits_rows
     prompt_plans: list[PromptLogprobRows] = []
+    has_pooling = False
     for scheduled in scheduler_output.scheduled:
         request = scheduled.request
         start = request.num_computed_tokens
@@ -112,7 +113,9 @@ def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logp
         spec_token_ids = scheduled.spec_token_ids  # proposed tokens, after the request's last one
         first_row = len(batch.input_ids)
         batch.add(request.all_token_ids[start : end - len(spec_token_ids)] + spec_token_ids, start, request.block_ids)
-        prompt_positions = prompt_logprobs.positions_to_compute(request, start, end)
+        has_pooling = has_pooling or request.pooling_params is not None
+        prompt_positions = (prompt_logprobs.positions_to_compute(request, start, end)
+                            if request.sampling_params.prompt_logprobs is not None else None)
         if prompt_positions:
             prompt_plans.append(PromptLogprobRows(request, len(logits_rows), prompt_positions.start,
                                                   len(prompt_positions)))
@@ -123,7 +126,9 @@ def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logp
             logits_rows.extend(range(len(batch.input_ids) - num_rows, len(batch.input_ids)))
             sampled_requests.append(request)
     inputs = batch.to_inputs(logits_rows)
-    inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
+    pooling_plans = []
+    if has_pooling:  # embedding requests in the step
+        inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
     return PreparedStep(inputs, sampled_requests, sampled_rows, prompt_plans, pooling_plans)
 
 
@@ -186,7 +191,7 @@ def make_sampling_batch(requests: list[Request], model_config: ModelConfig, devi
         generators_used.append(generator_for(request, generators))
         needs_more = request.num_output_tokens < params.min_tokens
         stop_ids = ([] if params.ignore_eos else eos_ids) + list(params.stop_token_ids)
-        banned.append((stop_ids if needs_more else []) + bad_word_bans(request))
+        banned.append((stop_ids if needs_more else []) + (bad_word_bans(request) if params.bad_words_token_ids else []))
         num_logprobs.append(params.logprobs)
     return SamplingBatch(
         temperatures=torch.tensor(temperatures, device=device),  # [num_rows]
@@ -200,7 +205,9 @@ def make_sampling_batch(requests: list[Request], model_config: ModelConfig, devi
         needs_top_k=any(k < vocab_size for k in top_ks),
         needs_top_p=any(p < 1.0 for p in top_ps),
         needs_min_p=any(p > 0.0 for p in min_ps),
-        processing=logits_state.prepare(requests),
+        # A step without rows that ask for the logits pipeline builds none (engine.sample.logits_processing).
+        processing=(logits_state.prepare(requests)
+                    if any(r.sampling_params.needs_logits_processing for r in requests) else None),
     )
 
 def generator_for(request: Request, generators: dict[str, torch.Generator]) -> torch.Generator | None:
