@@ -3,9 +3,9 @@
 Both consumers of an engine core go through here: the server's
 `frontend.engine_client.AsyncEngineClient` (each `EngineOutputs` message) and the
 offline `engine.llm.LLM` (each `EngineCore.step()`). Per request it keeps a
-`TextStream` (incremental detokenizer + stop checker) and the usage counts, so both
-paths make the same text, hold back the same characters and cut at the same stop
-string. Like vLLM V1's `OutputProcessor.process_outputs`, a step's outputs come back
+`TextStream` (incremental detokenizer + stop checker: one sequence's text as its tokens
+arrive, final deltas cut at stop strings) and the usage counts, so both paths make the
+same text, hold back the same characters and cut at the same stop string. Like vLLM V1's `OutputProcessor.process_outputs`, a step's outputs come back
 as deltas plus the request ids the engine must abort: a stop string ended them here
 while the core was still generating them.
 
@@ -22,7 +22,8 @@ from typing import Iterable
 
 from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
 from ipc.sampling_params import SamplingParams
-from ipc.text.text_stream import TextStream
+from ipc.text.detokenizer import IncrementalDetokenizer
+from ipc.text.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,33 @@ class ProcessedOutputs:
     request_ids_to_abort: list[str] = field(default_factory=list)
     # Detokenizing raised (logged): these got no delta, are forgotten, and should fail.
     failed_request_ids: list[str] = field(default_factory=list)
+
+
+class TextStream:
+    """Token ids in, text that will never be retracted out; reports a stop-string hit."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+
+    def add_tokens(self, token_ids: list[int], *, is_last: bool, stop_token_id: int | None = None) -> tuple[str, bool]:
+        """Return (text that became final, whether a stop string was hit).
+
+        `is_last`: the engine finished the sequence, so held-back text is flushed.
+        `stop_token_id`: the stop token that ended it, if any.
+        """
+        text_ids = token_ids
+        if stop_token_id is not None and token_ids and token_ids[-1] == stop_token_id \
+                and not self.include_stop_str_in_output:
+            text_ids = token_ids[:-1]  # like vLLM: a stop token ends the text, it is not part of it
+        text = self.detokenizer.add_tokens(text_ids)
+        if is_last:
+            text += self.detokenizer.flush()
+        text, hit_stop = self.stop_checker.process(text)
+        if is_last and not hit_stop:
+            text += self.stop_checker.flush()
+        return text, hit_stop
 
 
 class _RequestText:
