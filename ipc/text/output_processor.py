@@ -63,7 +63,8 @@ class TextStream:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        # None without stop strings: nothing to hold back or cut (ipc.text.stop_checker)
+        self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output) if any(params.stop) else None
 
     def add_tokens(self, token_ids: list[int], *, is_last: bool, stop_token_id: int | None = None) -> tuple[str, bool]:
         """Return (text that became final, whether a stop string was hit).
@@ -78,6 +79,8 @@ class TextStream:
         text = self.detokenizer.add_tokens(text_ids)
         if is_last:
             text += self.detokenizer.flush()
+        if self.stop_checker is None:
+            return text, False
         text, hit_stop = self.stop_checker.process(text)
         if is_last and not hit_stop:
             text += self.stop_checker.flush()
