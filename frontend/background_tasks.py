@@ -1,7 +1,7 @@
 """Tasks the frontend starts to run on their own, and how it stops them.
 
 A core's restart (`frontend.engine_restarter`), a Ray actor's reconnect
-(`frontend.ray_engines`), a core's output pump and death watch (`frontend.output_pump`)
+(`frontend.ray_engines`), a core's output pump and death watch (`frontend.engine_connection`)
 and a local client's requests (`frontend.local_socket`) each run as an asyncio task
 that nobody awaits until shutdown. Shutdown cancels them and waits until each has
 finished its cleanup (a half-started core closes itself), so nothing runs on after.

@@ -2,7 +2,7 @@
 
     handler ──generate()──▶ AsyncEngineClient ──AddRequest──▶ least-loaded core
        ▲                                                          │ EngineOutputs
-       │       output pump (frontend.output_pump, one per core) ◀─┘
+       │  output pump (frontend.engine_connection, one per core) ◀─┘
        └── per-request asyncio.Queue ◀── OutputProcessor (ipc.text: detokenize, stop strings)
 
 `generate` tokenizes (off the event loop), validates and sends before it returns (so bad
@@ -30,13 +30,12 @@ import zmq
 import zmq.asyncio
 from msgspec.structs import replace
 
-from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection
+from frontend.engine_connection import DEFAULT_ENGINE_COMMAND, EngineConnection, OutputPumps
 from frontend.engine_restarter import EngineRestarter
 from frontend.errors import EngineDeadError, FrontendError, InvalidRequestError
 from frontend.grammar_checker import GrammarChecker
 from frontend.metrics import FrontendMetrics
 from frontend.model_folder import resolve_model_folder
-from frontend.output_pump import OutputPumps
 from frontend.prompt_tokenizer import PromptTokenizer
 from frontend.ray_engines import RayEngineCores
 from frontend.request_state import RequestState, RequestStream
