@@ -50,8 +50,7 @@ from ipc.messages import (
     WatchSteps,
 )
 from ipc.pooling_params import PoolingParams
-from ipc.request_checks import PREDICTION_WITH_N, check_request
-from ipc.sampling_params import MAX_BAD_WORDS, SamplingParams, tokenize_bad_words
+from ipc.sampling_params import MAX_BAD_WORDS, PREDICTION_WITH_N, SamplingParams, check_request, tokenize_bad_words
 from ipc.text.output_processor import OutputProcessor
 from ipc.text.tokenizer import Tokenizer
 

@@ -12,8 +12,8 @@ type- and bounds-checked against its annotation (token ids, string and list
 lengths); a record with more fields than this side knows is refused; every
 problem surfaces as `DecodeError`, naming the field. Fields are append-only: an
 older peer may send fewer trailing fields (defaults fill in). Sampling values'
-ranges and the model's limits are not the codec's: `ipc.request_checks` runs them
-where a request is handled, so a bad one fails that request by its id.
+ranges and the model's limits are not the codec's: `ipc.sampling_params.check_request`
+runs them where a request is handled, so a bad one fails that request by its id.
 """
 
 from __future__ import annotations

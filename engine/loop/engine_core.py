@@ -27,8 +27,7 @@ from engine.core.step_stats import StepStats
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
 from ipc.messages import RequestOutput, SchedulerStats, StepCounts
 from ipc.pooling_params import PoolingParams
-from ipc.request_checks import check_request
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams, check_request
 
 logger = logging.getLogger(__name__)
 

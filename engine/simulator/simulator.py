@@ -27,8 +27,7 @@ from engine.simulator.hardware_profile import HardwareProfile
 from engine.simulator.model_shape import ModelShape
 from engine.simulator.simulated_runner import FIRST_SAFE_TOKEN_ID, SimulatedRunner
 from engine.simulator.step_cost import StepCostModel, StepShape
-from ipc.request_checks import check_request
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams, check_request
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CODE_FILES = ("frontend/serving_utils.py", "frontend/metrics.py", "frontend/request_state.py",
-              "frontend/prompt_tokenizer.py", "frontend/engine_connection.py", "ipc/request_checks.py",
+              "frontend/prompt_tokenizer.py", "frontend/engine_connection.py", "ipc/sampling_params.py",
               "engine/core/block_manager.py", "scripts/lib/sse_client.py")
 PROSE_FILES = ("README.md", "docs/prefix-caching.md", "docs/reliability.md", "docs/request_fields.md")
 TASKS = ("fix_typos", "rename", "summarize")

@@ -184,7 +184,7 @@ def test_rejects(data):
 @pytest.mark.parametrize("temperature", [-1.0, float("nan")])
 def test_ranges_are_left_to_the_request_check(temperature):
     """The codec types and bounds; ranges fail the request by its id where it is handled."""
-    from ipc.request_checks import check_request
+    from ipc.sampling_params import check_request
 
     msg = decode(_packed(MessageType.ADD_REQUEST, "r", [1], [temperature]))
     with pytest.raises(ValueError, match="temperature must be >= 0"):
@@ -193,7 +193,7 @@ def test_ranges_are_left_to_the_request_check(temperature):
 
 def test_a_pooling_prompt_may_fill_the_context_a_generation_prompt_may_not():
     from ipc.pooling_params import POOLING_SAMPLING_PARAMS
-    from ipc.request_checks import check_request
+    from ipc.sampling_params import check_request
 
     assert check_request([1] * 100, POOLING_SAMPLING_PARAMS, vocab_size=10, max_model_len=100,
                          is_pooling=True) is POOLING_SAMPLING_PARAMS

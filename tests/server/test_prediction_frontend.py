@@ -18,8 +18,7 @@ from frontend.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.serving_utils import Usage
 from frontend.spec_decode_metrics import spec_decode_summary, subtract_spec_decode, sum_spec_decode
 from ipc.messages import RequestOutput, SchedulerStats, SpecDecodeStats, SpecMethod
-from ipc.request_checks import check_request
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams, check_request
 from ipc.text.output_processor import RequestDelta
 from scripts.lib.fake_engine import SCRIPT, FrontendServer, expected_text
 from scripts.lib.local_server import parse_metrics, spec_decode_delta
