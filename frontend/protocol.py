@@ -73,7 +73,8 @@ class SamplingFields(BaseModel):
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The engine's params; `structured_outputs` as resolved by the endpoint (see structured_outputs_fields)."""
-        check_extra_fields(self.model_extra)
+        if self.model_extra:  # fields the body does not declare (frontend.request_fields)
+            check_extra_fields(self.model_extra)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -189,7 +190,8 @@ class OpenAIFields(SamplingFields):
     prediction: Prediction | None = None
 
     def check_supported(self) -> None:
-        check_extra_fields(self.model_extra)
+        if self.model_extra:  # fields the body does not declare (frontend.request_fields)
+            check_extra_fields(self.model_extra)
 
     @property
     def prediction_text(self) -> str | None:

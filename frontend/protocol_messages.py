@@ -55,7 +55,8 @@ class MessagesRequest(BaseModel):
     output_config: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        check_extra_fields(self.model_extra, UNSUPPORTED)
+        if self.model_extra:  # fields the body does not declare (frontend.request_fields)
+            check_extra_fields(self.model_extra, UNSUPPORTED)
         if not self.messages:
             raise InvalidRequestError("messages must not be empty")
         num_blocks = sum(len(m["content"]) if isinstance(m.get("content"), list) else 1 for m in self.messages)

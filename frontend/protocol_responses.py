@@ -75,7 +75,8 @@ class ResponsesRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # vLLM's extra
 
     def check_supported(self) -> None:
-        check_extra_fields(self.model_extra, UNSUPPORTED)
+        if self.model_extra:  # fields the body does not declare (frontend.request_fields)
+            check_extra_fields(self.model_extra, UNSUPPORTED)
         if isinstance(self.input, str) and not self.input:
             raise InvalidRequestError("input must not be empty")
         if isinstance(self.input, list) and not self.input:

@@ -27,7 +27,8 @@ from frontend.serving_utils import now_s, random_id, run_unless_disconnected
 from ipc.pooling_params import POOLING_SAMPLING_PARAMS
 
 async def create_embedding(body: EmbeddingRequest, raw_request: Request, client: AsyncEngineClient) -> dict:
-    check_extra_fields(body.model_extra)
+    if body.model_extra:  # fields the body does not declare (frontend.request_fields)
+        check_extra_fields(body.model_extra)
     if body.dimensions is not None and body.dimensions != client.hidden_size:
         raise InvalidRequestError(f"dimensions must be this model's embedding size, {client.hidden_size} (vectors "
                                   f"are not shortened), got {body.dimensions}")

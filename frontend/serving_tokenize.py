@@ -43,7 +43,8 @@ class DetokenizeRequest(BaseModel):
 
 
 async def tokenize(body: TokenizeRequest, client: AsyncEngineClient) -> dict:
-    check_extra_fields(body.model_extra)
+    if body.model_extra:  # fields the body does not declare (frontend.request_fields)
+        check_extra_fields(body.model_extra)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages")
     if body.prompt is not None:
@@ -61,7 +62,8 @@ async def tokenize(body: TokenizeRequest, client: AsyncEngineClient) -> dict:
 
 
 async def detokenize(body: DetokenizeRequest, client: AsyncEngineClient) -> dict:
-    check_extra_fields(body.model_extra)
+    if body.model_extra:  # fields the body does not declare (frontend.request_fields)
+        check_extra_fields(body.model_extra)
     if any(t >= client.vocab_size for t in body.tokens):
         raise InvalidRequestError(f"tokens must be token ids in [0, {client.vocab_size})")
     return {"prompt": client.tokenizer.decode(body.tokens, skip_special_tokens=False)}
