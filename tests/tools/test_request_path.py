@@ -101,7 +101,7 @@ def test_tracer_refuses_to_run_without_its_output_path():
 def test_rooms_are_the_folder_a_file_sits_in():
     assert room_of("engine/core/scheduler.py") == "engine/core"
     assert room_of("frontend/api_server.py") == "frontend"
-    assert room_of("ipc/text/detokenizer.py") == "ipc/text"
+    assert room_of("ipc/text/output_processor.py") == "ipc/text"
     files = ["ipc/codec.py", "engine/loop/engine_core.py", "engine/core/request.py", "engine/core/block_manager.py"]
     assert by_room(files) == {
         "engine/core": ["engine/core/block_manager.py", "engine/core/request.py"],

@@ -1,4 +1,4 @@
-"""Tests for ipc.text.detokenizer and ipc.text.stop_checker.
+"""Tests for ipc.text.output_processor's IncrementalDetokenizer and ipc.text.stop_checker.
 
 Two tiny tokenizers are trained here so the tests run anywhere: a GPT-2 style
 byte-level BPE (splits CJK and emoji bytes across tokens) and a Llama style one
@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ipc.text.detokenizer import IncrementalDetokenizer
+from ipc.text.output_processor import IncrementalDetokenizer
 from ipc.text.stop_checker import StopChecker
 from tests.helpers.models import cached_default_model
 

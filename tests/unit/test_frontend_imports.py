@@ -18,7 +18,7 @@ from tests.helpers import REPO_ROOT
 TORCH_FREE_MODULES = ["frontend", "frontend.api_server", "frontend.client", "frontend.cli", "frontend.engine_client",
                       "frontend.ray_engines", "ipc.ray_cluster",
                       "frontend.local_socket", "frontend.model_folder", "ipc", "ipc.text", "ipc.text.tokenizer",
-                      "ipc.text.detokenizer", "ipc.text.stop_checker", "ipc.text.hold_back",
+                      "ipc.text.stop_checker", "ipc.text.hold_back",
                       "ipc.text.output_processor"]
 
 
