@@ -32,6 +32,9 @@ ON_THE_PATH = ("engine/loop/engine_core.py", "engine/core/scheduler.py", "engine
 START_UP_ONLY = ("engine/loader/model_files.py", "engine/loader/gguf_blocks.py", "frontend/cli.py",
                  "frontend/server_args.py", "frontend/model_folder.py")
 
+# A plain streamed chat request passes at most this many of our files (39 when set).
+MAX_PATH_FILES = 40
+
 TARGET = '''
 import sys
 import threading
@@ -116,6 +119,8 @@ def test_one_streamed_chat_request_path(tmp_path):
     assert report["num_files"] == len(files) == len(report["files"])
     assert set(ON_THE_PATH) <= files
     assert files.isdisjoint(START_UP_ONLY)
+    # docs/architecture.md's bound: a plain chat request runs only the parts it uses (issue #55).
+    assert report["num_files"] <= MAX_PATH_FILES, report["files_by_room"]
     assert report["measured_text"]  # the measured request did generate
     by_process = report["files_by_process"]
     assert "frontend/serving_chat.py" in by_process["frontend"]
