@@ -57,7 +57,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """One image's frames [num_frames, C, H, W] -> its tokens' embeddings [num_frames * tokens_per_frame, hidden]"""
-        pixel_values = pixel_values.to(self.connector.modality_projection.proj.weight.dtype)
+        pixel_values = pixel_values.to(self.vision_model.embeddings.patch_embedding.weight.dtype)
         features = self.connector(self.vision_model(pixel_values))  # [num_frames, tokens_per_frame, hidden]
         return features.reshape(-1, features.shape[-1])
 

@@ -63,3 +63,43 @@ def split_vision_config(cfg: dict) -> tuple[dict, VisionConfig | None]:
         scale_factor=cfg.get("scale_factor", 2),
         image_token_id=cfg["image_token_id"],
     )
+
+
+PIXEL_ITEMSIZE = {1: 1, 2: 4}  # ipc.messages.PixelDType: UINT8, FLOAT32
+
+
+def check_images(images: list, prompt_token_ids: list[int], vision: VisionConfig | None) -> None:
+    """Raise ValueError naming the image unless every one of `images` (ipc.messages.ImageInput) fits this
+    model and the prompt: its bytes match its shape, its frames the encoder, its range the prompt's
+    placeholder tokens, which no other image's range overlaps."""
+    if vision is None:
+        if images:
+            raise ValueError("this model is text-only: it takes no images")
+        return
+    num_placeholders = sum(1 for t in prompt_token_ids if t == vision.image_token_id)
+    end = 0
+    for i, image in enumerate(images):
+        frames, channels, height, width = image.shape
+        what = f"image {i}"
+        if len(image.data) != frames * channels * height * width * PIXEL_ITEMSIZE[int(image.dtype)]:
+            raise ValueError(f"{what}: {len(image.data)} bytes do not hold a {image.dtype.name} array of shape {image.shape}")
+        if channels != vision.num_channels or height != width or height % vision.patch_size:
+            raise ValueError(f"{what}: frames of {channels} x {height} x {width} pixels; the encoder takes "
+                             f"{vision.num_channels} channels, square, in patches of {vision.patch_size}")
+        side = height // vision.patch_size
+        if side % vision.scale_factor:
+            raise ValueError(f"{what}: {side} patches a side do not pixel-shuffle by {vision.scale_factor}")
+        if int(image.dtype) == 1 and not (len(image.image_mean) == len(image.image_std) == channels
+                                          and all(image.image_std)):
+            raise ValueError(f"{what}: uint8 pixels need a nonzero image_mean and image_std per channel")
+        if image.offset < end or image.offset + image.length > len(prompt_token_ids):
+            raise ValueError(f"{what}: tokens {image.offset}..{image.offset + image.length - 1} overlap another "
+                             f"image or pass the prompt's {len(prompt_token_ids)} tokens")
+        end = image.offset + image.length
+        wanted = frames * side * side // vision.scale_factor ** 2
+        found = sum(1 for t in prompt_token_ids[image.offset:end] if t == vision.image_token_id)
+        if found != wanted:
+            raise ValueError(f"{what}: its {frames} frames make {wanted} image tokens; its range holds {found}")
+        num_placeholders -= found
+    if num_placeholders:
+        raise ValueError(f"the prompt holds {num_placeholders} image placeholder tokens that no image fills")

@@ -39,3 +39,39 @@ def make_tiny_idefics3(tmp_path, vision=None, text=None, scale_factor: int = 2, 
     model.save_pretrained(path, safe_serialization=True)
     assert json.loads((path / "config.json").read_text())["architectures"] == ["Idefics3ForConditionalGeneration"]
     return str(path), model
+
+
+# SmolVLM's chat template (its tokenizer_config.json): an image part renders as <image>.
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+VISION_SPECIAL_TOKENS = (["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+                         + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)])
+
+
+def make_tiny_smolvlm(tmp_path, crop_size: int = 32, longest_edge: int = 64, vision=None, text=None,
+                      scale_factor: int = 2, name: str = "TinySmolVLM"):
+    """A tiny Idefics3 served as SmolVLM is: SmolLM2's tokenizer with SmolVLM's special tokens (the vocabulary
+    sized to it), SmolVLM's chat template and an image processor config; (the folder, the transformers model)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from tests.helpers.models import cached_default_model
+
+    tokenizer = Tokenizer.from_file(str(cached_default_model() / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_SPECIAL_TOKENS])
+    image_token_id = tokenizer.token_to_id("<image>")
+    text = {**(text or TINY_TEXT), "vocab_size": tokenizer.get_vocab_size(), "eos_token_id": 2}
+    path, model = make_tiny_idefics3(tmp_path, vision, text, scale_factor, image_token_id, name)
+    folder = tmp_path / name
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((cached_default_model() / "tokenizer_config.json").read_text())
+    config["chat_template"] = SMOLVLM_CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Idefics3ImageProcessor", "do_image_splitting": True, "resample": 1,
+        "size": {"longest_edge": longest_edge}, "max_image_size": {"longest_edge": crop_size},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255}))
+    return path, model
