@@ -21,6 +21,10 @@ class EncoderBudget:
         self.max_tokens = max_num_encoder_input_tokens
         self.num_used = 0
 
+    def reset(self) -> None:
+        """A new step: nothing spent."""
+        self.num_used = 0
+
     def fit(self, request: Request, start: int, max_num_tokens: int) -> int:
         """How many of `request`'s tokens from `start` (at most `max_num_tokens`) this step takes."""
         end = min(request.num_tokens, start + max_num_tokens)

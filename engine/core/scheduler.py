@@ -78,7 +78,7 @@ class Scheduler:
         self.num_prefix_cache_queries = 0  # tokens looked up at admission, cumulative
         self.num_prefix_cache_hits = 0  # of those, tokens found cached
         self.spec_stats = SpecStats()
-        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens  # images' tokens encoded per step
+        self.encoder_budget = EncoderBudget(max_num_encoder_input_tokens)  # images' tokens encoded per step
 
     # ---- requests in and out ----
 
@@ -156,20 +156,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        encoder_budget = EncoderBudget(self.max_num_encoder_input_tokens)
-        budget = self._schedule_running(output, budget, encoder_budget)
+        self.encoder_budget.reset()
+        budget = self._schedule_running(output, budget)
         if output.num_preempted == 0:
-            self._admit_waiting(output, budget, encoder_budget)
+            self._admit_waiting(output, budget)
         # Proposed tokens last, from what the budget and the pool have left: optional work never
         # preempts a request nor keeps one waiting.
         add_proposals(output, self.block_manager, self.max_num_batched_tokens - output.num_tokens, self.max_model_len)
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int, encoder_budget: EncoderBudget) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new_tokens = encoder_budget.fit(request, request.num_computed_tokens, budget)
+            num_new_tokens = self.encoder_budget.fit(request, request.num_computed_tokens, budget)
             if num_new_tokens == 0:  # its next image waits for a step with encoder budget left
                 i += 1
             elif self._allocate_or_preempt(request, num_new_tokens, output):
@@ -193,7 +193,7 @@ class Scheduler:
         request.block_ids.extend(self.block_manager.allocate(num_needed))
         return True
 
-    def _admit_waiting(self, output: SchedulerOutput, budget: int, encoder_budget: EncoderBudget) -> None:
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         pending_hashes = self._pending_block_hashes()
         num_compiling = 0  # requests passed over while their grammar compiles: they keep their place
         while len(self.waiting) > num_compiling and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -205,7 +205,7 @@ class Scheduler:
             if next_hash is not None and next_hash in pending_hashes:
                 break  # a running request is computing that block: wait a step and reuse it
             num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
-            num_new_tokens = encoder_budget.fit(request, num_cached_tokens, budget)
+            num_new_tokens = self.encoder_budget.fit(request, num_cached_tokens, budget)
             num_needed = self.block_manager.num_new_blocks(len(cached_block_ids), num_cached_tokens + num_new_tokens)
             if num_new_tokens == 0 or not self.block_manager.can_allocate(num_needed, cached_block_ids):
                 break
