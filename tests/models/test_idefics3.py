@@ -197,3 +197,18 @@ def test_smolvlm_256m_shape_equals_transformers(tmp_path):
                                      pixel_attention_mask=torch.from_numpy(pixels["pixel_attention_mask"]))
     assert out.token_ids == expected[0, len(token_ids):].tolist()
     llm.shutdown()
+
+
+def test_decode_steps_of_an_image_request_run_on_the_decode_stack(smolvlm):
+    _, _, llm = smolvlm
+    executor = llm.engine.model_runner.step_executor
+    assert executor.name == "decode stack"
+    stack = executor.decode_stack
+    calls = []
+    forward = stack.forward
+    stack.forward = lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    try:
+        llm.generate({"prompt": prompt("Decode me.", 1), "multi_modal_data": {"image": image(50, 40, 40)}}, GREEDY)
+    finally:
+        del stack.forward
+    assert len(calls) == NUM_NEW_TOKENS - 1  # every token after the prompt's
