@@ -44,16 +44,26 @@ class VisionProcessor:
 
     def process(self, text: str, images: list, add_special_tokens: bool = True) -> tuple[list[int], list[ImageInput]]:
         """(prompt token ids, the images' records) for `text` holding one IMAGE_MARKER per image (PIL images)."""
-        pieces = text.split(IMAGE_MARKER)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the prompt marks {len(pieces) - 1} images with {IMAGE_MARKER} but {len(images)} "
+        return self.expand(self.tokenizer.encode(text, add_special_tokens=add_special_tokens), images)
+
+    def expand(self, token_ids: list[int], images: list) -> tuple[list[int], list[ImageInput]]:
+        """Each image's marker token (the model's image token, as IMAGE_MARKER tokenizes) in `token_ids`
+        replaced by the tokens standing for its frames; (the token ids, the images' records). The expansion
+        is special tokens and newlines only, which tokenize apart from their neighbours, so this is what
+        tokenizing the expanded text whole gives (transformers' Idefics3Processor)."""
+        markers = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(markers) != len(images):
+            raise ValueError(f"the prompt marks {len(markers)} images with {IMAGE_MARKER} but {len(images)} "
                              "were given")
         frames = [self.preprocessing.frames(image) for image in images]
-        expanded = pieces[0]
-        for (_, rows, cols), piece in zip(frames, pieces[1:]):
-            expanded += image_prompt_string(rows, cols, self.tokens_per_frame) + piece
-        token_ids = self.tokenizer.encode(expanded, add_special_tokens=add_special_tokens)
-        return token_ids, self.image_records(token_ids, [f for f, _, _ in frames])
+        expanded, start = [], 0
+        for marker, (_, rows, cols) in zip(markers, frames):
+            expanded += token_ids[start:marker]
+            expanded += self.tokenizer.encode(image_prompt_string(rows, cols, self.tokens_per_frame),
+                                              add_special_tokens=False)
+            start = marker + 1
+        expanded += token_ids[start:]
+        return expanded, self.image_records(expanded, [f for f, _, _ in frames])
 
     def image_records(self, token_ids: list[int], frames: list) -> list[ImageInput]:
         """Each image's record: its frames (uint8 [F, 3, S, S]) and the range from its first placeholder token
