@@ -212,3 +212,15 @@ def test_decode_steps_of_an_image_request_run_on_the_decode_stack(smolvlm):
     finally:
         del stack.forward
     assert len(calls) == NUM_NEW_TOKENS - 1  # every token after the prompt's
+
+
+def test_prompt_tokens_equal_transformers_idefics3_processor(smolvlm):
+    """The expansion of each <image> (crops' row/column tags, the global view) is transformers' own."""
+    from transformers import Idefics3Processor, PreTrainedTokenizerFast
+
+    path, _, llm = smolvlm
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{path}/tokenizer.json")
+    processor = Idefics3Processor(hf_processor(), tokenizer, image_seq_len=4)
+    for text, images in CASES:
+        expected = processor(text=[prompt(text, len(images))], images=[images])["input_ids"][0]
+        assert llm._vision_processor().process(prompt(text, len(images)), images)[0] == list(expected), text
