@@ -37,11 +37,13 @@ def decode_image_bytes(data: bytes, limits: ImageLimits, what: str = "image") ->
         raise ValueError(f"{what}: {len(data)} bytes, more than the limit of {limits.max_bytes}")
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
-    except (OSError, Image.DecompressionBombError, ValueError) as e:
+    except Image.DecompressionBombError as e:  # PIL's own guard, at twice its MAX_IMAGE_PIXELS
+        raise ValueError(f"{what}: more pixels than the limit of {limits.max_pixels} ({e})") from None
+    except (OSError, ValueError) as e:
         raise ValueError(f"{what}: not an image this server reads ({', '.join(FORMATS)}): {e}") from None
     width, height = image.size
     if width * height > limits.max_pixels:
-        raise ValueError(f"{what}: {width} x {height} pixels, more than the limit of {limits.max_pixels}")
+        raise ValueError(f"{what}: {width} x {height} pixels, more pixels than the limit of {limits.max_pixels}")
     try:
         image.load()
         return image.convert("RGB")
