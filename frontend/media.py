@@ -56,7 +56,9 @@ def take_images(messages: list[dict], options: MediaOptions, model_folder: str, 
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
     if images and _processor(model_folder, tokenizer) is None:
-        raise InvalidRequestError("this model is text-only: it takes no images (image parts are for "
+        where = next(f"messages[{i}].content[{j}]" for i, m in enumerate(messages) if isinstance(m.get("content"), list)
+                     for j, part in enumerate(m["content"]) if part == {"type": "image"})
+        raise InvalidRequestError(f"{where}: this model is text-only: it takes no images (image parts are for "
                                   "vision-language models such as SmolVLM)")
     return messages, images
 

@@ -39,16 +39,16 @@ def decode_image_bytes(data: bytes, limits: ImageLimits, what: str = "image") ->
         image = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.DecompressionBombError as e:  # PIL's own guard, at twice its MAX_IMAGE_PIXELS
         raise ValueError(f"{what}: more pixels than the limit of {limits.max_pixels} ({e})") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{what}: not an image this server reads ({', '.join(FORMATS)}): {e}") from None
+    except (OSError, ValueError):  # PIL's message holds the buffer's repr: ours says it plainly
+        raise ValueError(f"{what}: not an image this server reads ({', '.join(FORMATS)})") from None
     width, height = image.size
     if width * height > limits.max_pixels:
         raise ValueError(f"{what}: {width} x {height} pixels, more pixels than the limit of {limits.max_pixels}")
     try:
         image.load()
         return image.convert("RGB")
-    except (OSError, Image.DecompressionBombError, ValueError, SyntaxError) as e:
-        raise ValueError(f"{what}: the image data is broken or truncated: {e}") from None
+    except (OSError, Image.DecompressionBombError, ValueError, SyntaxError):
+        raise ValueError(f"{what}: the image data is broken or truncated") from None
 
 
 def decode_base64_image(media_type: str, payload: str, limits: ImageLimits, what: str = "image") -> Image.Image:

@@ -158,5 +158,5 @@ def test_an_image_to_a_text_only_model_is_a_400(tmp_path):
         pid = engine_pid(server)
         response = chat(server, [image_url_part(data_url(png_bytes(PICTURE))), {"type": "text", "text": QUESTION}])
         assert response.status_code == 400
-        assert "text-only" in response.json()["error"]["message"]
+        assert "messages[0].content[0]: this model is text-only" in response.json()["error"]["message"]
         assert engine_pid(server) == pid
