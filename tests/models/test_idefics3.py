@@ -13,7 +13,7 @@ from PIL import Image
 
 from engine import LLM, SamplingParams
 from engine.worker.step_inputs import pixels_to_tensor
-from tests.helpers.vision_models import (
+from scripts.lib.vision_model import (
     SMOLVLM_256M_TEXT, SMOLVLM_256M_VISION, make_tiny_smolvlm,
 )
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 from engine import LLM, SamplingParams
 from tests.helpers.server import real_server
-from tests.helpers.vision_models import make_tiny_smolvlm
+from scripts.lib.vision_model import make_tiny_smolvlm
 
 NUM_TOKENS = 6
 QUESTION = "What is this?"

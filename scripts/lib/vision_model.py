@@ -1,5 +1,7 @@
-"""Tiny random Idefics3 (SmolVLM-shaped) checkpoints for tests, built with transformers, and
-the published SmolVLM-256M shape (SigLIP-B/16-512 encoder, SmolLM2-135M's text config)."""
+"""Random-weight Idefics3 (SmolVLM-shaped) checkpoints built with transformers, for the tests and
+scripts/bench/vision.py: tiny ones, and the published SmolVLM-256M shape (SigLIP-B/16-512 encoder,
+SmolLM2-135M's text config). Served as SmolVLM is: SmolLM2's tokenizer (the default model's, converted
+by `make model`) with SmolVLM's special tokens, its chat template and an image processor config."""
 
 from __future__ import annotations
 
@@ -58,16 +60,14 @@ def make_tiny_smolvlm(tmp_path, crop_size: int = 32, longest_edge: int = 64, vis
     sized to it), SmolVLM's chat template and an image processor config; (the folder, the transformers model)."""
     from tokenizers import AddedToken, Tokenizer
 
-    from tests.helpers.models import cached_default_model
-
-    tokenizer = Tokenizer.from_file(str(cached_default_model() / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(default_model_folder() / "tokenizer.json"))
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_SPECIAL_TOKENS])
     image_token_id = tokenizer.token_to_id("<image>")
     text = {**(text or TINY_TEXT), "vocab_size": tokenizer.get_vocab_size(), "eos_token_id": 2}
     path, model = make_tiny_idefics3(tmp_path, vision, text, scale_factor, image_token_id, name)
     folder = tmp_path / name
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = json.loads((cached_default_model() / "tokenizer_config.json").read_text())
+    config = json.loads((default_model_folder() / "tokenizer_config.json").read_text())
     config["chat_template"] = SMOLVLM_CHAT_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "preprocessor_config.json").write_text(json.dumps({
@@ -75,3 +75,13 @@ def make_tiny_smolvlm(tmp_path, crop_size: int = 32, longest_edge: int = 64, vis
         "size": {"longest_edge": longest_edge}, "max_image_size": {"longest_edge": crop_size},
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255}))
     return path, model
+
+
+def default_model_folder():
+    """The default model's converted folder (its tokenizer is SmolVLM's text side's); raises when missing."""
+    from engine.loader.model_files import DEFAULT_MODEL, cache_dir, find_known_model
+
+    folder = cache_dir() / "models" / find_known_model(DEFAULT_MODEL).folder_name
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"the default model is not converted at {folder} (make model)")
+    return folder
