@@ -160,3 +160,37 @@ def test_an_image_to_a_text_only_model_is_a_400(tmp_path):
         assert response.status_code == 400
         assert "messages[0].content[0]: this model is text-only" in response.json()["error"]["message"]
         assert engine_pid(server) == pid
+
+
+@pytest.mark.slow
+def test_the_chat_page_sends_an_attached_image(vision_server):
+    """A picked file goes with the question as an image_url part: the page's answer is the API's."""
+    from selenium.webdriver.common.by import By
+
+    from scripts.lib.headless_browser import HeadlessChromium, missing_browser_reason
+    from tests.helpers.server import wait_for
+
+    server, _, media, _ = vision_server
+    if missing_browser_reason() is not None:
+        pytest.fail(f"no browser: {missing_browser_reason()}")
+    expected = chat(server, [image_url_part(data_url((media / "picture.png").read_bytes())),
+                             {"type": "text", "text": QUESTION}]).json()["choices"][0]["message"]["content"]
+    with HeadlessChromium() as browser:
+        driver = browser.driver
+        driver.get(server.url + "/")
+        picker = driver.find_element(By.ID, "image")
+        driver.execute_script("arguments[0].hidden = false", picker)  # selenium types only into visible inputs
+        picker.send_keys(str(media / "picture.png"))
+        wait_for(lambda: driver.find_element(By.ID, "image-preview").is_displayed(), what="the preview")
+        for field, value in (("temperature", "0"), ("max-tokens", str(NUM_TOKENS)), ("prompt", QUESTION)):
+            driver.find_element(By.ID, field).clear()
+            driver.find_element(By.ID, field).send_keys(value)
+        driver.find_element(By.ID, "send").click()
+        answer = wait_for(lambda: driver.execute_script(
+            "const a = document.querySelector('.message.assistant');"
+            "return a && a.dataset.finish !== undefined ? a.querySelector('.text').textContent : null;"),
+            what="the answer")
+        assert answer == expected
+        assert driver.find_elements(By.CSS_SELECTOR, ".message.user img.image-preview")  # the thumbnail
+        assert not driver.find_element(By.ID, "image-preview").is_displayed()  # sent: no longer attached
+        assert browser.console_errors() == []
