@@ -45,7 +45,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     is_multimodal = True
 
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup = NO_TP) -> None:
-        if tp is not NO_TP and tp.size > 1:
+        if tp is not NO_TP:  # a rank of a group: the runner's encoder path is rank 0's alone
             raise ValueError("vision-language models run without tensor or pipeline parallelism")
         super().__init__(config, tp)
         self.vision_model = SiglipVisionTransformer(config.vision)
