@@ -121,8 +121,10 @@ async def start_chat(body: ChatCompletionRequest, client: AsyncEngineClient, too
             raise InvalidRequestError(f'tool_choice "{tool_mode.kind}" cannot be combined with a structured output')
         structured_outputs = tool_mode.structured_outputs
     messages = template_messages([message.to_template_dict() for message in body.messages])
-    media = client.config.media_options or MediaOptions()
-    messages, images = take_images(messages, media, client.model_folder, client.tokenizer)
+    images = []
+    if any(isinstance(m.get("content"), list) for m in messages):  # parts other than text: images, maybe
+        media = client.config.media_options or MediaOptions()
+        messages, images = take_images(messages, media, client.model_folder, client.tokenizer)
     prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, tool_mode.template_tools,
                                                   body.chat_template_kwargs)
     image_records = []

@@ -129,7 +129,8 @@ class EngineCore:
         params = check_request(prompt_token_ids, sampling_params, vocab_size=self.vocab_size,
                                max_model_len=self.max_model_len, cap_max_tokens=pooling_params is None,
                                is_pooling=pooling_params is not None)
-        check_images(images, prompt_token_ids, self.model_config.vision)
+        if images or self.model_config.vision is not None:
+            check_images(images, prompt_token_ids, self.model_config.vision)
         request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params, images)
         if params.structured_outputs is not None:
             request.grammar = RequestGrammar(self._grammar_compiler().submit(params.structured_outputs),
