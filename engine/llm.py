@@ -26,6 +26,9 @@ from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from ipc.sampling_params import SamplingParams, tokenize_bad_words
 from ipc.text.output_processor import OutputProcessor, RequestDelta
 from ipc.text.tokenizer import Tokenizer
+from ipc.vision.chat_images import extract_images
+from ipc.vision.image_decode import ImageLimits
+from ipc.vision.processor import VisionProcessor
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.002  # the loop's nap while every unfinished request waits for its grammar
@@ -72,6 +75,7 @@ class LLM:
         self.tokenizer = None if skip_tokenizer_init else Tokenizer(self.engine.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self._vision: VisionProcessor | None = None  # a vision-language model's, made on its first image
 
     def apply_chat_template(self, messages: Conversation, add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None,
@@ -93,28 +97,52 @@ class LLM:
         `chat_template_kwargs`: more template variables, e.g. `{"enable_thinking": False}` for Qwen3."""
         tokenizer = self._need_tokenizer("chat")
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
-        texts = [tokenizer.apply_chat_template(list(c), add_generation_prompt, tools, chat_template_kwargs)
-                 for c in conversations]
-        # The template writes the special tokens itself: no second BOS (Tokenizer.encode_chat).
-        prompts = [(text, tokenizer.encode(text, add_special_tokens=False)) for text in texts]
-        return self._generate(prompts, sampling_params, use_tqdm)
+        prompts, images = [], []
+        for conversation in conversations:
+            conversation, conversation_images = extract_images(list(conversation), ImageLimits())
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt, tools, chat_template_kwargs)
+            # The template writes the special tokens itself: no second BOS (Tokenizer.encode_chat).
+            token_ids, records = (self._vision_processor().process(text, conversation_images, add_special_tokens=False)
+                                  if conversation_images else (tokenizer.encode(text, add_special_tokens=False), []))
+            prompts.append((text, token_ids))
+            images.append(records)
+        return self._generate(prompts, sampling_params, use_tqdm, images)
 
     def generate(
         self,
-        prompts: str | list[int] | list[str] | list[list[int]],
+        prompts: str | dict | list[int] | list[str | dict] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
-        """Generate for every prompt (text or token ids); results come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for every prompt (text, token ids, or vLLM's {"prompt": text with an <image> per image,
+        "multi_modal_data": {"image": a PIL image or a list}}); results come back in input order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        tokenized = []
+        tokenized, images = [], []
         for prompt in prompts:
-            if isinstance(prompt, str):
+            images.append([])
+            if isinstance(prompt, dict):
+                token_ids, images[-1] = self._process_images(prompt)
+                tokenized.append((prompt["prompt"], token_ids))
+            elif isinstance(prompt, str):
                 tokenized.append((prompt, self._need_tokenizer("text prompts").encode(prompt)))
             else:
                 tokenized.append((None, list(prompt)))
-        return self._generate(tokenized, sampling_params, use_tqdm)
+        return self._generate(tokenized, sampling_params, use_tqdm, images)
+
+    def _process_images(self, prompt: dict) -> tuple[list[int], list]:
+        """A {"prompt", "multi_modal_data"} prompt's token ids and image records (ipc.vision.processor)."""
+        self._need_tokenizer("image prompts")
+        found = (prompt.get("multi_modal_data") or {}).get("image", [])
+        found = found if isinstance(found, (list, tuple)) else [found]
+        return self._vision_processor().process(prompt["prompt"], [image.convert("RGB") for image in found])
+
+    def _vision_processor(self) -> VisionProcessor:
+        if self._vision is None:
+            self._vision = VisionProcessor.from_folder(self.engine.model_path, self._need_tokenizer("images"))
+            if self._vision is None:
+                raise ValueError("this model is text-only: it takes no images")
+        return self._vision
 
     def embed(self, prompts: str | list[int] | list[str] | list[list[int]],
               pooling_params: PoolingParams | None = None) -> list[EmbeddingOutput]:
@@ -160,7 +188,7 @@ class LLM:
 
     def _generate(self, prompts: list[tuple[str | None, list[int]]],
                   sampling_params: SamplingParams | list[SamplingParams] | None,
-                  use_tqdm: bool) -> list[CompletionOutput]:
+                  use_tqdm: bool, images: list[list] | None = None) -> list[CompletionOutput]:
         """Add every (prompt text, prompt token ids) as one request, run them all, return them in order."""
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -178,7 +206,7 @@ class LLM:
                         params = replace(params, bad_words_token_ids=tokenize_bad_words(params.bad_words, encode))
                 request_id = str(next(self._request_counter))
                 arrival_time = time.time()
-                self.engine.add_request(request_id, token_ids, params, arrival_time)
+                self.engine.add_request(request_id, token_ids, params, arrival_time, None, images[index] if images else ())
                 requests[request_id] = _OfflineRequest(request_id, prompt, token_ids, arrival_time)
                 self.output_processor.add_request(request_id, token_ids, params, index)
         except ValueError:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from frontend.chat_tools import ToolMode, ToolOptions, resolve_tool_mode, template_messages
 from frontend.engine_client import AsyncEngineClient
+from frontend.media import MediaOptions, expand_images, take_images
 from frontend.errors import InvalidRequestError
 from frontend.protocol import ChatCompletionRequest
 from frontend.reasoning_parsers import ReasoningParser, ReasoningPrompt, ReasoningState
@@ -126,9 +127,17 @@ async def start_chat(body: ChatCompletionRequest, client: AsyncEngineClient, too
     messages = [message.to_template_dict() for message in body.messages]
     if any("tool_calls" in message for message in messages):  # earlier answers' calls, arguments as JSON text
         messages = template_messages(messages)
+    images = []
+    if any(isinstance(m.get("content"), list) for m in messages):  # parts other than text: images, maybe
+        media = client.config.media_options or MediaOptions()
+        messages, images = take_images(messages, media, client.model_folder, client.tokenizer)
     template_tools = tool_mode.template_tools if tool_mode is not None else None
     prompt_token_ids = await client.tokenize_chat(messages, body.add_generation_prompt, template_tools,
                                                   body.chat_template_kwargs)
+    image_records = []
+    if images:
+        prompt_token_ids, image_records = await expand_images(prompt_token_ids, images, client.model_folder,
+                                                              client.tokenizer)
     reasoning_state = reasoning.state_after(prompt_token_ids) if reasoning is not None else ReasoningState.CONTENT
     if reasoning is not None:
         structured_outputs = reasoning.hold_grammar(structured_outputs, reasoning_state)
@@ -136,5 +145,5 @@ async def start_chat(body: ChatCompletionRequest, client: AsyncEngineClient, too
     params = body.to_sampling_params(max_tokens, body.num_logprobs, structured_outputs)
     request_id = random_id(id_prefix)
     stream = await client.generate(None, params, request_id, prompt_token_ids=prompt_token_ids, n=body.n,
-                                   prediction=body.prediction_text)
+                                   prediction=body.prediction_text, images=image_records)
     return ChatRun(request_id, stream, prompt_token_ids, tool_mode, reasoning, reasoning_state)

@@ -74,6 +74,7 @@ class EngineClientConfig:
     first_start_args: list[str] = field(default_factory=list)  # test hooks (fault injection): first start only
     max_request_prompt_tokens: int = 0  # all of a request's prompts together; 0: two contexts
     on_ray: bool = False  # the local cores as Ray actors, placed and restarted by Ray (frontend.ray_engines)
+    media_options: object = None  # frontend.media.MediaOptions: images' bounds (None: the defaults)
 
 
 class AsyncEngineClient:
@@ -152,14 +153,14 @@ class AsyncEngineClient:
 
     async def generate(self, prompt: str | None, params: SamplingParams, request_id: str, *,
                        prompt_token_ids: list[int] | None = None, n: int = 1,
-                       prediction: str | None = None) -> RequestStream:
+                       prediction: str | None = None, images: list | None = None) -> RequestStream:
         """Send one prompt (text, or token ids) as n choices and return its delta stream."""
         prompts = [prompt if prompt_token_ids is None else prompt_token_ids]
-        return await self.generate_batch(prompts, params, request_id, n=n, prediction=prediction)
+        return await self.generate_batch(prompts, params, request_id, n=n, prediction=prediction, images=images)
 
     async def generate_batch(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str, *,
                              n: int = 1, prediction: str | None = None, pooling_params: PoolingParams | None = None,
-                             max_choices: int = MAX_CHOICES) -> RequestStream:
+                             max_choices: int = MAX_CHOICES, images: list | None = None) -> RequestStream:
         """Send each prompt as n choices (seeds seed, seed+1, ...); choice j of prompt p has index p*n + j.
         `prediction`: OpenAI's predicted text, the draft of every prompt's answer (tokenized here).
 
@@ -199,7 +200,7 @@ class AsyncEngineClient:
             self.output_processor.add_request(rid, prompt_token_ids, choice_params, index)
             self._states[rid] = state
             engine.request_ids.add(rid)
-            engine.send(AddRequest(rid, prompt_token_ids, choice_params, time.time(), pooling_params))
+            engine.send(AddRequest(rid, prompt_token_ids, choice_params, time.time(), pooling_params, images or []))
             self.metrics.num_prompt_tokens += len(prompt_token_ids)
             states.append(state)
         return RequestStream(states, queue, self._abort, prompt_ids_list)

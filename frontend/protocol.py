@@ -248,16 +248,24 @@ class CompletionRequest(OpenAIFields):
         return list(prompt)
 
 
+class ImagePart(BaseModel):
+    """An image content part in any route's shape (ipc.vision.chat_images), checked when it is decoded."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["image_url", "input_image", "image"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed on to the template
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
 
     def to_template_dict(self) -> dict:
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):  # OpenAI content parts: only text is supported
-            message["content"] = "".join(part.text for part in self.content)
+        if isinstance(self.content, list) and not any(isinstance(p, ImagePart) for p in self.content):
+            message["content"] = "".join(part.text for part in self.content)  # text parts: one string
         message.setdefault("content", "")
         return message
 

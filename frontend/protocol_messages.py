@@ -146,11 +146,14 @@ def _assistant_message(content: Any, where: str, call_ids: set[str]) -> dict:
 
 
 def _user_messages(content: Any, where: str, call_ids: set[str]) -> list[dict]:
-    results, texts = [], []
+    results, texts, parts = [], [], []  # parts: the text and image blocks in order, where there are images
     for j, block in enumerate(_blocks(content, where)):
         kind = block.get("type")
         if kind == "text":
             texts.append(_block_text(block, f"{where}[{j}]"))
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind == "image":  # decoded with the chat's other images (frontend.media)
+            parts.append(block)
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or call_id not in call_ids:
@@ -160,7 +163,9 @@ def _user_messages(content: Any, where: str, call_ids: set[str]) -> list[dict]:
             results.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
             raise InvalidRequestError(f"{where}[{j}]: block type {kind!r} is not supported in a user message "
-                                      "(text, tool_result)")
+                                      "(text, image, tool_result)")
+    if len(parts) > len(texts):
+        return results + [{"role": "user", "content": parts}]
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 

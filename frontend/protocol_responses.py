@@ -174,18 +174,23 @@ def _arguments(item: dict, i: int) -> str:
     return arguments
 
 
-def _parts_text(parts: Any, where: str) -> str:
-    """Text content parts joined; any other part (images, files) is a 400."""
+def _parts_text(parts: Any, where: str, images: bool = False) -> str | list[dict]:
+    """Text content parts joined; with `images`, input_image parts are kept too (a list of chat parts, decoded
+    by frontend.media); any other part (files) is a 400."""
     if not isinstance(parts, list):
         raise InvalidRequestError(f"{where} must be a string or a list of text parts")
-    texts = []
+    texts, chat_parts = [], []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
+        if images and kind == "input_image":
+            chat_parts.append(part)
+            continue
         if kind not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
             raise InvalidRequestError(f"{where}[{j}]: content part of type {kind!r} is not supported "
                                       f"(text parts only: {', '.join(TEXT_PART_TYPES)} with a string `text`)")
         texts.append(part["text"])
-    return "".join(texts)
+        chat_parts.append({"type": "text", "text": part["text"]})
+    return chat_parts if len(chat_parts) > len(texts) else "".join(texts)
 
 
 def _message(item: dict, where: str) -> dict:
@@ -194,7 +199,7 @@ def _message(item: dict, where: str) -> dict:
     if role is None:
         raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {item.get('role')!r}")
     content = item.get("content")
-    text = content if isinstance(content, str) else _parts_text(content, f"{where}.content")
+    text = content if isinstance(content, str) else _parts_text(content, f"{where}.content", images=True)
     return {"role": role, "content": text}
 
 

@@ -11,12 +11,14 @@ from frontend.admission import (
     AdmissionConfig,
 )
 from frontend.chat_tools import ToolOptions
+from frontend.media import DEFAULT_IMAGES_PER_PROMPT, MediaOptions, parse_limit_mm_per_prompt
 from frontend.engine_client import EngineClientConfig
 from frontend.engine_connection import DEFAULT_ENGINE_COMMAND
 from frontend.reasoning_parsers import REASONING_PARSER_NAMES
 from frontend.tool_parsers import TOOL_PARSER_NAMES
 from ipc.engine_config import DEFAULT_MODEL, add_engine_args, engine_argv
 from ipc.speculative_config import SpeculativeConfig
+from ipc.vision.image_decode import ImageLimits
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_ENGINE_TIMEOUT_S = 60.0  # as vLLM's engine iteration timeout: a slow step on a loaded host is not a hang
@@ -71,6 +73,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     limits.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S, metavar="S",
                         help="a core that sends nothing for S seconds (an idle one sends a heartbeat every second) "
                              f"is hung and counts as dead; 0 disables (default: {DEFAULT_ENGINE_TIMEOUT_S:.0f})")
+    media = parser.add_argument_group("images (vision-language models)")
+    media.add_argument("--limit-mm-per-prompt", metavar="JSON", help=f'images per prompt, vLLM\'s \'{{"image": N}}\' '
+                       f"(default: {DEFAULT_IMAGES_PER_PROMPT})")
+    media.add_argument("--allowed-local-media-path", metavar="DIR",
+                       help="the folder file:// image URLs may read (default: none; http(s) URLs are never fetched)")
+    media.add_argument("--max-image-bytes", type=int, default=ImageLimits.max_bytes, metavar="N",
+                       help="largest encoded image; base64 images also count toward --max-request-bytes")
+    media.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_pixels, metavar="N",
+                       help="largest image in width x height, read from its header before decoding (bombs)")
     parser.add_argument("--allow-remote", action="store_true",
                         help="let cores and --client-socket bind non-loopback tcp addresses")
     add_engine_args(parser.add_argument_group(
@@ -138,7 +149,17 @@ def engine_client_config(args: argparse.Namespace) -> EngineClientConfig:
         first_start_args=first_start_args,
         max_request_prompt_tokens=args.max_request_prompt_tokens,
         on_ray=args.data_parallel > 1 and args.distributed_executor_backend == "ray",
+        media_options=media_options(args),
     )
+
+
+def media_options(args: argparse.Namespace) -> MediaOptions:
+    if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
+        raise ValueError(f"--allowed-local-media-path {args.allowed_local_media_path!r} is not a folder")
+    if args.max_image_bytes < 1 or args.max_image_pixels < 1:
+        raise ValueError("--max-image-bytes and --max-image-pixels must be at least 1")
+    limits = ImageLimits(args.max_image_bytes, args.max_image_pixels, args.allowed_local_media_path)
+    return MediaOptions(parse_limit_mm_per_prompt(args.limit_mm_per_prompt), limits)
 
 
 def check_speculative_config(value: str | None) -> None:

@@ -124,6 +124,11 @@ class EngineConfig:
         "generate: text generation, and embeddings beside it; pooling: embeddings only (/v1/embeddings), "
         "with a KV pool sized for one step's prefills", choices=RUNNERS))
 
+    # Vision-language models: images encoded per step, in image tokens (vLLM's max_num_encoder_input_tokens);
+    # a chunk stops before an image that would pass it. One image larger than this still runs, alone.
+    max_num_encoder_input_tokens: int = field(default=4096, metadata=_flag(
+        "vision-language models: image tokens the vision encoder may produce per step"))
+
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")

@@ -31,6 +31,10 @@ MAX_DTYPE_NAME_LEN = 32
 MAX_ABORT_REQUEST_IDS = 65_536  # a frontend shutting down aborts everything in flight at once
 MAX_OUTPUTS_PER_STEP = 65_536  # far above any batch size an engine step can hold
 MAX_LOGPROBS_PER_TOKEN = 21  # the sampled token and its top 20
+MAX_IMAGES_PER_REQUEST = 64  # far above any --limit-mm-per-prompt a frontend allows
+# One image's preprocessed pixels as sent: 17 uint8 frames of 3 x 512 x 512 (SmolVLM's largest split) are 13 MiB.
+MAX_IMAGE_BYTES = 48 * 1024 * 1024
+MAX_IMAGE_DIM = 65_536
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_LEN)]
@@ -77,6 +81,29 @@ class FinishReason(enum.IntEnum):
         return {1: "stop", 2: "length", 3: "abort", 4: "error"}[int(self)]
 
 
+class PixelDType(enum.IntEnum):
+    """How an image's pixel bytes are laid out, element by element."""
+
+    UINT8 = 1  # 0..255, normalised in the core: (x * rescale_factor - image_mean) / image_std, per channel
+    FLOAT32 = 2  # already normalised, little-endian
+
+
+class ImageInput(_Record):
+    """One preprocessed image of a request: its frames' pixels as raw bytes (never pickled),
+    and the prompt positions its tokens fill. The encoder's output replaces the embeddings of the
+    model's image placeholder tokens inside offset .. offset + length - 1, in order."""
+
+    data: Annotated[bytes, Meta(max_length=MAX_IMAGE_BYTES)]
+    shape: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_IMAGE_DIM)]], Meta(min_length=4, max_length=4)]  # [frames, C, H, W]
+    dtype: PixelDType
+    content_hash: Annotated[str, Meta(min_length=1, max_length=128)]  # hex SHA-256 of the pixels, shape and dtype
+    offset: NumTokens
+    length: Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]
+    rescale_factor: float = 1.0
+    image_mean: Annotated[list[float], Meta(max_length=4)] = field(default_factory=list)
+    image_std: Annotated[list[float], Meta(max_length=4)] = field(default_factory=list)
+
+
 class AddRequest(_Message, tag=int(MessageType.ADD_REQUEST)):
     request_id: RequestId
     prompt_token_ids: TokenIds
@@ -84,6 +111,8 @@ class AddRequest(_Message, tag=int(MessageType.ADD_REQUEST)):
     arrival_time: float = 0.0
     # Set: an embedding request (sampling_params unused); its output carries `embedding`, no tokens.
     pooling_params: PoolingParams | None = None
+    # A vision-language model's images, in prompt order (their ranges never overlap).
+    images: Annotated[list[ImageInput], Meta(max_length=MAX_IMAGES_PER_REQUEST)] = field(default_factory=list)
 
 
 class AbortRequests(_Message, tag=int(MessageType.ABORT_REQUESTS)):

@@ -32,14 +32,16 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
-def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
-    """The key of a full block: SHA-256 over its parent's key and its token ids.
+def hash_block(parent_hash: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """The key of a full block: SHA-256 over its parent's key and its token ids, and `extra`: the
+    content hashes of the images whose tokens the block covers (an image's placeholder tokens are
+    the same ids whatever the image, so without them two images would share KV).
 
     Chaining the parent's key makes a block's key stand for its whole prefix, so
     equal keys mean equal KV. Collisions are handled by making them impractical
     (a 256-bit cryptographic hash, as vLLM's `sha256` option), not by comparing
     tokens on a hit: a hit is trusted."""
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes() + extra).digest()
 
 
 class BlockManager:

@@ -6,7 +6,7 @@ import enum
 import time
 
 from engine.core.block_manager import ROOT_HASH, hash_block
-from ipc.messages import FinishReason, TokenLogprobs
+from ipc.messages import FinishReason, ImageInput, TokenLogprobs
 from ipc.pooling_params import PoolingParams
 from ipc.sampling_params import SamplingParams
 from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
@@ -53,6 +53,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
+        images: list[ImageInput] = (),
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -82,6 +83,7 @@ class Request:
         # `embedding` is its vector once the last prompt chunk has run.
         self.pooling_params = pooling_params
         self.embedding: list[float] | None = None
+        self.images = list(images)  # a vision-language model's, in prompt order (ipc.messages.ImageInput)
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -110,8 +112,14 @@ class Request:
         """Hashes of the first `num_blocks` blocks (all full), computing only the missing ones."""
         for i in range(len(self.block_hashes), num_blocks):
             parent_hash = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-            self.block_hashes.append(hash_block(parent_hash, self.all_token_ids[i * block_size : (i + 1) * block_size]))
+            start, end = i * block_size, (i + 1) * block_size
+            self.block_hashes.append(hash_block(parent_hash, self.all_token_ids[start:end], self.image_hashes(start, end)))
         return self.block_hashes[:num_blocks]
+
+    def image_hashes(self, start: int, end: int) -> bytes:
+        """The content hashes of the images with tokens in positions start..end-1, for the block key."""
+        return b"".join(image.content_hash.encode() for image in self.images
+                        if image.offset < end and image.offset + image.length > start)
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
@@ -123,3 +131,8 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_ids)})"
         )
+
+
+def is_compiling(request: Request) -> bool:
+    """Its grammar is not compiled yet: the request waits, passed over, in its place."""
+    return request.grammar is not None and not request.grammar.is_ready

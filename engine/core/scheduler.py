@@ -39,8 +39,9 @@ import time
 from collections import deque
 
 from engine.core.block_manager import BlockManager
+from engine.core.encoder_budget import EncoderBudget
 from ipc.pooling_params import needs_every_position
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, is_compiling
 from engine.core.scheduler_output import (RequestError, SampledToken, ScheduledRequest, SchedulerOutput, StepOutputs,
                                           emitted_tokens, make_output)
 from engine.core.spec_scheduling import SpecStats, add_proposals, record_acceptance, roll_back
@@ -60,7 +61,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: list[int],
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool = False, max_num_encoder_input_tokens: int = 4096,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -76,6 +77,7 @@ class Scheduler:
         self.num_prefix_cache_queries = 0  # tokens looked up at admission, cumulative
         self.num_prefix_cache_hits = 0  # of those, tokens found cached
         self.spec_stats = SpecStats()
+        self.encoder_budget = EncoderBudget(max_num_encoder_input_tokens)  # images' tokens encoded per step
 
     # ---- requests in and out ----
 
@@ -153,6 +155,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.encoder_budget.reset()
         budget = self._schedule_running(output, budget)
         if output.num_preempted == 0:
             self._admit_waiting(output, budget)
@@ -166,8 +169,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, num_new_tokens, output):
+            num_new_tokens = self.encoder_budget.fit(request, request.num_computed_tokens, budget)
+            if num_new_tokens == 0:  # its next image waits for a step with encoder budget left
+                i += 1
+            elif self._allocate_or_preempt(request, num_new_tokens, output):
                 output.scheduled.append(ScheduledRequest(request, num_new_tokens))
                 budget -= num_new_tokens
                 i += 1
@@ -200,9 +205,9 @@ class Scheduler:
             if next_hash is not None and next_hash in pending_hashes:
                 break  # a running request is computing that block: wait a step and reuse it
             num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
-            num_new_tokens = min(request.num_tokens - num_cached_tokens, budget)
+            num_new_tokens = self.encoder_budget.fit(request, num_cached_tokens, budget)
             num_needed = self.block_manager.num_new_blocks(len(cached_block_ids), num_cached_tokens + num_new_tokens)
-            if not self.block_manager.can_allocate(num_needed, cached_block_ids):
+            if num_new_tokens == 0 or not self.block_manager.can_allocate(num_needed, cached_block_ids):
                 break
             del self.waiting[num_compiling]
             self._start(request, self.block_manager.allocate(num_needed, cached_block_ids), len(cached_block_ids))
@@ -343,7 +348,3 @@ class Scheduler:
         request.block_ids = []
         del self.requests[request.request_id]
 
-
-def is_compiling(request: Request) -> bool:
-    """Its grammar is not compiled yet: the request waits, passed over, in its place."""
-    return request.grammar is not None and not request.grammar.is_ready

@@ -19,13 +19,14 @@ from engine.executor.executor import WorkerDeadError
 from engine.loader.model_files import resolve_model
 from engine.loop.batching import batching_mode
 from engine.models.config import ModelConfig
+from engine.models.vision_config import check_images
 from engine.core.request import Request
 from engine.worker.pooler import check_pooling_request, pooling_num_kv_blocks
 from engine.spec_decode.proposer import SpecProposer
 from engine.core.scheduler_output import StepOutputs
 from engine.core.step_stats import StepStats
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
-from ipc.messages import RequestOutput, SchedulerStats, StepCounts
+from ipc.messages import ImageInput, RequestOutput, SchedulerStats, StepCounts
 from ipc.pooling_params import PoolingParams
 from ipc.sampling_params import SamplingParams, check_request
 
@@ -84,6 +85,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
+            max_num_encoder_input_tokens=config.max_num_encoder_input_tokens,
         )
         # Speculative decoding (engine.spec_decode): proposals for --speculative-config and for requests'
         # predictions; the static baselines keep one token per step.
@@ -114,6 +116,7 @@ class EngineCore:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
+        images: list[ImageInput] = (),
     ) -> None:
         """Check and queue a request; raises ValueError (and changes nothing) on bad input.
         With `pooling_params` it is an embedding request (engine.worker.pooler), `sampling_params` unused.
@@ -126,7 +129,9 @@ class EngineCore:
         params = check_request(prompt_token_ids, sampling_params, vocab_size=self.vocab_size,
                                max_model_len=self.max_model_len, cap_max_tokens=pooling_params is None,
                                is_pooling=pooling_params is not None)
-        request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params)
+        if images or self.model_config.vision is not None:
+            check_images(images, prompt_token_ids, self.model_config.vision)
+        request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params, images)
         if params.structured_outputs is not None:
             request.grammar = RequestGrammar(self._grammar_compiler().submit(params.structured_outputs),
                                              self.config.grammar_compile_timeout_s,

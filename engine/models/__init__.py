@@ -18,6 +18,7 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.idefics3 import Idefics3ForConditionalGeneration
 from engine.models.layers import OffsetRMSNorm
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -35,6 +36,7 @@ MODEL_CLASSES = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM: images in, text out
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 

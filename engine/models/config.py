@@ -16,6 +16,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from engine.models.vision_config import VisionConfig, split_vision_config
+
 # The MLP gates served (config.json's name -> ours); another activation is refused, not run wrong.
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA3_DEFAULT_PATTERN = 6  # Gemma 3: five sliding-window layers to each global one
@@ -71,6 +73,7 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    vision: VisionConfig | None = None  # a vision-language model's encoder and connector (vision_config.py)
 
     @property
     def rotary_dim(self) -> int:
@@ -84,6 +87,7 @@ class ModelConfig:
     def from_folder(cls, path: str) -> "ModelConfig":
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
+        cfg, vision = split_vision_config(cfg)
         architectures = cfg.get("architectures") or ["LlamaForCausalLM"]
         _refuse_unsupported(architectures[0], cfg)
         num_heads = cfg["num_attention_heads"]
@@ -130,6 +134,7 @@ class ModelConfig:
             local_rope_theta=None if local_rope is None else float(local_rope.get("rope_theta", 10000.0)),
             local_rope_scaling=None if local_rope is None else _scaling(local_rope),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            vision=vision,
         )
 
 

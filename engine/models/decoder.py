@@ -150,6 +150,7 @@ class DecoderForCausalLM(nn.Module):
         backend: AttentionBackend | None,  # prepared for the step; COMPILED (None): engine.worker.compilation's op
         output_rows: torch.Tensor | None = None,  # [num_out] int64: the rows to return; None: all
         carried: tuple[torch.Tensor, torch.Tensor] | None = None,  # (hidden, residual) from the previous stage
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]: in place of embed(input_ids) (images)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens] ids -> [num_tokens or num_out, hidden_size] final hidden states.
         Only the sampled rows' (a prompt's last) final states are ever used, so with
@@ -158,7 +159,9 @@ class DecoderForCausalLM(nn.Module):
         of a layer's matmuls left out, 2.8% of the model's.
         A pipeline stage runs its own layers, from `carried` past the first stage; every stage
         but the last returns (hidden, residual) [num_tokens, hidden_size] each, for the next."""
-        hidden, residual = carried if carried is not None else (self.embed(input_ids), None)  # [num_tokens, hidden]
+        if carried is None:
+            carried = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds, None)
+        hidden, residual = carried  # [num_tokens, hidden]
         angle_dtype = self.attention_dtype or hidden.dtype  # rotary runs in attention's dtype
         cos_sin = self.rotary.cos_sin(positions, angle_dtype)
         local_cos_sin = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, angle_dtype)
@@ -192,7 +195,7 @@ class DecoderForCausalLM(nn.Module):
         tensors may be safetensors slices). `into`: write into these tensors, by our parameter
         name, instead (row by row, any dtype and width: a GGUF's blocks, engine/loader/gguf_blocks.py),
         skipping the names it lacks; at TP = 1 only. Returns the names (ours) it wrote."""
-        params = dict(self.named_parameters()) if into is None else into
+        params = dict(self.decoder_parameters()) if into is None else into
         if into is not None and self.tp.size != 1:
             raise ValueError("loading into other tensors is for TP = 1")
         rules = [(re.compile(rule.pattern), rule) for rule in self.checkpoint_names]
@@ -227,6 +230,10 @@ class DecoderForCausalLM(nn.Module):
         if missing and into is None:
             raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
         return loaded
+
+    def decoder_parameters(self):
+        """(name, parameter) of what load_weights loads: all of them (a vision model's encoder loads apart)."""
+        return self.named_parameters()
 
     def _is_elsewhere(self, name: str) -> bool:
         """Whether `name` (ours) is a weight of a layer another pipeline stage holds."""

@@ -40,6 +40,7 @@ from engine.worker.attention_choice import make_attention_backend, resolve_atten
 from engine.worker.compilation import compile_forward, inductor_cache_dir, warm_up
 from engine.worker.cuda_graph_check import check_replays
 from engine.worker.cuda_graphs import CudaGraphRunner
+from engine.worker.encoder_cache import EncoderCache
 from engine.worker.device_and_dtype import (
     cpu_features_of, kv_bytes_per_block, resolve_device, resolve_dtype, resolve_kv_cache_dtype,
 )
@@ -85,6 +86,9 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsCollector()
         self.pooler = Pooler()
         self.pooled_hidden: torch.Tensor | None = None  # forward_step's pooled rows, for execute's pooler
+        # A vision-language model's image embeddings by content hash, a few steps' worth of encoder budget.
+        self.encoder_cache = (EncoderCache(self.model, self.device, 4 * config.max_num_encoder_input_tokens)
+                              if getattr(self.model, "is_multimodal", False) else None)
         self.cuda_graphs = self._capture_cuda_graphs(max_model_len)
         self.compiled_forward = None
         if self.is_compiled:
@@ -157,12 +161,14 @@ class ModelRunner:
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The step's inputs as lists, and which logits rows go where (engine.worker.step_inputs)."""
-        return prepare_step(scheduler_output, self.block_size, self.prompt_logprobs)
+        image_token_id = self.model_config.vision.image_token_id if self.encoder_cache is not None else None
+        return prepare_step(scheduler_output, self.block_size, self.prompt_logprobs, image_token_id)
 
     def run_step(self, step: PreparedStep) -> torch.Tensor | None:
         """The model on every rank: the logits of `step.inputs.sample_rows`; pooled rows collected."""
         if self.executor is None:
-            logits = self.forward_step(step.inputs)  # [num_logits_rows, vocab_size]
+            images = self.encoder_cache.step_rows(step.image_slices) if step.image_slices else None
+            logits = self.forward_step(step.inputs, images=images)  # [num_logits_rows, vocab_size]
         else:
             logits = self.executor.run_step(step.inputs, self.forward_step)  # every rank runs it
         if step.pooling_plans:
@@ -211,12 +217,12 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
-    def forward_step(self, inputs: StepInputs, as_rows: bool = False) -> torch.Tensor | None:
+    def forward_step(self, inputs: StepInputs, as_rows: bool = False, images=None) -> torch.Tensor | None:
         """The model on one step's inputs, on the one step executor chosen at start: the sampled
         rows' logits (None when none are sampled, and on a worker rank). The pooled rows' final
         hidden states go to `pooled_hidden`. `as_rows`: a step of a few short chunks (a draft model's
         catch-up) may run as one-token rows, as a verification step does."""
-        result = self.step_executor.forward(inputs, as_rows)
+        result = self.step_executor.forward(inputs, as_rows, images)  # images: (rows [n], embeddings [n, hidden])
         self.pooled_hidden = result.pooled  # [num_pooled, hidden_size] or None
         return result.logits  # [num_sampled, vocab_size] or None
 
@@ -230,6 +236,8 @@ class ModelRunner:
             self.pooler.release(request_id)
         if params.needs_logits_processing:
             self.logits_state.release(request_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(request_id)
 
     def _prepare_sampling(self, requests: list[Request]) -> SamplingBatch:
         return make_sampling_batch(requests, self.model_config, self.device, self.generators, self.logits_state)

@@ -46,19 +46,27 @@ class EagerStep:
         self.backend = backend
         self.device = device
 
-    def forward(self, inputs: StepInputs, as_rows: bool = False) -> StepResult:
+    def forward(self, inputs: StepInputs, as_rows: bool = False, images=None) -> StepResult:
+        """`images`: (batch rows [n], their embeddings [n, hidden]) of a vision-language step's image
+        tokens, which take the place of their placeholders' embeddings; such a step runs eager."""
         input_ids, positions, metadata, selected_rows = to_tensors(inputs, self.device)  # sampled, then pooled
         self.backend.prepare(metadata)  # the step's plan, made once for every layer
-        hidden = self.run(inputs, input_ids, positions, metadata, selected_rows)
+        if images is not None:
+            hidden = EagerStep.run(self, inputs, input_ids, positions, metadata, selected_rows,
+                                   merge_images(self.model.embed(input_ids), *images))
+        else:
+            hidden = self.run(inputs, input_ids, positions, metadata, selected_rows)
         return self.finish(inputs, hidden)
 
-    def run(self, inputs: StepInputs, input_ids, positions, metadata, selected_rows) -> torch.Tensor:
+    def run(self, inputs: StepInputs, input_ids, positions, metadata, selected_rows,
+            inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The selected rows' final hidden states, [num_sampled + num_pooled, hidden_size]."""
         # A decode step samples every row, in order; a step that samples none (a prompt's middle
         # chunk) runs it whole, so no matmul or all-reduce ever sees zero rows. Pooled rows follow
         # the sampled ones, out of order: those rows are always named.
         every_row = not inputs.pooling_rows and len(inputs.sample_rows) in (0, len(inputs.input_ids))
-        return self.model(input_ids, positions, self.kv_caches, self.backend, None if every_row else selected_rows)
+        return self.model(input_ids, positions, self.kv_caches, self.backend, None if every_row else selected_rows,
+                          inputs_embeds=inputs_embeds)
 
     def finish(self, inputs: StepInputs, hidden: torch.Tensor) -> StepResult:
         pooled = None
@@ -79,7 +87,7 @@ class PipelineStageStep(EagerStep):
         self.group = group
         self.dtype = dtype
 
-    def forward(self, inputs: StepInputs, as_rows: bool = False) -> StepResult:
+    def forward(self, inputs: StepInputs, as_rows: bool = False, images=None) -> StepResult:
         if inputs.pooling_rows:
             raise ValueError("embeddings are not supported with pipeline parallelism")
         input_ids, positions, metadata, sample_rows = to_tensors(inputs, self.device)
@@ -129,9 +137,9 @@ class DecodeStackStep(EagerStep):
         super().__init__(model, kv_caches, backend, device)
         self.decode_stack = decode_stack
 
-    def forward(self, inputs: StepInputs, as_rows: bool = False) -> StepResult:
-        if not self.runs_as_rows(inputs, as_rows):
-            return super().forward(inputs, as_rows)
+    def forward(self, inputs: StepInputs, as_rows: bool = False, images=None) -> StepResult:
+        if images is not None or not self.runs_as_rows(inputs, as_rows):
+            return super().forward(inputs, as_rows, images)
         hidden = self.decode_stack.forward_rows(*to_row_tensors(inputs, self.device))  # [num_tokens, hidden_size]
         if len(inputs.sample_rows) < len(inputs.input_ids):
             hidden = hidden[inputs.sample_rows]  # [num_sampled, hidden_size]
@@ -153,6 +161,12 @@ class DecodeStackStep(EagerStep):
         return (1 < max(inputs.query_lens) <= 1 + MAX_SPECULATIVE_TOKENS and not inputs.pooling_rows
                 and (as_rows or len(inputs.sample_rows) == len(inputs.input_ids))
                 and self.decode_stack.can_run_rows(len(inputs.input_ids)))
+
+
+def merge_images(embeds: torch.Tensor, rows: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, hidden] token embeddings with `rows` [n] replaced by `image_embeds` [n, hidden]."""
+    embeds[rows] = image_embeds.to(embeds.dtype)
+    return embeds
 
 
 def make_step_executor(model: nn.Module, kv_caches: list[KVCache], backend: AttentionBackend, device: torch.device,

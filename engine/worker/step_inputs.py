@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -22,6 +22,7 @@ from engine.sample.prompt_logprobs import PromptLogprobRows, PromptLogprobsColle
 from engine.core.request import Request
 from engine.sample.sampler import SamplingBatch
 from engine.core.scheduler_output import SchedulerOutput
+from ipc.messages import ImageInput, PixelDType
 
 STEP_INPUTS_TAG = 3
 Ints = list[int]
@@ -53,6 +54,52 @@ class PreparedStep:
     sampled_rows: list[int]  # indices into inputs.sample_rows: the sampled ones (the rest: prompt log-probs)
     prompt_plans: list[PromptLogprobRows]
     pooling_plans: list  # engine.worker.pooler's, for the rows in inputs.pooling_rows
+    image_slices: list[ImageSlice] = field(default_factory=list)  # the images whose tokens the step computes
+
+
+@dataclass
+class ImageSlice:
+    """The part of one image a step computes: its placeholder tokens' rows in the flat batch, which take
+    the image's embedding rows first_embed_row, first_embed_row + 1, ... (engine.worker.encoder_cache)."""
+
+    request_id: str
+    image: ImageInput
+    rows: list[int]
+    first_embed_row: int
+    reaches_end: bool  # the chunk computes the image's last token
+
+
+def slice_images(request: Request, start: int, end: int, first_row: int, image_token_id: int) -> list[ImageSlice]:
+    """The image slices of `request`'s chunk start..end-1, whose first token is the batch's row `first_row`."""
+    slices = []
+    token_ids = request.all_token_ids
+    for image in request.images:
+        image_end = image.offset + image.length
+        if image.offset >= end or image_end <= start:
+            continue
+        lo, hi = max(start, image.offset), min(end, image_end)
+        first_embed_row = sum(1 for t in token_ids[image.offset : lo] if t == image_token_id)
+        rows = [first_row + p - start for p in range(lo, hi) if token_ids[p] == image_token_id]
+        slices.append(ImageSlice(request.request_id, image, rows, first_embed_row, hi == image_end))
+    return slices
+
+
+def pixels_to_tensor(image: ImageInput, device: torch.device) -> torch.Tensor:
+    """[frames, C, H, W] float32 pixels of an image as the wire carries them. uint8 ones are normalised
+    here with the very operations of transformers' numpy image processors (rescale in float64, then
+    (x - mean) / std in float32), so the encoder sees the processor's bits."""
+    if image.dtype == PixelDType.FLOAT32:
+        return torch.frombuffer(bytearray(image.data), dtype=torch.float32).view(image.shape).to(device)
+    pixels = torch.frombuffer(bytearray(image.data), dtype=torch.uint8).view(image.shape)
+    pixels = (pixels.double() * image.rescale_factor).float()  # [frames, C, H, W]
+    mean = torch.tensor(image.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(image.image_std, dtype=torch.float32).view(1, -1, 1, 1)
+    return ((pixels - mean) / std).to(device)
+
+
+def image_rows_to_tensor(slices: list[ImageSlice], device: torch.device) -> torch.Tensor:
+    """[num image tokens in the step] int64: the batch rows of the slices' tokens, in order."""
+    return torch.tensor([row for s in slices for row in s.rows], dtype=torch.int64, device=device)
 
 
 class ChunkBatch:
@@ -97,15 +144,17 @@ def pad_block_tables(block_tables: list[list[int]]) -> list[list[int]]:
     return [table + [0] * (max_num_blocks - len(table)) for table in block_tables]
 
 
-def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logprobs: PromptLogprobsCollector) -> PreparedStep:
-    """The step's flat batch as lists (every rank builds the same tensors from them), and which
-    logits rows go where."""
+def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logprobs: PromptLogprobsCollector,
+                 image_token_id: int | None = None) -> PreparedStep:
+    """The step's flat batch as lists (every rank builds the same tensors from them), which
+    logits rows go where, and (a vision-language model's: `image_token_id`) which rows take images."""
     batch = ChunkBatch(block_size)
     logits_rows: list[int] = []  # rows whose logits come back: prompt log-prob rows, then the sampled row
     sampled_requests: list[Request] = []
     sampled_rows: list[int] = []  # indices into logits_rows
     prompt_plans: list[PromptLogprobRows] = []
     has_pooling = False
+    image_slices: list[ImageSlice] = []
     for scheduled in scheduler_output.scheduled:
         request = scheduled.request
         start = request.num_computed_tokens
@@ -113,6 +162,8 @@ def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logp
         spec_token_ids = scheduled.spec_token_ids  # proposed tokens, after the request's last one
         first_row = len(batch.input_ids)
         batch.add(request.all_token_ids[start : end - len(spec_token_ids)] + spec_token_ids, start, request.block_ids)
+        if request.images and image_token_id is not None:
+            image_slices.extend(slice_images(request, start, end, first_row, image_token_id))
         has_pooling = has_pooling or request.pooling_params is not None
         prompt_positions = (prompt_logprobs.positions_to_compute(request, start, end)
                             if request.sampling_params.prompt_logprobs is not None else None)
@@ -129,7 +180,7 @@ def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logp
     pooling_plans = []
     if has_pooling:  # embedding requests in the step
         inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
-    return PreparedStep(inputs, sampled_requests, sampled_rows, prompt_plans, pooling_plans)
+    return PreparedStep(inputs, sampled_requests, sampled_rows, prompt_plans, pooling_plans, image_slices)
 
 
 def to_tensors(inputs: StepInputs, device: torch.device):

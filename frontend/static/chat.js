@@ -4,12 +4,19 @@
 
 const history = [];  // {role, content} of the finished turns, oldest first
 let controller = null;  // the AbortController of the answer being streamed
+let imageUrl = null;  // the attached image as a data: URL, sent with the next question
 
 const el = (id) => document.getElementById(id);
 
-function addMessage(role, text) {
+function addMessage(role, text, image = null) {
   const message = document.createElement("div");
   message.className = `message ${role}`;
+  if (image) {
+    const thumbnail = document.createElement("img");
+    thumbnail.className = "image-preview";
+    thumbnail.src = image;
+    message.append(thumbnail);
+  }
   const body = document.createElement("div");
   body.className = "text";
   body.textContent = text;
@@ -60,7 +67,10 @@ function requestBody() {
 async function send() {
   const text = el("prompt").value.trim();
   if (!text || controller) return;
-  history.push({ role: "user", content: text });
+  const image = imageUrl;
+  // With an image, OpenAI's content parts: the image first, as SmolVLM's examples put it.
+  history.push({ role: "user", content: image ? [{ type: "image_url", image_url: { url: image } },
+    { type: "text", text }] : text });
   let body;
   try {
     body = requestBody();
@@ -70,7 +80,8 @@ async function send() {
     return;
   }
   el("prompt").value = "";
-  const userMessage = addMessage("user", text);
+  attachImage(null);
+  const userMessage = addMessage("user", text, image);
   const answer = addMessage("assistant", "");
   answer.classList.add("streaming");
   const answerText = answer.querySelector(".text");
@@ -130,12 +141,39 @@ async function send() {
       userMessage.classList.add("failed");
       if (finish === "error") answer.remove();
       el("prompt").value = text;
+      attachImage(image);
     }
     controller = null;
     setBusy(false);
   }
 }
 
+function attachImage(url) {
+  imageUrl = url;
+  el("image-preview").hidden = !url;
+  if (url) el("image-preview").src = url;
+  else el("image-preview").removeAttribute("src");
+  if (!url) el("image").value = "";
+}
+
+function readImage(file) {
+  if (!file) return;
+  if (!file.type.startsWith("image/")) {
+    setStatus(`${file.name} is not an image`, true);
+    return;
+  }
+  const reader = new FileReader();
+  reader.onload = () => attachImage(reader.result);
+  reader.readAsDataURL(file);
+}
+
+el("image").addEventListener("change", () => readImage(el("image").files[0]));
+el("image-preview").addEventListener("click", () => attachImage(null));  // a click takes it off again
+el("composer").addEventListener("dragover", (event) => event.preventDefault());
+el("composer").addEventListener("drop", (event) => {
+  event.preventDefault();
+  readImage(event.dataTransfer.files[0]);
+});
 el("composer").addEventListener("submit", (event) => {
   event.preventDefault();
   send();
@@ -152,6 +190,7 @@ el("stop").addEventListener("click", () => {
 el("clear").addEventListener("click", () => {
   if (controller) controller.abort();
   history.length = 0;
+  attachImage(null);
   el("messages").replaceChildren();
   setStatus("");
 });

@@ -22,6 +22,7 @@ RESPONSES_BODIES = {
     "unknown_call_id": {"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "x"}]},
     "malformed_content_part": {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
     "image_content_part": {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    "file_content_part": {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
     "item_not_an_object": {"input": ["hi"]},
     "unknown_previous_response_id": {"input": "hi", "previous_response_id": "resp_nope"},
     "built_in_tool": {"input": "hi", "tools": [{"type": "web_search"}]},

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 import requests
 
 from scripts.hostile.adapters import adapter_bad_input
+from scripts.hostile.images import bad_images
 from scripts.hostile.cases import (
     bad_predictions, big_prompt_does_not_freeze, duplicate_local_id, local_abort_race, oov_stop_token, sigstop_core,
     slow_grammar_compile, socket_takeover, tiny_temperature, unsatisfiable_grammar,
@@ -122,6 +123,7 @@ def hostile_run(args: argparse.Namespace, target: Target, engine_timeout: float 
         ("slow_grammar_compile", slow_grammar_compile, target, 20000 if quick else 30000),
         ("unsatisfiable_grammar", unsatisfiable_grammar, target),
         ("adapter_bad_input", adapter_bad_input, target),
+        ("bad_images", bad_images, target),
         ("nested_json", nested_json, target),
         ("bad_predictions", bad_predictions, target),
         ("socket_takeover", socket_takeover, target,

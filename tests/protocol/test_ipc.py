@@ -387,3 +387,22 @@ def test_pooling_fields_are_bounded_and_typed():
         decode(msgpack.packb([MessageType.ENGINE_OUTPUTS, 0, [["r", [], 1, None, None, 0, None, 0, 0, ["x"]]], []]))
     with pytest.raises(ValueError, match="normalize"):
         PoolingParams(normalize=1).validate()
+
+
+def test_an_image_round_trips_as_raw_bytes_within_its_bounds():
+    from ipc.messages import MAX_IMAGE_BYTES, ImageInput, PixelDType
+
+    image = ImageInput(bytes(range(256)) * 3, [1, 3, 16, 16], PixelDType.UINT8, "f" * 64, 4, 20, 1 / 255,
+                       [0.5] * 3, [0.5] * 3)
+    msg = AddRequest("img", [1] * 30, SamplingParams(), images=[image, image])
+    assert decode(encode(msg)) == msg
+    fields = msgpack.unpackb(encode(msg))
+    assert isinstance(fields[-1][0][0], bytes)  # msgpack bin: the pixels travel as raw bytes, never pickled
+    for bad in ([0, 3, 16, 16], [1, 3, 16]):  # a zero dimension; not 4 dimensions
+        fields[-1][0][1] = bad
+        with pytest.raises(DecodeError):
+            decode(msgpack.packb(fields))
+    fields = msgpack.unpackb(encode(msg))
+    fields[-1][0][0] = b"x" * (MAX_IMAGE_BYTES + 1)
+    with pytest.raises(DecodeError):
+        decode(msgpack.packb(fields), max_bytes=2 * MAX_IMAGE_BYTES)

@@ -59,7 +59,8 @@ def test_responses_fields_map_onto_chat_fields():
     ({"input": [{"role": "user", "content": "x"}] * 10_000}, f"at most {MAX_INPUT_ITEMS}"),
     ({"input": [{"type": "computer_call"}]}, "unknown item type 'computer_call'"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "call_id 'nope'"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_image"),
+    # Images pass to the chat (tests/server/test_server_vision.py); files do not.
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input_file"),
     ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "string `text`"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
@@ -126,7 +127,7 @@ def test_messages_blocks_become_chat_messages():
 @pytest.mark.parametrize("fields, words", [
     ({"messages": []}, "messages must not be empty"),
     ({"messages": [{"role": "user", "content": "x"}] * 10_000}, f"at most {MAX_INPUT_ITEMS}"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "block type 'image'"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "block type 'document'"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "string `text`"),
     ({"messages": [{"role": "user", "content": ["hi"]}]}, "content blocks"),
     ({"messages": [{"role": "user", "content": 5}]}, "content blocks"),
