@@ -3,13 +3,14 @@
     python -m scripts.bench.probes.grammar_timeline --concurrency 32 --json results/grammar_timeline.json
 
 Starts a server with TOKENLOOM_STEP_TRACE (engine/loop/step_trace.py), runs one free round and
-one grammar round of scripts/bench/structured_runs.py's workload, and meanwhile reads every
-thread of the server's processes (frontend, engine core, grammar checker child) and of this
-client from /proc every --interval-ms: CPU seconds and the CPU it last ran on. Per round it
-reports the steps (step, forward, fill and its share inside the forward, the wait for it, the
-mask, whether our C++ kernel masked, the torch threads the governor chose and the readings that
-chose them) and the CPU each process's threads used in cores (1.0 = a whole core for the round),
-so oversubscription of the 2 cores shows as more than 2.0 in all.
+one grammar round (the schema's first compile inside it, as on a fresh server) of
+scripts/bench/structured_runs.py's workload, and meanwhile reads every thread of the server's
+processes (frontend, engine core, grammar checker child) and of this client from /proc every
+--interval-ms: CPU seconds and the CPU it last ran on. Per round it reports the steps (step,
+forward, fill and its share inside the forward, the wait for it, the mask, whether our C++
+kernel masked, the torch threads the governor chose and the readings that chose them) and the
+CPU each process's threads used in cores (1.0 = a whole core for the round), so oversubscription
+of the 2 cores shows as more than 2.0 in all; and every change of the governor's threads.
 """
 
 from __future__ import annotations
@@ -137,6 +138,18 @@ def summarize_steps(trace_path: Path, start: float, end: float) -> dict:
     }
 
 
+def thread_changes(trace_path: Path) -> list[dict]:
+    """The steps where the governor's thread count changed, with the readings that changed it."""
+    steps = [json.loads(line) for line in trace_path.read_text().splitlines()]
+    changes, last = [], None
+    for step in steps:
+        if step.get("threads") != last:
+            last = step.get("threads")
+            changes.append({"t_s": round(step["t0"] - steps[0]["t0"], 2), "threads": last,
+                            "others_cores": step.get("others"), "busy_share": step.get("busy")})
+    return changes
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, default=32)
@@ -152,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         with ThreadSampler(process.pid, args.interval_ms / 1e3) as sampler:
             for arm in ("warm-up", "free", "grammar"):
-                is_grammar = arm != "free"
+                is_grammar = arm == "grammar"  # its first compile inside the round, as on a fresh server
                 start = time.perf_counter()
                 result = asyncio.run(run_round(url, None, args.concurrency if arm != "warm-up" else 4,
                                                args.max_tokens if arm != "warm-up" else 8, is_grammar))
@@ -162,8 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
                                    "cores_used": sampler.cores_used(start, end)}
     finally:
         stop_server(process)
-    report = {"config": vars(args), "server_log": str(log_path), "trace": str(trace_path), "rounds": rounds}
-    print(json.dumps(rounds, indent=1))
+    report = {"config": vars(args), "server_log": str(log_path), "trace": str(trace_path), "rounds": rounds,
+              "thread_changes": thread_changes(trace_path)}
+    print(json.dumps({k: v for k, v in report.items() if k in ("rounds", "thread_changes")}, indent=1))
     write_report(args.json, report)
     return report
 
