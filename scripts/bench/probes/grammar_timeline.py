@@ -47,16 +47,26 @@ def read_threads(pid: int) -> dict[int, tuple[str, float, int]]:
     return threads
 
 
+def read_process(pid: int) -> tuple[str, float, int] | None:
+    """("all", CPU seconds of all its threads, exited ones included, the CPU it last ran on)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return "all", (int(fields[11]) + int(fields[12])) / CLOCK_TICKS, int(fields[36])
+
+
 def process_tree(root: int) -> dict[int, str]:
     """{pid: role} for the server and its descendants."""
     parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
-        except OSError:
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended meanwhile
             continue
-        parents[int(stat.parent.name)] = (int(text[text.rindex(")") + 2:].split()[1]),
-                                          (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        parents[int(stat.parent.name)] = (int(text[text.rindex(")") + 2:].split()[1]), cmdline)
     tree, frontier = {root: "frontend"}, [root]
     while frontier:
         parent = frontier.pop()
@@ -84,6 +94,9 @@ class ThreadSampler:
             for pid, role in roles.items():
                 for tid, values in read_threads(pid).items():
                     sample[(role, pid, tid)] = values
+                total = read_process(pid)  # with the threads that came and went between samples
+                if total is not None:
+                    sample[(role, pid, 0)] = total
             self.samples.append((time.perf_counter(), sample))
             self._stop.wait(self.interval_s)
 
@@ -106,9 +119,20 @@ class ThreadSampler:
             role, pid, tid = key
             share = (cpu_s - first.get(key, (comm, 0.0, cpu))[1]) / (t1 - t0)
             if share >= 0.01:
-                label = "main" if tid == pid else f"{comm} ({tid})"
+                label = "all threads" if tid == 0 else "main" if tid == pid else f"{comm} ({tid})"
                 used[role][label] = round(share, 3)
         return dict(used)
+
+    def series(self, start: float, end: float, bucket_s: float) -> list[dict]:
+        """Each process's cores used (all its threads) per `bucket_s` over [start, end]: the round's timeline."""
+        points = []
+        edge = start
+        while edge < end:
+            used = self.cores_used(edge, min(edge + bucket_s, end))
+            points.append({"t_s": round(edge - start, 2), **{role: values.get("all threads", 0.0)
+                                                               for role, values in used.items()}})
+            edge += bucket_s
+        return points
 
 
 def summarize_steps(trace_path: Path, start: float, end: float) -> dict:
@@ -138,6 +162,19 @@ def summarize_steps(trace_path: Path, start: float, end: float) -> dict:
     }
 
 
+def with_steps(series: list[dict], trace_path: Path, start: float, bucket_s: float) -> list[dict]:
+    """Each bucket of `series` with its decode steps: how many, their median time, the torch threads."""
+    steps = [s for s in map(json.loads, trace_path.read_text().splitlines()) if s["fwd0"] is not None]
+    for point in series:
+        lo = start + point["t_s"]
+        inside = [s for s in steps if lo <= s["t0"] < lo + bucket_s]
+        point["steps"] = len(inside)
+        if inside:
+            point["step_ms"] = round(statistics.median((s["t1"] - s["t0"]) * 1e3 for s in inside), 1)
+            point["threads"] = max(s.get("threads", 0) for s in inside)
+    return series
+
+
 def thread_changes(trace_path: Path) -> list[dict]:
     """The steps where the governor's thread count changed, with the readings that changed it."""
     steps = [json.loads(line) for line in trace_path.read_text().splitlines()]
@@ -155,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=60)
     p.add_argument("--interval-ms", type=float, default=50)
+    p.add_argument("--bucket-s", type=float, default=0.5, help="the timeline's step: cores used per process")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
@@ -172,7 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
                 end = time.perf_counter()
                 if arm != "warm-up":
                     rounds[arm] = {"tpot_ms": result["tpot_ms"], "steps": summarize_steps(trace_path, start, end),
-                                   "cores_used": sampler.cores_used(start, end)}
+                                   "cores_used": sampler.cores_used(start, end),
+                                   "series": with_steps(sampler.series(start, end, args.bucket_s), trace_path,
+                                                        start, args.bucket_s)}
     finally:
         stop_server(process)
     report = {"config": vars(args), "server_log": str(log_path), "trace": str(trace_path), "rounds": rounds,
