@@ -93,12 +93,16 @@ def run_runs(base_url: str, model: str | None, concurrency: int, num_runs: int, 
         free, grammar = rounds["free"]["tpot_ms"], rounds["grammar"]["tpot_ms"]
         runs.append({"free": rounds["free"], "grammar": rounds["grammar"],
                      "ratio": grammar / free if free and grammar else None})
-        print(f"{concurrency} concurrent, run {index + 1}/{num_runs}: free {free:.1f} ms, grammar {grammar:.1f} ms, "
-              f"{runs[-1]['ratio']:.3f}x", flush=True)
+        print(f"{concurrency} concurrent, run {index + 1}/{num_runs}: free {fmt(free, '.1f')} ms, grammar "
+              f"{fmt(grammar, '.1f')} ms, {fmt(runs[-1]['ratio'], '.3f')}x", flush=True)
     ratios = [r["ratio"] for r in runs if r["ratio"] is not None]
     return {"concurrency": concurrency, "runs": runs, "ratios": ratios,
             "max_ratio": max(ratios) if ratios else None,
             "meets_target": len(ratios) == num_runs and max(ratios) <= TARGET_RATIO}
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def print_table(results: list[dict]) -> None:
@@ -106,11 +110,11 @@ def print_table(results: list[dict]) -> None:
     print("|---|---|---|---|---|---|")
     for result in results:
         for index, run in enumerate(result["runs"]):
-            print(f"| {result['concurrency']} | {index + 1} | {run['free']['tpot_ms']:.1f} | "
-                  f"{run['grammar']['tpot_ms']:.1f} | {run['ratio']:.3f}x | "
+            print(f"| {result['concurrency']} | {index + 1} | {fmt(run['free']['tpot_ms'], '.1f')} | "
+                  f"{fmt(run['grammar']['tpot_ms'], '.1f')} | {fmt(run['ratio'], '.3f')}x | "
                   f"{run['grammar']['num_json']}/{run['grammar']['num_requests']} |")
     for result in results:
-        print(f"{result['concurrency']} concurrent: worst run {result['max_ratio']:.3f}x, target <= {TARGET_RATIO}: "
+        print(f"{result['concurrency']} concurrent: worst run {fmt(result['max_ratio'], '.3f')}x, target <= {TARGET_RATIO}: "
               f"{'met' if result['meets_target'] else 'MISSED'}")
 
 
