@@ -4,8 +4,10 @@ xgrammar imports torch, and the frontend never does, so the check runs in a chil
 process (`engine.structured_output.checker`, started by command line, not imported)
 that, given the model's tokenizer folder and the cores' vocabulary size and stop
 tokens (`use_core_vocabulary`, from their EngineReady), compiles the grammar with the
-core's own function and arguments (milliseconds for the usual schemas). One check at a
-time goes through the pipe; a check that takes longer than `timeout_s` kills the child
+core's own function and arguments (milliseconds for the usual schemas). A grammar is
+checked once: the requests that bring it while its check runs wait for that verdict (32
+requests with one new schema made 32 compiles of it, beside the core's forward: issue #58),
+and one that passed is remembered. One check at a time goes through the pipe; a check that takes longer than `timeout_s` kills the child
 (the next check starts a fresh one) and refuses the request, so a pathological grammar
 (one whose compile would take a core's compile thread for a minute) costs its own
 request the timeout and the checks queued behind it that long, and the cores nothing.
@@ -41,6 +43,7 @@ class GrammarChecker:
         self._process: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._accepted: OrderedDict[tuple, None] = OrderedDict()  # recent grammars that passed: no second trip
+        self._in_flight: dict[tuple, asyncio.Future] = {}  # grammars being checked: one trip for all who ask
 
     async def use_core_vocabulary(self, vocab_size: int, stop_token_ids: list[int]) -> None:
         """Compile as the cores do, against the vocabulary size and stop tokens of their EngineReady."""
@@ -70,13 +73,22 @@ class GrammarChecker:
         if key in self._accepted:
             self._accepted.move_to_end(key)
             return
-        async with self._lock:
-            error = await self._ask(*key)
+        pending = self._in_flight.get(key)
+        if pending is None:  # the first of its grammar: the others that arrive meanwhile wait for its verdict
+            pending = self._in_flight[key] = asyncio.ensure_future(self._check_once(key))
+            pending.add_done_callback(lambda _: self._in_flight.pop(key, None))
+        error = await asyncio.shield(pending)  # one request's disconnect does not cancel the others' check
         if error is not None:
             raise InvalidRequestError(f"structured output ({params.kind}) is not usable: {error}")
-        self._accepted[key] = None
-        if len(self._accepted) > MAX_REMEMBERED:
-            self._accepted.popitem(last=False)
+
+    async def _check_once(self, key: tuple) -> str | None:
+        async with self._lock:
+            error = await self._ask(*key)
+        if error is None:
+            self._accepted[key] = None
+            if len(self._accepted) > MAX_REMEMBERED:
+                self._accepted.popitem(last=False)
+        return error
 
     async def _ask(self, kind: str, text: str | None, any_whitespace: bool) -> str | None:
         process = await self._ensure_started()

@@ -14,8 +14,11 @@ time in /proc/stat, less ours). Threads go only when both say so: ours were stal
 (below STALLED_SHARE busy) while others used more than HIGH_OTHER_CORES. A frontend's
 normal work, short and once per step, takes as much CPU in a burst of streams but
 leaves our threads busy, so it never costs a thread. They come back after HOLD_S with
-others below LOW_OTHER_CORES. Two file reads per window, nothing per step. Off with
---no-adaptive-threads.
+others below LOW_OTHER_CORES. While every request waits for its grammar's compile the
+core steps nothing and its threads sit idle by design: the loop calls `restart`, not
+`update`, so that wait (beside the frontend's checker compiling the same grammar) never
+reads as a stall (issue #58: it cost the whole constrained round a thread, 1.4x). Two
+file reads per window, nothing per step. Off with --no-adaptive-threads.
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ class ThreadGovernor:
 
     def _sample(self) -> tuple[float, float, float]:
         return self.clock(), self.read_machine(), self.read_own()
+
+    def restart(self) -> None:
+        """Start a new window now, the time since the last one unread: the core stepped nothing
+        with its threads (every request waited for its grammar's compile, which runs on a thread
+        of its own), so our threads' idle time then was not a stall (issue #58)."""
+        self._start = self._sample()
 
     def update(self) -> int:
         """The thread count to step with; changes torch's when the reading says so."""

@@ -31,6 +31,7 @@ from engine.config import DEFAULT_MODEL
 from engine.executor.executor import WorkerDeadError
 from engine.executor.process_checks import check_master_addr, die_with_parent
 from engine.loop.engine_core import StepError
+from engine.loop.step_trace import StepTrace
 from engine.cpu.thread_governor import ThreadGovernor
 from ipc.codec import DecodeError
 from ipc.engine_config import add_engine_args, engine_config_from_args
@@ -87,6 +88,7 @@ class EngineCoreProcess:
         self.num_consecutive_step_failures = 0
         self.last_send_time = time.monotonic()
         self.thread_governor = make_thread_governor(engine)
+        self.step_trace = StepTrace.from_env()  # TOKENLOOM_STEP_TRACE: a line per step, for diagnosis
         self.handlers = {
             Hello: self._on_hello,
             AddRequest: self._on_add_request,
@@ -127,9 +129,15 @@ class EngineCoreProcess:
     def _step(self) -> None:
         self.num_steps += 1
         if self.thread_governor is not None:
-            self.thread_governor.update()
+            if self.engine.has_schedulable_requests():
+                self.thread_governor.update()
+            else:  # only grammars compiling: our threads idle, not stalled
+                self.thread_governor.restart()
         try:
+            start = time.perf_counter()
             results = self.engine.step()
+            if self.step_trace is not None:
+                self.step_trace.record(self.engine, start, self.thread_governor)
         except StepError as e:
             self._on_step_failed(e)
             return

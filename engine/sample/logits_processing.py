@@ -81,7 +81,7 @@ class LogitsProcessingState:
                 processing.allowed.append((row, tensors.allowed_mask))
             if tensors.bias_ids is not None:
                 processing.biases.append((row, tensors.bias_ids, tensors.bias_values))
-            if request.grammar is not None and not request.grammar.is_dormant:  # dormant: still reasoning
+            if has_active_grammar(request):
                 processing.grammar_rows.append(row)
                 processing.grammars.append(request.grammar)
             if params.has_penalties:
@@ -101,6 +101,12 @@ class LogitsProcessingState:
                 has_repetition=any(r != 1.0 for r in repetition),
             )
         return processing
+
+    def start_grammar_fill(self, requests: list[Request]) -> None:
+        """Before the forward: the grammar rows' bitmasks (request i is row i), filled while it runs."""
+        rows = [row for row, request in enumerate(requests) if has_active_grammar(request)]
+        if rows:
+            self.grammar_bitmask.start_fill(rows, [requests[row].grammar for row in rows], self.vocab_size)
 
     def record(self, processing: LogitsProcessing | None, token_ids: torch.Tensor) -> None:
         """Count the step's sampled tokens for the penalised rows (token_ids: [num_rows])."""
@@ -126,6 +132,10 @@ class LogitsProcessingState:
                                            dtype=torch.float32, device=self.device)
             tensors = self._tensors[request.request_id] = _RequestTensors(allowed_mask, bias_ids, bias_values)
         return tensors
+
+
+def has_active_grammar(request: Request) -> bool:
+    return request.grammar is not None and not request.grammar.is_dormant  # dormant: still reasoning
 
 
 def bad_word_bans(request: Request) -> list[int]:

@@ -22,6 +22,10 @@ from ipc.structured_outputs import StructuredOutputsParams, grammar_source
 logger = logging.getLogger(__name__)
 
 NUM_COMPILE_THREADS = 1  # two cores: one for the loop, one for compiles
+# xgrammar's own threads inside one compile (its default is 8): more than one competes with the
+# forward's torch threads for the cores (issue #58), and on 2 cores a schema compiles no faster
+# with 8 (the person schema: 56 ms with 1, 90 ms with 8). The checker compiles as the core does.
+XGRAMMAR_COMPILE_THREADS = 1
 MAX_WHITESPACE = 16  # JSON whitespace in a row, so a small model cannot spin on spaces forever
 
 
@@ -63,7 +67,7 @@ def make_grammar_compiler(model_folder: str | Path, vocab_size: int | None, stop
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_folder))
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-    return xgrammar.GrammarCompiler(info, cache_enabled=cache_enabled)
+    return xgrammar.GrammarCompiler(info, max_threads=XGRAMMAR_COMPILE_THREADS, cache_enabled=cache_enabled)
 
 
 def compile_grammar(compiler, kind: str, text: str | None, any_whitespace: bool):

@@ -16,6 +16,7 @@ lists and tensors are made in `engine.worker.step_inputs`.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -82,6 +83,7 @@ class ModelRunner:
         self.kv_caches = self._make_kv_pool(num_kv_blocks)
         self.decode_stack = self.cpu_plan.prepare(self.model, self.backend, self.kv_caches, self.num_weight_bytes)
         self.sampler = self._make_sampler()
+        self.forward_times: tuple[float, float | None] = (0.0, None)  # the last step's forward (perf_counter)
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
         self.pooler = Pooler()
@@ -157,7 +159,11 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the model on the step's flat batch; return a new token for each request that reached its end."""
         step = self.prepare_step(scheduler_output)
-        return self.sample_step(scheduler_output, step, self.run_step(step))
+        self.forward_times = (time.perf_counter(), None)
+        self.logits_state.start_grammar_fill(step.sampled_requests)  # hidden behind the forward
+        logits = self.run_step(step)
+        self.forward_times = (self.forward_times[0], time.perf_counter())
+        return self.sample_step(scheduler_output, step, logits)
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The step's inputs as lists, and which logits rows go where (engine.worker.step_inputs)."""

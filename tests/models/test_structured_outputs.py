@@ -122,6 +122,28 @@ def test_schema_answers_parse_greedy_and_sampled_and_n_of_one_grammar(llm):
     assert re.fullmatch(r"[A-Z][a-z]+ \d\d", regex.text) and regex.finish_reason == "stop"
 
 
+def test_the_fill_runs_beside_the_forward_and_the_fused_kernel_masks(llm, tmp_path):
+    """Every decode step of a grammar request starts its fill before the forward (issue #58), on the
+    fill thread, and our C++ kernel applies it; the step trace (TOKENLOOM_STEP_TRACE) records both."""
+    from engine.loop.step_trace import StepTrace
+
+    engine = llm.engine
+    trace = StepTrace(str(tmp_path / "steps.jsonl"))
+    prompt = llm.apply_chat_template(QUESTION)  # token ids
+    engine.add_request("traced", prompt, greedy(40, structured_outputs=StructuredOutputsParams(json=PERSON)))
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        trace.record(engine, start)
+    trace.close()
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    grammar_steps = [s for s in steps if "grammar_rows" in s]
+    assert len(grammar_steps) >= 5 and all(s["grammar_rows"] == 1 for s in grammar_steps)
+    assert all(s["overlapped"] and s["fused"] for s in grammar_steps)
+    assert all(s["fwd0"] <= s["fill1"] and s["fill0"] <= s["fwd1"] for s in grammar_steps)  # the spans meet
+    assert all(s["t0"] <= s["fwd0"] <= s["fwd1"] <= s["t1"] for s in grammar_steps)
+
+
 def test_the_matcher_follows_the_tokens_across_preemption(default_model_path, llm):
     prompt = llm.apply_chat_template(QUESTION)
     params = greedy(100, structured_outputs=StructuredOutputsParams(json=PERSON))

@@ -44,6 +44,37 @@ def test_bad_grammars_get_xgrammars_reason_and_good_ones_pass():
     asyncio.run(main())
 
 
+def test_concurrent_requests_with_one_new_grammar_make_one_check():
+    """32 requests that bring one schema at once: one compile in the child, not 32 beside the core's
+    forward (issue #58); a bad grammar's verdict reaches every request that brought it."""
+    async def main():
+        checker = GrammarChecker()
+        trips = []
+        ask = checker._ask
+
+        async def counted(*key):
+            trips.append(key[0])
+            return await ask(*key)
+
+        checker._ask = counted
+        try:
+            schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+            await asyncio.gather(*(checker.check(StructuredOutputsParams(json=schema)) for _ in range(32)))
+            assert trips == ["json"]
+            await checker.check(StructuredOutputsParams(json=schema))  # remembered
+            results = await asyncio.gather(*(checker.check(StructuredOutputsParams(regex="a(b")) for _ in range(8)),
+                                           return_exceptions=True)
+            assert trips == ["json", "regex"]
+            assert all(isinstance(r, InvalidRequestError) and "parenthesis is not closed" in str(r) for r in results)
+            with pytest.raises(InvalidRequestError):  # a refusal is not remembered: asked again, refused again
+                await checker.check(StructuredOutputsParams(regex="a(b"))
+            assert trips == ["json", "regex", "regex"] and not checker._in_flight
+        finally:
+            await checker.close()
+
+    asyncio.run(main())
+
+
 def test_a_check_that_hangs_is_refused_and_the_next_gets_a_fresh_checker():
     async def main():
         checker = GrammarChecker(timeout_s=0.5, command=HANGING_CHECKER)

@@ -149,3 +149,19 @@ def longest_quiet_s(readings: list[tuple[float, float]]) -> float:
         else:
             start = None
     return longest
+
+
+def test_a_wait_for_grammar_compiles_costs_no_thread():
+    """While every request waits for its grammar, the loop restarts the window instead of reading it: the
+    compile thread alone busy (our torch threads idle) beside the frontend's checker compiling the same
+    grammar reads as a stall, and the round that followed ran on one thread (issue #58)."""
+    readings = Readings()
+    governor, calls = make_governor(readings)
+    for _ in range(round(1.0 / 0.002)):  # the loop's 2 ms naps while only grammars compile
+        readings.advance(0.002, others=1.0, own=0.45)
+        governor.restart()
+    assert run_windows(governor, readings, 1.0, others=0.4) == 2  # then the steps, with a streaming frontend
+    assert calls == []
+    # Read as a window instead, the same wait takes a thread: the rule itself is unchanged.
+    readings.advance(WINDOW_S * 1.001, others=1.0, own=0.45 * 2)
+    assert governor.update() == 1
