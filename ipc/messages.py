@@ -77,6 +77,15 @@ class FinishReason(enum.IntEnum):
         return {1: "stop", 2: "length", 3: "abort", 4: "error"}[int(self)]
 
 
+class LoRARequest(_Record):
+    """The LoRA adapter a request runs under, in vLLM's names and order: LoRARequest(name, int_id, path).
+    The id picks the adapter in the engine (one id, one adapter); the name keys its prefix cache."""
+
+    lora_name: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN)]
+    lora_int_id: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+    lora_path: Name = ""
+
+
 class AddRequest(_Message, tag=int(MessageType.ADD_REQUEST)):
     request_id: RequestId
     prompt_token_ids: TokenIds
@@ -84,6 +93,8 @@ class AddRequest(_Message, tag=int(MessageType.ADD_REQUEST)):
     arrival_time: float = 0.0
     # Set: an embedding request (sampling_params unused); its output carries `embedding`, no tokens.
     pooling_params: PoolingParams | None = None
+    # Set: the request runs under this LoRA adapter (engine/lora/); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(_Message, tag=int(MessageType.ABORT_REQUESTS)):

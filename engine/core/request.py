@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.core.block_manager import ROOT_HASH, hash_block
-from ipc.messages import FinishReason, TokenLogprobs
+from engine.core.block_manager import ROOT_HASH, adapter_root_hash, hash_block
+from ipc.messages import FinishReason, LoRARequest, TokenLogprobs
 from ipc.pooling_params import PoolingParams
 from ipc.sampling_params import SamplingParams
 from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
@@ -53,6 +53,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -82,6 +83,11 @@ class Request:
         # `embedding` is its vector once the last prompt chunk has run.
         self.pooling_params = pooling_params
         self.embedding: list[float] | None = None
+        # The LoRA adapter it runs under (engine/lora/); None: the base model. Its blocks' hash chain
+        # starts from the adapter's own root, so the prefix cache keeps adapters apart.
+        self.lora_request = lora_request
+        self.root_hash = ROOT_HASH if lora_request is None else adapter_root_hash(lora_request.lora_name,
+                                                                                  lora_request.lora_path)
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -109,7 +115,7 @@ class Request:
     def extend_block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
         """Hashes of the first `num_blocks` blocks (all full), computing only the missing ones."""
         for i in range(len(self.block_hashes), num_blocks):
-            parent_hash = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            parent_hash = self.block_hashes[-1] if self.block_hashes else self.root_hash
             self.block_hashes.append(hash_block(parent_hash, self.all_token_ids[i * block_size : (i + 1) * block_size]))
         return self.block_hashes[:num_blocks]
 

@@ -38,6 +38,7 @@ import logging
 import time
 from collections import deque
 
+from engine.core.adapter_admission import fits_adapters, running_adapters
 from engine.core.block_manager import BlockManager
 from ipc.pooling_params import needs_every_position
 from engine.core.request import Request, RequestStatus
@@ -77,6 +78,7 @@ class Scheduler:
         self.num_prefix_cache_queries = 0  # tokens looked up at admission, cumulative
         self.num_prefix_cache_hits = 0  # of those, tokens found cached
         self.spec_stats = SpecStats()
+        self.max_loras = 0  # distinct LoRA adapters among the running (engine.core.adapter_admission)
 
     # ---- requests in and out ----
 
@@ -101,10 +103,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
             self.compiling.pop(request_id, None)
             self._finish(request, status)
             outputs.append(RequestOutput(request_id, [], request.status.finish_reason))
@@ -145,8 +144,7 @@ class Scheduler:
             spec_decode=self.spec_stats.to_wire(),
         )
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block nobody holds (for benchmarks); returns how many."""
+    def reset_prefix_cache(self) -> int:  # every cached block nobody holds dropped (benchmarks); how many
         return self.block_manager.reset_prefix_cache()
 
     # ---- schedule ----
@@ -190,12 +188,15 @@ class Scheduler:
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         pending_hashes = self._pending_block_hashes()
+        adapters = running_adapters(self.running)
         num_compiling = 0  # requests passed over while their grammar compiles: they keep their place
         while len(self.waiting) > num_compiling and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[num_compiling]
             if is_compiling(request):
                 num_compiling += 1
                 continue
+            if not fits_adapters(request, adapters, self.max_loras):
+                break  # another adapter than the running ones': it goes first once one drains
             cached_block_ids, next_hash = self._lookup(request)
             if next_hash is not None and next_hash in pending_hashes:
                 break  # a running request is computing that block: wait a step and reuse it

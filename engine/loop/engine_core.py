@@ -25,7 +25,7 @@ from engine.spec_decode.proposer import SpecProposer
 from engine.core.step_outputs import StepOutputs
 from engine.core.step_stats import StepStats
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
-from ipc.messages import RequestOutput, SchedulerStats, StepCounts
+from ipc.messages import LoRARequest, RequestOutput, SchedulerStats, StepCounts
 from ipc.pooling_params import PoolingParams
 from ipc.request_checks import check_request
 from ipc.sampling_params import SamplingParams
@@ -86,6 +86,7 @@ class EngineCore:
             eos_token_ids=self.model_config.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        self.scheduler.max_loras = config.max_loras if config.enable_lora else 0
         # Speculative decoding (engine.spec_decode): proposals for --speculative-config and for requests'
         # predictions; the static baselines keep one token per step.
         self.proposer = None
@@ -115,9 +116,11 @@ class EngineCore:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Check and queue a request; raises ValueError (and changes nothing) on bad input.
         With `pooling_params` it is an embedding request (engine.worker.pooler), `sampling_params` unused.
+        With `lora_request` it runs under that LoRA adapter, loaded (and checked) here if it is not yet.
 
         Everything that reaches a tensor is checked here, against this model, by the same
         `check_request` the frontend runs: the offline API and the core's socket both come
@@ -126,12 +129,22 @@ class EngineCore:
         params = check_request(prompt_token_ids, sampling_params, vocab_size=self.vocab_size,
                                max_model_len=self.max_model_len, cap_max_tokens=pooling_params is None,
                                is_pooling=pooling_params is not None)
-        request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params)
+        if lora_request is not None:
+            self._load_adapter(lora_request)
+        request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params,
+                          lora_request)
         if params.structured_outputs is not None:
             request.grammar = RequestGrammar(self._grammar_compiler().submit(params.structured_outputs),
                                              self.config.grammar_compile_timeout_s,
                                              params.structured_outputs.reasoning_end_token_ids)
         self.scheduler.add_request(request)
+
+    def _load_adapter(self, lora_request: LoRARequest) -> None:
+        """Into the runner's CPU cache of adapters; ValueError naming the field when it cannot serve it."""
+        lora = getattr(self.model_runner, "lora", None)
+        if lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA adapters are off (enable_lora)")
+        lora.load(lora_request)
 
     def _grammar_compiler(self) -> GrammarCompilerPool:
         if self.grammar_compiler is None:

@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.core.scheduler_output import SampledToken, SchedulerOutput
 from engine.cpu.execution_plan import CpuExecutionPlan
+from engine.lora.adapter_pool import LoRAPool
 from engine.loader.gguf_blocks import blocks_for_model
 from engine.loader.gguf_model import load_gguf_model
 from engine.loader.model_files import gguf_file_of
@@ -45,9 +46,19 @@ from engine.worker.device_and_dtype import (
 )
 from engine.worker.pooler import Pooler
 from engine.worker.step_executors import make_step_executor
-from engine.worker.step_inputs import PreparedStep, StepInputs, make_sampling_batch, prepare_step
+from engine.worker.step_inputs import PreparedStep, StepInputs, lora_groups, make_sampling_batch, prepare_step
+from ipc.lora_adapter import ModelShape
 
 logger = logging.getLogger(__name__)
+
+
+def make_lora_pool(config: EngineConfig, model_config: ModelConfig, model, dtype, device) -> LoRAPool | None:
+    """The LoRA adapters' pool around the model's layers under --enable-lora, else None."""
+    if not config.enable_lora:
+        return None
+    return LoRAPool(model, ModelShape.from_folder(model_config.path), config.max_loras, config.max_lora_rank,
+                    config.max_cpu_loras, dtype, device)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int,
@@ -80,6 +91,9 @@ class ModelRunner:
         self.backend = self._make_backend(backend_name, self.cpu_plan.attention_kernels)
         self.kv_caches = self._make_kv_pool(num_kv_blocks)
         self.decode_stack = self.cpu_plan.prepare(self.model, self.backend, self.kv_caches, self.num_weight_bytes)
+        # Around the prepared layers (the fused and quantized ones are its base layers); the decode stack
+        # keeps the base's weights and runs the steps that have no adapter row.
+        self.lora = make_lora_pool(config, model_config, self.model, self.dtype, self.device)
         self.sampler = self._make_sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
@@ -157,7 +171,11 @@ class ModelRunner:
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The step's inputs as lists, and which logits rows go where (engine.worker.step_inputs)."""
-        return prepare_step(scheduler_output, self.block_size, self.prompt_logprobs)
+        lora_slots = None
+        if self.lora is not None:  # each adapter of the step in a pool slot
+            lora_requests = [s.request.lora_request for s in scheduler_output.scheduled]
+            lora_slots = self.lora.slot_list(lora_requests, self.lora.activate(lora_requests))
+        return prepare_step(scheduler_output, self.block_size, self.prompt_logprobs, lora_slots)
 
     def run_step(self, step: PreparedStep) -> torch.Tensor | None:
         """The model on every rank: the logits of `step.inputs.sample_rows`; pooled rows collected."""
@@ -215,6 +233,8 @@ class ModelRunner:
         rows' logits (None when none are sampled, and on a worker rank). The pooled rows' final
         hidden states go to `pooled_hidden`. `as_rows`: a step of a few short chunks (a draft model's
         catch-up) may run as one-token rows, as a verification step does."""
+        if self.lora is not None:
+            self.lora.state.prepare(*lora_groups(inputs, self.device))
         result = self.step_executor.forward(inputs, as_rows)
         self.pooled_hidden = result.pooled  # [num_pooled, hidden_size] or None
         return result.logits  # [num_sampled, vocab_size] or None

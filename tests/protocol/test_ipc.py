@@ -387,3 +387,14 @@ def test_pooling_fields_are_bounded_and_typed():
         decode(msgpack.packb([MessageType.ENGINE_OUTPUTS, 0, [["r", [], 1, None, None, 0, None, 0, 0, ["x"]]], []]))
     with pytest.raises(ValueError, match="normalize"):
         PoolingParams(normalize=1).validate()
+
+
+def test_lora_request_round_trips_and_is_bounded():
+    from ipc.messages import LoRARequest
+
+    message = AddRequest("l", [3], SamplingParams(), 0.0, None, LoRARequest("sql", 3, "/adapters/sql"))
+    out = decode(encode(message))
+    assert out == message and type(out.lora_request) is LoRARequest
+    for bad in (["", 1, "/p"], ["a", 0, "/p"], ["a", 2**31, "/p"], ["a", "1", "/p"]):  # empty name, ids from 1
+        with pytest.raises(Exception):
+            decode(msgpack.packb([MessageType.ADD_REQUEST, "r", [1], [], 0.0, None, bad]))

@@ -34,10 +34,11 @@ EDGES = [
 # hex, or "sha256:" + the digest for the long ones
 # SamplingParams.prediction_token_ids, RequestOutput's prediction counts and SchedulerStats.spec_decode appended;
 # then AddRequest.pooling_params, RequestOutput.embedding, EngineReady's hidden_size and runner;
-# then EngineOutputs.step_counts (a trailing nil while no dashboard watches) and WatchSteps.
+# then EngineOutputs.step_counts (a trailing nil while no dashboard watches) and WatchSteps;
+# then AddRequest.lora_request (a trailing nil for the base model).
 GOLDEN = [
-'sha256:507464c79bb7bd2de5241963833a0abb5e7edebf5fcbe32bb77bf4e4bd4dc7c1',
-    '9601a57265712d3290dc0017cb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c0c000c29090c0c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c0',
+'sha256:f134fd3475d3e7bb19521090291a737f266990a40a35c500b9e407818b2f5290',
+    '9701a57265712d3290dc0017cb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c0c000c29090c0c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c0c0',
     '920293a161a162a163',
     '920290',
     '9203a3627965',
@@ -55,11 +56,11 @@ GOLDEN = [
     '9206c3',  # WatchSteps, then EngineOutputs with its step_counts
     '9206c2',
     '950b02919aa57265712d339108c0c0c000c00000c09900000000000000009094ccc8030103',
-    'sha256:3cab5a26787d5f574dd037763cd6bc4dccdec0fdf53c3de990a1825daa653d24',
-    '9601a1799101dc0017cb3ff0000000000000cb3fe0000000000000ff01cf7fffffffffffffff1000c2909014c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c0',
+    'sha256:5566615b062db7aa3f0e297ced18afaa68e15958411cd1118520a11ae92fc74c',
+    '9701a1799101dc0017cb3ff0000000000000cb3fe0000000000000ff01cf7fffffffffffffff1000c2909014c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c0c0',
     'sha256:bbb1691909f603ed9a10198724c6cd71fb617d2f821de61be43d90316c3d8f9d',
-    'sha256:4d9d6811f6f824245f173038ee5b02f8644e47454511e5efa3714ef02c2771fb',  # reasoning_end_token_ids appended
-    'sha256:5dfed2697796b9f1f7b0c628be8415a09e115328a3b928aa3c0fbb3938d50a17',
+    'sha256:61d2cef3d4e0af137ce55544748e42a9f10f13e49dc4548fe9825ba7147bdda9',  # reasoning_end_token_ids appended
+    'sha256:5e4068906cfa681cd47c468caaa58b0ee5a3c63f9e95bf9ef52bf4c000a230cf',
 ]
 
 
@@ -94,3 +95,11 @@ def test_a_grammar_from_before_reasoning_end_token_ids_still_decodes():
     assert structured[-1] is None  # reasoning_end_token_ids, the appended field
     fields[3][-2] = structured[:-1]
     assert decode(msgpack.packb(fields)) == msg
+
+
+def test_an_add_request_from_before_lora_still_decodes_to_the_base_model():
+    # AddRequest("req-2", [], ...) as peers encoded it before lora_request was appended: one element fewer.
+    old = bytes.fromhex('9601a57265712d3290dc0017cb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c0c000c29090'
+                        'c0c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c0')
+    message = decode(old)
+    assert message == MESSAGES[1] and message.lora_request is None
