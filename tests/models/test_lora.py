@@ -111,3 +111,21 @@ def test_the_scheduler_holds_at_most_max_loras_adapters_first_come_first_served(
         seen.append(sorted(r.request_id for r in engine.scheduler.running))
     # Request 2 (adapter 1 again) does not pass request 1 (adapter 2), which came first.
     assert ["0"] in seen and ["1"] in seen and ["0", "2"] not in seen
+
+
+@pytest.mark.slow
+def test_the_default_model_under_an_adapter_equals_peft(tmp_path):
+    import transformers
+
+    from tests.helpers.models import cached_default_model
+
+    folder = str(cached_default_model())
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    path, peft_model = make_peft_adapter(hf_model, tmp_path / "smol", r=16, lora_alpha=8, use_rslora=True, std=0.03)
+    lora_request = LoRARequest("smol", 1, path)
+    llm = LLM(folder, dtype="float32", enable_lora=True)
+    for text in ("The capital of France is", "def fibonacci(n):"):
+        prompt = llm.tokenizer.encode(text)
+        want = hf_greedy(peft_model, prompt, NUM_NEW_TOKENS)
+        assert want != hf_greedy(hf_model, prompt, NUM_NEW_TOKENS)
+        assert llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora_request)[0].token_ids == want
