@@ -118,6 +118,13 @@ def check_max_lora_rank(max_lora_rank: int) -> None:
 
 def check_adapter(path: str, model: ModelShape, max_lora_rank: int) -> AdapterSpec:
     """Raise ValueError naming what is wrong with the adapter at `path` for `model`, or its spec."""
+    try:
+        return _check_adapter(path, model, max_lora_rank)
+    except OSError as e:  # unreadable: a request's error, never the reader's crash
+        raise ValueError(f"lora_path {path!r} cannot be read: {e.strerror or e}") from None
+
+
+def _check_adapter(path: str, model: ModelShape, max_lora_rank: int) -> AdapterSpec:
     if not isinstance(path, str) or not path:
         raise ValueError("lora_path must be a non-empty path")
     if not os.path.isdir(path):

@@ -26,9 +26,10 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (3, 23, 41)]
 
 
-def adapters(tmp_path, hf_model, modules):
-    """Three adapters: rank 8 (alpha 16), rank 16 (alpha 8), rank 8 under rsLoRA (alpha 4)."""
-    specs = [dict(r=8, lora_alpha=16), dict(r=16, lora_alpha=8), dict(r=8, lora_alpha=4, use_rslora=True)]
+def adapters(tmp_path, hf_model, modules, count: int = 3):
+    """Rank 8 (alpha 16), rank 16 (alpha 8), rank 8 under rsLoRA (alpha 4); `count` 4 adds rank 16 (alpha 32)."""
+    specs = [dict(r=8, lora_alpha=16), dict(r=16, lora_alpha=8), dict(r=8, lora_alpha=4, use_rslora=True),
+             dict(r=16, lora_alpha=32)][:count]
     made = []
     for i, spec in enumerate(specs, start=1):
         path, peft_model = make_peft_adapter(hf_model, tmp_path / f"adapter{i}", target_modules=modules, seed=i, **spec)
@@ -59,15 +60,15 @@ def test_greedy_tokens_equal_peft_for_each_adapter_and_mixed(tmp_path, architect
 
 def test_a_mixed_batch_under_preemption_gives_each_request_its_own_tokens(tmp_path):
     path, hf_model = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL)
-    made = adapters(tmp_path, hf_model, LLAMA_MODULES)
+    made = adapters(tmp_path, hf_model, LLAMA_MODULES, count=4)
     generator = torch.Generator().manual_seed(2)
     batch = [torch.randint(0, 512, (int(n),), generator=generator).tolist()
-             for n in torch.randint(5, 30, (24,), generator=generator)]
-    loras = [None if i % 4 == 0 else made[i % 3][0] for i in range(len(batch))]
+             for n in torch.randint(5, 30, (48,), generator=generator)]
+    loras = [None if i % 5 == 0 else made[i % 5 - 1][0] for i in range(len(batch))]  # the base and 4 adapters
     alone = LLM(path, **ENGINE_KWARGS)
     expected = [alone.generate([p], GREEDY, use_tqdm=False, lora_request=lora)[0].token_ids
                 for p, lora in zip(batch, loras)]
-    # A pool of 24 blocks of 4 tokens cannot hold 24 sequences of up to 45 tokens: preemptions.
+    # A pool of 24 blocks of 4 tokens cannot hold 48 sequences of up to 45 tokens: preemptions; 2 slots for 4 adapters.
     tight = LLM(path, **{**ENGINE_KWARGS, "num_kv_blocks": 24, "max_num_batched_tokens": 32})
     outputs = tight.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
     assert [o.token_ids for o in outputs] == expected

@@ -118,3 +118,24 @@ def test_runtime_loading_is_refused_while_it_is_off(adapters, default_model_path
                                  json={"lora_name": "poem", "lora_path": made["poem"]}, timeout=30)
         assert response.status_code == 400 and "--allow-runtime-lora-updating" in response.json()["error"]["message"]
         assert complete(server.url, "sql").status_code == 200
+
+
+def test_unloading_lets_running_requests_finish_on_the_adapter(lora_server, adapters):
+    made, _ = adapters
+    url = lora_server.url
+    load = requests.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "poem3", "lora_path": made["poem"]},
+                         timeout=30)
+    assert load.status_code == 200, load.text
+    want = complete(url, "poem", max_tokens=48).json()["choices"][0]["text"]
+    body = {"model": "poem3", "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stream": True}
+    texts = []
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            texts.append(json.loads(line[6:])["choices"][0]["text"])
+            if len(texts) == 1:  # mid-stream: the name goes, the request goes on
+                unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "poem3"}, timeout=30)
+                assert unload.status_code == 200
+                assert complete(url, "poem3").status_code == 404
+    assert "".join(texts) == want
