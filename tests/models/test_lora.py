@@ -56,6 +56,11 @@ def test_greedy_tokens_equal_peft_for_each_adapter_and_mixed(tmp_path, architect
     # All of them at once: the base and three adapters, two slots, chunked prefill and decodes mixed.
     outputs = llm.generate(batch_prompts, GREEDY, use_tqdm=False, lora_request=batch_loras)
     assert [o.token_ids for o in outputs] == expected
+    # ngram speculative decoding verifies under each row's adapter: the same tokens.
+    speculative = LLM(path, **ENGINE_KWARGS, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    outputs = speculative.generate(batch_prompts, GREEDY, use_tqdm=False, lora_request=batch_loras)
+    assert [o.token_ids for o in outputs] == expected
+    assert sum(s.num_drafts for s in speculative.engine.stats().spec_decode) > 0  # proposals were verified
 
 
 def test_a_mixed_batch_under_preemption_gives_each_request_its_own_tokens(tmp_path):
@@ -130,3 +135,7 @@ def test_the_default_model_under_an_adapter_equals_peft(tmp_path):
         want = hf_greedy(peft_model, prompt, NUM_NEW_TOKENS)
         assert want != hf_greedy(hf_model, prompt, NUM_NEW_TOKENS)
         assert llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora_request)[0].token_ids == want
+    conversation = [{"role": "user", "content": "Name a color."}]
+    chat = llm.chat(conversation, GREEDY, use_tqdm=False, lora_request=lora_request)[0]
+    prompt = llm.apply_chat_template(conversation)
+    assert chat.token_ids == hf_greedy(peft_model, prompt, NUM_NEW_TOKENS)
