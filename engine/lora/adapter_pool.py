@@ -104,7 +104,11 @@ class LoRAPool:
             self.slot_order.move_to_end(slot_of[lora_id])
         return slot_of
 
-    def slot_list(self, lora_requests: list[LoRARequest | None], slot_of: dict[int, int]) -> list[int]:
+    def step_slots(self, lora_requests: list[LoRARequest | None]) -> list[int]:
+        """Each of the step's sequences' slot (NO_SLOT: the base), its adapters activated; [] when none has one."""
+        if all(r is None for r in lora_requests):
+            return []
+        slot_of = self.activate(lora_requests)
         return [NO_SLOT if r is None else slot_of[r.lora_int_id] for r in lora_requests]
 
     @torch.no_grad()

@@ -171,11 +171,10 @@ class ModelRunner:
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The step's inputs as lists, and which logits rows go where (engine.worker.step_inputs)."""
-        lora_slots = None
-        if self.lora is not None:  # each adapter of the step in a pool slot
-            lora_requests = [s.request.lora_request for s in scheduler_output.scheduled]
-            lora_slots = self.lora.slot_list(lora_requests, self.lora.activate(lora_requests))
-        return prepare_step(scheduler_output, self.block_size, self.prompt_logprobs, lora_slots)
+        step = prepare_step(scheduler_output, self.block_size, self.prompt_logprobs)
+        if self.lora is not None:  # each adapter of the step in a pool slot, and each sequence's slot
+            step.inputs.lora_slots = self.lora.step_slots([s.request.lora_request for s in scheduler_output.scheduled])
+        return step
 
     def run_step(self, step: PreparedStep) -> torch.Tensor | None:
         """The model on every rank: the logits of `step.inputs.sample_rows`; pooled rows collected."""

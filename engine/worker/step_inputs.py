@@ -104,10 +104,9 @@ def pad_block_tables(block_tables: list[list[int]]) -> list[list[int]]:
     return [table + [0] * (max_num_blocks - len(table)) for table in block_tables]
 
 
-def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logprobs: PromptLogprobsCollector,
-                 lora_slots: list[int] | None = None) -> PreparedStep:
+def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logprobs: PromptLogprobsCollector) -> PreparedStep:
     """The step's flat batch as lists (every rank builds the same tensors from them), and which
-    logits rows go where. `lora_slots`: each scheduled request's LoRA pool slot, where any has one."""
+    logits rows go where."""
     batch = ChunkBatch(block_size)
     logits_rows: list[int] = []  # rows whose logits come back: prompt log-prob rows, then the sampled row
     sampled_requests: list[Request] = []
@@ -131,8 +130,6 @@ def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logp
             logits_rows.extend(range(len(batch.input_ids) - num_rows, len(batch.input_ids)))
             sampled_requests.append(request)
     inputs = batch.to_inputs(logits_rows)
-    if lora_slots is not None and any(slot != NO_SLOT for slot in lora_slots):
-        inputs.lora_slots = lora_slots
     inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
     return PreparedStep(inputs, sampled_requests, sampled_rows, prompt_plans, pooling_plans)
 
