@@ -1,12 +1,13 @@
 """tokenloom's engine: paged KV cache, continuous batching, our own model code.
 
-`from engine import LLM, SamplingParams` is the offline API. Names load
+`from engine import LLM, SamplingParams` is the offline API (and `LoRARequest`, vLLM's
+`vllm.lora.request.LoRARequest`). Names load
 lazily so that torch-free parts (`engine.loader.model_files`) stay torch-free.
 """
 
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "PoolingParams", "EngineConfig", "EngineCore"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "LoRARequest", "EngineConfig", "EngineCore"]
 
 
 def __getattr__(name: str):
@@ -22,6 +23,10 @@ def __getattr__(name: str):
         from ipc.pooling_params import PoolingParams
 
         return PoolingParams
+    if name == "LoRARequest":
+        from ipc.messages import LoRARequest
+
+        return LoRARequest
     if name == "EngineConfig":
         from engine.config import EngineConfig
 

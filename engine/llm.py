@@ -21,7 +21,7 @@ from msgspec.structs import replace
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.loop.engine_core import EngineCore, StepError
-from ipc.messages import FinishReason, RequestOutput, TokenLogprobs
+from ipc.messages import FinishReason, LoRARequest, RequestOutput, TokenLogprobs
 from ipc.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from ipc.sampling_params import SamplingParams, tokenize_bad_words
 from ipc.text.output_processor import OutputProcessor, RequestDelta
@@ -91,10 +91,12 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
         """Generate a reply to one conversation (a list of message dicts) or to each of a list of them.
 
-        `chat_template_kwargs`: more template variables, e.g. `{"enable_thinking": False}` for Qwen3."""
+        `chat_template_kwargs`: more template variables, e.g. `{"enable_thinking": False}` for Qwen3.
+        `lora_request`: the LoRA adapter for every conversation, or one (or None: the base) for each."""
         tokenizer = self._need_tokenizer("chat")
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         prompts, images = [], []
@@ -106,16 +108,18 @@ class LLM:
                                   if conversation_images else (tokenizer.encode(text, add_special_tokens=False), []))
             prompts.append((text, token_ids))
             images.append(records)
-        return self._generate(prompts, sampling_params, use_tqdm, images)
+        return self._generate(prompts, sampling_params, use_tqdm, images, lora_request)
 
     def generate(
         self,
         prompts: str | dict | list[int] | list[str | dict] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
         """Generate for every prompt (text, token ids, or vLLM's {"prompt": text with an <image> per image,
-        "multi_modal_data": {"image": a PIL image or a list}}); results come back in input order."""
+        "multi_modal_data": {"image": a PIL image or a list}}); results come back in input order.
+        `lora_request` (vLLM's): the LoRA adapter for every prompt, or one (or None: the base) for each."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         tokenized, images = [], []
@@ -128,7 +132,7 @@ class LLM:
                 tokenized.append((prompt, self._need_tokenizer("text prompts").encode(prompt)))
             else:
                 tokenized.append((None, list(prompt)))
-        return self._generate(tokenized, sampling_params, use_tqdm, images)
+        return self._generate(tokenized, sampling_params, use_tqdm, images, lora_request)
 
     def _process_images(self, prompt: dict) -> tuple[list[int], list]:
         """A {"prompt", "multi_modal_data"} prompt's token ids and image records (ipc.vision.processor)."""
@@ -188,7 +192,8 @@ class LLM:
 
     def _generate(self, prompts: list[tuple[str | None, list[int]]],
                   sampling_params: SamplingParams | list[SamplingParams] | None,
-                  use_tqdm: bool, images: list[list] | None = None) -> list[CompletionOutput]:
+                  use_tqdm: bool, images: list[list] | None = None,
+                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[CompletionOutput]:
         """Add every (prompt text, prompt token ids) as one request, run them all, return them in order."""
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -196,9 +201,12 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        lora_requests = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(lora_requests) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(lora_requests)} lora requests")
         requests: dict[str, _OfflineRequest] = {}
         try:
-            for index, ((prompt, token_ids), params) in enumerate(zip(prompts, sampling_params)):
+            for index, ((prompt, token_ids), params, lora) in enumerate(zip(prompts, sampling_params, lora_requests)):
                 if params.stop or params.bad_words:
                     tokenizer = self._need_tokenizer("stop strings and bad words")
                     if params.bad_words:
@@ -206,7 +214,8 @@ class LLM:
                         params = replace(params, bad_words_token_ids=tokenize_bad_words(params.bad_words, encode))
                 request_id = str(next(self._request_counter))
                 arrival_time = time.time()
-                self.engine.add_request(request_id, token_ids, params, arrival_time, None, images[index] if images else ())
+                self.engine.add_request(request_id, token_ids, params, arrival_time, None,
+                                        images[index] if images else (), lora_request=lora)
                 requests[request_id] = _OfflineRequest(request_id, prompt, token_ids, arrival_time)
                 self.output_processor.add_request(request_id, token_ids, params, index)
         except ValueError:

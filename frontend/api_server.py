@@ -8,7 +8,8 @@
     POST /v1/messages            Anthropic's Messages API (an adapter over chat: frontend.serving_messages)
     POST /v1/embeddings          OpenAI embeddings: the served model's pooled final hidden states
     POST /tokenize, /detokenize  vLLM's: a prompt or messages to token ids, and back
-    GET  /v1/models              the served model
+    GET  /v1/models              the served model, and its LoRA adapters (parent: the base)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (frontend.serving_lora)
     GET  /health                 200; 503 while an engine core is dead or the server is draining
     GET  /metrics                Prometheus text
     POST /reset_prefix_cache     drop the cores' cached prefix blocks that no request holds (benchmarks)
@@ -66,6 +67,7 @@ from frontend.serving_completions import create_completion, generate
 from frontend.protocol_embeddings import EmbeddingRequest
 from frontend.serving_embeddings import create_embedding
 from frontend.serving_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from frontend.serving_lora import LoRARegistry, add_lora_routes, requested_adapter
 from frontend.serving_utils import ClientDisconnected
 from frontend.server_args import admission_config, engine_client_config, make_parser, tool_options
 from frontend.web_pages import add_web_routes
@@ -78,7 +80,8 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 def build_app(client: AsyncEngineClient, admission: Admission | None = None,
-              tools: ToolOptions | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              tools: ToolOptions | None = None, reasoning_parser: str | None = None,
+              loras: LoRARegistry | None = None) -> FastAPI:
     app = FastAPI(title="tokenloom", summary="OpenAI-compatible LLM inference server")
     admission = admission or Admission(AdmissionConfig())
     tools = tools or ToolOptions()
@@ -86,6 +89,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
     app.state.client = client
     app.state.admission = admission
     response_store = ResponseStore()
+    loras = loras or LoRARegistry(client.model_name)  # none: only the base model's name is served
     created = int(time.time())
 
     @app.get("/health")
@@ -110,7 +114,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
         card = {"id": client.model_name, "object": "model", "created": created, "owned_by": "tokenloom",
                 "root": client.model_folder, "max_model_len": client.max_model_len,
                 "dtype": client.engines[0].ready.dtype, "quantization": client.engines[0].ready.quantization or None}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *loras.model_cards(created)]}
 
     # Each route parses its body itself (read_body) so every way a body can be wrong gets
     # its own 400 message; vLLM's /generate also reads JSON whatever the Content-Type.
@@ -131,7 +135,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
         "/detokenize": (DetokenizeRequest, lambda body, raw: detokenize(body, client)),
     }
     for path, (body_type, handle) in model_routes.items():
-        app.add_api_route(path, _model_route(client, body_type, handle), methods=["POST"],
+        app.add_api_route(path, _model_route(client, loras, body_type, handle), methods=["POST"],
                           name=path.strip("/").replace("/", "_"), openapi_extra=_body_schema(body_type))
 
     @app.get("/v1/responses/{response_id}")
@@ -139,6 +143,7 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
         return get_response(response_id, response_store)
 
     add_web_routes(app, client, admission)
+    add_lora_routes(app, loras, read_body)
     app.add_exception_handler(FrontendError, _on_frontend_error)
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
@@ -148,10 +153,13 @@ def build_app(client: AsyncEngineClient, admission: Admission | None = None,
     return app
 
 
-def _model_route(client: AsyncEngineClient, body_type: type[BaseModel], handle):
+def _model_route(client: AsyncEngineClient, loras: LoRARegistry, body_type: type[BaseModel], handle):
     async def route(raw_request: Request):
         body = await read_body(raw_request, body_type)
-        _check_model(client, body.model)
+        if body.model in loras.adapters:  # a LoRA adapter's name: the engine client sends it with the request
+            requested_adapter.set(loras.resolve(body.model))
+        else:
+            _check_model(client, body.model)
         return await handle(body, raw_request)
 
     return route
@@ -296,7 +304,9 @@ async def run_frontend(args: argparse.Namespace) -> None:
         raise_open_file_limit()  # each connection is a file; thousands of idle ones must not run out
         # uvicorn's own timeout is a backstop: by then our drain has ended every request.
         # The protocol is uvicorn's httptools one with bounded header size and time.
-        config = uvicorn.Config(build_app(client, admission, tools, args.reasoning_parser), host=args.host, port=args.port, loop="uvloop",
+        loras = LoRARegistry.from_args(args, client.model_name, client.model_folder)
+        config = uvicorn.Config(build_app(client, admission, tools, args.reasoning_parser, loras), host=args.host,
+                                port=args.port, loop="uvloop",
                                 http=guarded_protocol(admission.config), log_level=args.log_level,
                                 timeout_keep_alive=TIMEOUT_KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_BACKSTOP_S)

@@ -39,6 +39,7 @@ from frontend.model_folder import resolve_model_folder
 from frontend.prompt_tokenizer import PromptTokenizer
 from frontend.ray_engines import RayEngineCores
 from frontend.request_state import RequestState, RequestStream
+from frontend.serving_lora import requested_adapter
 from frontend.spec_decode_metrics import sum_spec_decode
 from frontend.step_timeline import StepTimeline
 from ipc.messages import (
@@ -185,6 +186,7 @@ class AsyncEngineClient:
                            for prompt_token_ids in prompt_ids_list]
         except (ValueError, TypeError) as e:
             raise InvalidRequestError(str(e)) from None
+        lora_request = requested_adapter.get()  # the adapter the route resolved from `model` (frontend.serving_lora)
         request_ids = [request_id] if num_choices == 1 else [f"{request_id}-{k}" for k in range(num_choices)]
         if any(rid in self._states for rid in request_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -200,7 +202,8 @@ class AsyncEngineClient:
             self.output_processor.add_request(rid, prompt_token_ids, choice_params, index)
             self._states[rid] = state
             engine.request_ids.add(rid)
-            engine.send(AddRequest(rid, prompt_token_ids, choice_params, time.time(), pooling_params, images or []))
+            engine.send(AddRequest(rid, prompt_token_ids, choice_params, time.time(), pooling_params, images or [],
+                                   lora_request))
             self.metrics.num_prompt_tokens += len(prompt_token_ids)
             states.append(state)
         return RequestStream(states, queue, self._abort, prompt_ids_list)

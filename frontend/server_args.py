@@ -50,6 +50,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES,
                         help="move the answer's <think>...</think> part into message.reasoning_content (vLLM's "
                              "flag); a grammar then applies after the reasoning")
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flags; also --enable-lora, --max-loras, --max-lora-rank, "
+                                     "--max-cpu-loras below)")
+    lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                      help='adapters served by name: name=path, or JSON {"name", "path", "base_model_name"}')
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     limits = parser.add_argument_group("limits and faults")
     limits.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                         help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")

@@ -13,6 +13,7 @@ import argparse
 import json
 from dataclasses import MISSING, dataclass, field, fields
 
+from ipc.lora_adapter import check_max_lora_rank
 from ipc.speculative_config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct, converted by engine.loader.model_files
@@ -123,6 +124,12 @@ class EngineConfig:
     runner: str = field(default="generate", metadata=_flag(
         "generate: text generation, and embeddings beside it; pooling: embeddings only (/v1/embeddings), "
         "with a KV pool sized for one step's prefills", choices=RUNNERS))
+    # Multi-LoRA serving (engine/lora/, docs/lora.md), in vLLM's names.
+    enable_lora: bool = field(default=False, metadata=_flag("serve LoRA adapters (requests name one)"))
+    max_loras: int = field(default=4, metadata=_flag("LoRA: distinct adapters in one step (the pool's slots)"))
+    max_lora_rank: int = field(default=16, metadata=_flag("LoRA: the highest adapter rank: 8, 16, 32 or 64"))
+    max_cpu_loras: int | None = field(default=None, metadata=_flag(
+        "LoRA: adapters kept loaded, least recently used evicted beyond it (default: --max-loras)"))
 
     # Vision-language models: images encoded per step, in image tokens (vLLM's max_num_encoder_input_tokens);
     # a chunk stops before an image that would pass it. One image larger than this still runs, alone.
@@ -150,6 +157,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
         self._check_parallel()
+        if self.enable_lora:
+            self._check_lora()
         if isinstance(self.speculative_config, dict):
             self.speculative_config = json.dumps(self.speculative_config)
         SpeculativeConfig.parse(self.speculative_config)  # raises, naming the bad field
@@ -173,6 +182,19 @@ class EngineConfig:
             raise ValueError("with the ray backend Ray places every rank: leave nnodes and node_rank unset")
         if self.ray_num_cpus_per_worker is not None and self.ray_num_cpus_per_worker <= 0:
             raise ValueError(f"ray_num_cpus_per_worker must be above 0, got {self.ray_num_cpus_per_worker}")
+
+    def _check_lora(self) -> None:
+        check_max_lora_rank(self.max_lora_rank)
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        unsupported = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1, "compile": self.compile,
+                       "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
+                       f"batching {self.batching}": self.batching != "continuous", "runner pooling": self.runner == "pooling"}
+        for what, is_set in unsupported.items():
+            if is_set:
+                raise ValueError(f"enable_lora is not supported with {what} yet")
 
     @property
     def world_size(self) -> int:

@@ -102,6 +102,13 @@ class ImageInput(_Record):
     rescale_factor: float = 1.0
     image_mean: Annotated[list[float], Meta(max_length=4)] = field(default_factory=list)
     image_std: Annotated[list[float], Meta(max_length=4)] = field(default_factory=list)
+class LoRARequest(_Record):
+    """The LoRA adapter a request runs under, in vLLM's names and order: LoRARequest(name, int_id, path).
+    The id picks the adapter in the engine (one id, one adapter); the name keys its prefix cache."""
+
+    lora_name: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_LEN)]
+    lora_int_id: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+    lora_path: Name = ""
 
 
 class AddRequest(_Message, tag=int(MessageType.ADD_REQUEST)):
@@ -113,6 +120,8 @@ class AddRequest(_Message, tag=int(MessageType.ADD_REQUEST)):
     pooling_params: PoolingParams | None = None
     # A vision-language model's images, in prompt order (their ranges never overlap).
     images: Annotated[list[ImageInput], Meta(max_length=MAX_IMAGES_PER_REQUEST)] = field(default_factory=list)
+    # Set: the request runs under this LoRA adapter (engine/lora/); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(_Message, tag=int(MessageType.ABORT_REQUESTS)):

@@ -44,6 +44,13 @@ def hash_block(parent_hash: bytes, token_ids: list[int], extra: bytes = b"") -> 
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes() + extra).digest()
 
 
+def adapter_root_hash(lora_name: str, lora_path: str) -> bytes:
+    """The root of the hash chain of a request under a LoRA adapter, in place of ROOT_HASH: every
+    block key then stands for the adapter too, so KV computed under one adapter is never found
+    for another adapter or for the base (whose chain starts at ROOT_HASH)."""
+    return hashlib.sha256(b"lora\0" + lora_name.encode() + b"\0" + lora_path.encode()).digest()
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.core.block_manager import ROOT_HASH, hash_block
-from ipc.messages import FinishReason, ImageInput, TokenLogprobs
+from engine.core.block_manager import ROOT_HASH, adapter_root_hash, hash_block
+from ipc.messages import FinishReason, ImageInput, LoRARequest, TokenLogprobs
 from ipc.pooling_params import PoolingParams
 from ipc.sampling_params import SamplingParams
 from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
@@ -54,6 +54,7 @@ class Request:
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
         images: list[ImageInput] = (),
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -84,6 +85,11 @@ class Request:
         self.pooling_params = pooling_params
         self.embedding: list[float] | None = None
         self.images = list(images)  # a vision-language model's, in prompt order (ipc.messages.ImageInput)
+        # The LoRA adapter it runs under (engine/lora/); None: the base model. Its blocks' hash chain
+        # starts from the adapter's own root, so the prefix cache keeps adapters apart.
+        self.lora_request = lora_request
+        self.root_hash = ROOT_HASH if lora_request is None else adapter_root_hash(lora_request.lora_name,
+                                                                                  lora_request.lora_path)
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -111,7 +117,7 @@ class Request:
     def extend_block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
         """Hashes of the first `num_blocks` blocks (all full), computing only the missing ones."""
         for i in range(len(self.block_hashes), num_blocks):
-            parent_hash = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            parent_hash = self.block_hashes[-1] if self.block_hashes else self.root_hash
             start, end = i * block_size, (i + 1) * block_size
             self.block_hashes.append(hash_block(parent_hash, self.all_token_ids[start:end], self.image_hashes(start, end)))
         return self.block_hashes[:num_blocks]
@@ -136,3 +142,24 @@ class Request:
 def is_compiling(request: Request) -> bool:
     """Its grammar is not compiled yet: the request waits, passed over, in its place."""
     return request.grammar is not None and not request.grammar.is_ready
+
+
+def check_stop(request: Request, token_id: int, eos_token_ids: set[int], max_model_len: int) -> RequestStatus | None:
+    """Whether `request` ends with `token_id`, just appended: how, or None while it goes on."""
+    params = request.sampling_params
+    if request.grammar is not None:
+        if not request.grammar.accept(token_id):  # the mask left no token: the constraints contradict
+            return RequestStatus.FINISHED_ERROR
+        if request.grammar.is_terminated:  # it accepted a stop token: the answer is complete
+            request.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in eos_token_ids and not params.ignore_eos:
+            request.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -38,10 +38,11 @@ import logging
 import time
 from collections import deque
 
+from engine.core.adapter_admission import fits_adapters, running_adapters
 from engine.core.block_manager import BlockManager
 from engine.core.encoder_budget import EncoderBudget
 from ipc.pooling_params import needs_every_position
-from engine.core.request import Request, RequestStatus, is_compiling
+from engine.core.request import Request, RequestStatus, check_stop, is_compiling
 from engine.core.scheduler_output import (RequestError, SampledToken, ScheduledRequest, SchedulerOutput, StepOutputs,
                                           emitted_tokens, make_output)
 from engine.core.spec_scheduling import SpecStats, add_proposals, record_acceptance, roll_back
@@ -78,6 +79,7 @@ class Scheduler:
         self.num_prefix_cache_hits = 0  # of those, tokens found cached
         self.spec_stats = SpecStats()
         self.encoder_budget = EncoderBudget(max_num_encoder_input_tokens)  # images' tokens encoded per step
+        self.max_loras = 0  # distinct LoRA adapters among the running (engine.core.adapter_admission)
 
     # ---- requests in and out ----
 
@@ -102,10 +104,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
             self.compiling.pop(request_id, None)
             self._finish(request, status)
             outputs.append(RequestOutput(request_id, [], request.status.finish_reason))
@@ -146,8 +145,7 @@ class Scheduler:
             spec_decode=self.spec_stats.to_wire() if self.spec_stats.by_method else [],  # [] until a draft
         )
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block nobody holds (for benchmarks); returns how many."""
+    def reset_prefix_cache(self) -> int:  # every cached block nobody holds dropped (benchmarks); how many
         return self.block_manager.reset_prefix_cache()
 
     # ---- schedule ----
@@ -155,7 +153,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self.encoder_budget.reset()
+        if self.encoder_budget.num_used:  # the last step encoded images
+            self.encoder_budget.reset()
         budget = self._schedule_running(output, budget)
         if output.num_preempted == 0:
             self._admit_waiting(output, budget)
@@ -169,7 +168,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new_tokens = self.encoder_budget.fit(request, request.num_computed_tokens, budget)
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if num_new_tokens == 0:  # its next image waits for a step with encoder budget left
                 i += 1
             elif self._allocate_or_preempt(request, num_new_tokens, output):
@@ -178,6 +177,13 @@ class Scheduler:
                 i += 1
             # else: `request` itself was preempted and the loop ends, running is now shorter
         return budget
+
+    def _num_new_tokens(self, request: Request, start: int, budget: int) -> int:
+        """`request`'s tokens from `start` in this step: up to `budget`, and for a vision-language
+        request, cut before an image past the step's encoder budget (engine/core/encoder_budget.py)."""
+        if request.images:
+            return self.encoder_budget.fit(request, start, budget)
+        return min(request.num_tokens - start, budget)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, output: SchedulerOutput) -> bool:
         """Find blocks for `request`, preempting from the tail of running. False if it preempted itself."""
@@ -195,17 +201,20 @@ class Scheduler:
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         pending_hashes = self._pending_block_hashes()
+        adapters = running_adapters(self.running) if self.max_loras else set()
         num_compiling = 0  # requests passed over while their grammar compiles: they keep their place
         while len(self.waiting) > num_compiling and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[num_compiling]
             if is_compiling(request):
                 num_compiling += 1
                 continue
+            if request.lora_request is not None and not fits_adapters(request, adapters, self.max_loras):
+                break  # another adapter than the running ones': it goes first once one drains
             cached_block_ids, next_hash = self._lookup(request)
             if next_hash is not None and next_hash in pending_hashes:
                 break  # a running request is computing that block: wait a step and reuse it
             num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
-            num_new_tokens = self.encoder_budget.fit(request, num_cached_tokens, budget)
+            num_new_tokens = self._num_new_tokens(request, num_cached_tokens, budget)
             num_needed = self.block_manager.num_new_blocks(len(cached_block_ids), num_cached_tokens + num_new_tokens)
             if num_new_tokens == 0 or not self.block_manager.can_allocate(num_needed, cached_block_ids):
                 break
@@ -296,7 +305,7 @@ class Scheduler:
                 request.append_token(new_token.token_id)
                 if new_token.logprobs is not None:
                     request.logprobs.append(new_token.logprobs)
-                status = self._check_stop(request, new_token.token_id)
+                status = check_stop(request, new_token.token_id, self.eos_token_ids, self.max_model_len)
                 if status is not None:
                     break  # tokens after a stop are dropped
             num_accepted = 0
@@ -321,25 +330,6 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_STOPPED)
         return RequestOutput(request.request_id, [], request.status.finish_reason,
                              num_cached_tokens=request.num_cached_tokens, embedding=request.embedding)
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.grammar is not None:
-            if not request.grammar.accept(token_id):  # the mask left no token: the constraints contradict
-                return RequestStatus.FINISHED_ERROR
-            if request.grammar.is_terminated:  # it accepted a stop token: the answer is complete
-                request.stop_token_id = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                request.stop_token_id = token_id
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_token_id = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

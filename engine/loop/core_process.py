@@ -183,7 +183,7 @@ class EngineCoreProcess:
         try:
             self.engine.add_request(
                 message.request_id, message.prompt_token_ids, message.sampling_params, message.arrival_time or None,
-                message.pooling_params, message.images,
+                message.pooling_params, message.images, message.lora_request,
             )
         except ValueError as e:
             self._send(EngineError(str(e), request_id=message.request_id, engine_id=self.engine_id,

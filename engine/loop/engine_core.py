@@ -26,7 +26,7 @@ from engine.spec_decode.proposer import SpecProposer
 from engine.core.scheduler_output import StepOutputs
 from engine.core.step_stats import StepStats
 from engine.structured_output import GrammarCompilerPool, RequestGrammar
-from ipc.messages import ImageInput, RequestOutput, SchedulerStats, StepCounts
+from ipc.messages import ImageInput, LoRARequest, RequestOutput, SchedulerStats, StepCounts
 from ipc.pooling_params import PoolingParams
 from ipc.sampling_params import SamplingParams, check_request
 
@@ -87,6 +87,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             max_num_encoder_input_tokens=config.max_num_encoder_input_tokens,
         )
+        self.scheduler.max_loras = config.max_loras if config.enable_lora else 0
         # Speculative decoding (engine.spec_decode): proposals for --speculative-config and for requests'
         # predictions; the static baselines keep one token per step.
         self.proposer = None
@@ -117,9 +118,11 @@ class EngineCore:
         arrival_time: float | None = None,
         pooling_params: PoolingParams | None = None,
         images: list[ImageInput] = (),
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Check and queue a request; raises ValueError (and changes nothing) on bad input.
         With `pooling_params` it is an embedding request (engine.worker.pooler), `sampling_params` unused.
+        With `lora_request` it runs under that LoRA adapter, loaded (and checked) here if it is not yet.
 
         Everything that reaches a tensor is checked here, against this model, by the same
         `check_request` the frontend runs: the offline API and the core's socket both come
@@ -131,12 +134,22 @@ class EngineCore:
                                is_pooling=pooling_params is not None)
         if images or self.model_config.vision is not None:
             check_images(images, prompt_token_ids, self.model_config.vision)
-        request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params, images)
+        if lora_request is not None:
+            self._load_adapter(lora_request)
+        request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params, images,
+                          lora_request)
         if params.structured_outputs is not None:
             request.grammar = RequestGrammar(self._grammar_compiler().submit(params.structured_outputs),
                                              self.config.grammar_compile_timeout_s,
                                              params.structured_outputs.reasoning_end_token_ids)
         self.scheduler.add_request(request)
+
+    def _load_adapter(self, lora_request: LoRARequest) -> None:
+        """Into the runner's CPU cache of adapters; ValueError naming the field when it cannot serve it."""
+        lora = getattr(self.model_runner, "lora", None)
+        if lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA adapters are off (enable_lora)")
+        lora.load(lora_request)
 
     def _grammar_compiler(self) -> GrammarCompilerPool:
         if self.grammar_compiler is None:

@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 def draft_engine_config(config: EngineConfig, spec: SpeculativeConfig) -> EngineConfig:
     """The target's config with the draft's model and settings: in-process and eager, int4 on the
     checkpoint's own weights for self-int4 (fp32 activations, as dtype "auto" gives beside int4)."""
-    changes: dict = dict(tensor_parallel_size=1, nnodes=1, node_rank=0, compile=False, speculative_config=None)
+    changes: dict = dict(tensor_parallel_size=1, nnodes=1, node_rank=0, compile=False, speculative_config=None,
+                         enable_lora=False)  # the draft proposes as the base; the target verifies under the adapter
     if spec.model == SELF_INT4:
         changes.update(quantization="int4", dtype=AUTO_DTYPE, kv_cache_dtype=AUTO_DTYPE)
     else:

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.core.scheduler_output import SampledToken, SchedulerOutput
 from engine.cpu.execution_plan import CpuExecutionPlan
+from engine.lora.adapter_pool import LoRAPool
 from engine.loader.gguf_blocks import blocks_for_model
 from engine.loader.gguf_model import load_gguf_model
 from engine.loader.model_files import gguf_file_of
@@ -47,9 +48,19 @@ from engine.worker.device_and_dtype import (
 )
 from engine.worker.pooler import Pooler
 from engine.worker.step_executors import make_step_executor
-from engine.worker.step_inputs import PreparedStep, StepInputs, make_sampling_batch, prepare_step
+from engine.worker.step_inputs import PreparedStep, StepInputs, lora_groups, make_sampling_batch, prepare_step
+from ipc.lora_adapter import ModelShape
 
 logger = logging.getLogger(__name__)
+
+
+def make_lora_pool(config: EngineConfig, model_config: ModelConfig, model, dtype, device) -> LoRAPool | None:
+    """The LoRA adapters' pool around the model's layers under --enable-lora, else None."""
+    if not config.enable_lora:
+        return None
+    return LoRAPool(model, ModelShape.from_folder(model_config.path), config.max_loras, config.max_lora_rank,
+                    config.max_cpu_loras, dtype, device)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, max_model_len: int,
@@ -82,6 +93,9 @@ class ModelRunner:
         self.backend = self._make_backend(backend_name, self.cpu_plan.attention_kernels)
         self.kv_caches = self._make_kv_pool(num_kv_blocks)
         self.decode_stack = self.cpu_plan.prepare(self.model, self.backend, self.kv_caches, self.num_weight_bytes)
+        # Around the prepared layers (the fused and quantized ones are its base layers); the decode stack
+        # keeps the base's weights and runs the steps that have no adapter row.
+        self.lora = make_lora_pool(config, model_config, self.model, self.dtype, self.device)
         self.sampler = self._make_sampler()
         self.forward_times: tuple[float, float | None] = (0.0, None)  # the last step's forward (perf_counter)
         self.generators: dict[str, torch.Generator] = {}
@@ -160,7 +174,8 @@ class ModelRunner:
         """Run the model on the step's flat batch; return a new token for each request that reached its end."""
         step = self.prepare_step(scheduler_output)
         self.forward_times = (time.perf_counter(), None)
-        self.logits_state.start_grammar_fill(step.sampled_requests)  # hidden behind the forward
+        if any(request.grammar is not None for request in step.sampled_requests):
+            self.logits_state.start_grammar_fill(step.sampled_requests)  # hidden behind the forward
         logits = self.run_step(step)
         self.forward_times = (self.forward_times[0], time.perf_counter())
         return self.sample_step(scheduler_output, step, logits)
@@ -168,7 +183,10 @@ class ModelRunner:
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The step's inputs as lists, and which logits rows go where (engine.worker.step_inputs)."""
         image_token_id = self.model_config.vision.image_token_id if self.encoder_cache is not None else None
-        return prepare_step(scheduler_output, self.block_size, self.prompt_logprobs, image_token_id)
+        step = prepare_step(scheduler_output, self.block_size, self.prompt_logprobs, image_token_id)
+        if self.lora is not None:  # each adapter of the step in a pool slot, and each sequence's slot
+            step.inputs.lora_slots = self.lora.step_slots([s.request.lora_request for s in scheduler_output.scheduled])
+        return step
 
     def run_step(self, step: PreparedStep) -> torch.Tensor | None:
         """The model on every rank: the logits of `step.inputs.sample_rows`; pooled rows collected."""
@@ -228,6 +246,8 @@ class ModelRunner:
         rows' logits (None when none are sampled, and on a worker rank). The pooled rows' final
         hidden states go to `pooled_hidden`. `as_rows`: a step of a few short chunks (a draft model's
         catch-up) may run as one-token rows, as a verification step does."""
+        if self.lora is not None:
+            self.lora.state.prepare(*lora_groups(inputs, self.device))
         result = self.step_executor.forward(inputs, as_rows, images)  # images: (rows [n], embeddings [n, hidden])
         self.pooled_hidden = result.pooled  # [num_pooled, hidden_size] or None
         return result.logits  # [num_sampled, vocab_size] or None

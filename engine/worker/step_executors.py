@@ -24,7 +24,7 @@ from engine.attention.backend import AttentionBackend, KVCache
 from engine.parallel.parallel_state import TensorParallelGroup
 from engine.parallel.pipeline import forward_stage
 from engine.worker.compilation import attention_step
-from engine.worker.step_inputs import StepInputs, to_row_tensors, to_tensors
+from engine.worker.step_inputs import StepInputs, selects_output_rows, to_row_tensors, to_tensors
 from ipc.speculative_config import MAX_SPECULATIVE_TOKENS
 
 
@@ -61,12 +61,8 @@ class EagerStep:
     def run(self, inputs: StepInputs, input_ids, positions, metadata, selected_rows,
             inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The selected rows' final hidden states, [num_sampled + num_pooled, hidden_size]."""
-        # A decode step samples every row, in order; a step that samples none (a prompt's middle
-        # chunk) runs it whole, so no matmul or all-reduce ever sees zero rows. Pooled rows follow
-        # the sampled ones, out of order: those rows are always named.
-        every_row = not inputs.pooling_rows and len(inputs.sample_rows) in (0, len(inputs.input_ids))
-        return self.model(input_ids, positions, self.kv_caches, self.backend, None if every_row else selected_rows,
-                          inputs_embeds=inputs_embeds)
+        output_rows = selected_rows if selects_output_rows(inputs) else None
+        return self.model(input_ids, positions, self.kv_caches, self.backend, output_rows, inputs_embeds=inputs_embeds)
 
     def finish(self, inputs: StepInputs, hidden: torch.Tensor) -> StepResult:
         pooled = None
@@ -107,7 +103,7 @@ class CudaGraphStep(EagerStep):
         self.cuda_graphs = cuda_graphs
 
     def run(self, inputs, input_ids, positions, metadata, selected_rows) -> torch.Tensor:
-        if self.cuda_graphs.can_run(metadata):
+        if self.cuda_graphs.can_run(metadata) and not inputs.has_lora_rows:  # graphs are of the base alone
             return self.cuda_graphs.run(input_ids, positions, metadata)[selected_rows]  # [num_selected, hidden_size]
         return super().run(inputs, input_ids, positions, metadata, selected_rows)
 
@@ -146,7 +142,7 @@ class DecodeStackStep(EagerStep):
         return self.finish(inputs, hidden)
 
     def run(self, inputs, input_ids, positions, metadata, selected_rows) -> torch.Tensor:
-        if (len(inputs.sample_rows) == len(inputs.input_ids) and not inputs.pooling_rows
+        if (len(inputs.sample_rows) == len(inputs.input_ids) and not inputs.pooling_rows and not inputs.has_lora_rows
                 and self.decode_stack.can_run(metadata, self.backend)):
             # A decode-only step: every row is sampled, in order.
             return self.decode_stack.forward(input_ids, positions, metadata, self.backend)  # [num_seqs, hidden_size]
@@ -159,6 +155,7 @@ class DecodeStackStep(EagerStep):
         # A sequence of more tokens than a verification's (a prompt with prompt log-probs) takes the
         # prefill kernel, which reads each key once for all its rows.
         return (1 < max(inputs.query_lens) <= 1 + MAX_SPECULATIVE_TOKENS and not inputs.pooling_rows
+                and not inputs.has_lora_rows  # the stack applies no LoRA (yet): such steps run eager
                 and (as_rows or len(inputs.sample_rows) == len(inputs.input_ids))
                 and self.decode_stack.can_run_rows(len(inputs.input_ids)))
 

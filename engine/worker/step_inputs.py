@@ -15,6 +15,7 @@ import msgspec
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.lora.lora_layers import NO_SLOT, Groups, group_rows
 from engine.sample.logits_processing import LogitsProcessingState, bad_word_bans
 from engine.models.config import ModelConfig
 from engine.worker.pooler import plan_pooling
@@ -43,6 +44,12 @@ class StepInputs(msgspec.Struct, array_like=True, forbid_unknown_fields=True, ta
     # [num_pooled]: rows whose final hidden states an embedding request pools (engine.worker.pooler); they
     # leave the last layer after the sampled rows, so every rank must select them too
     pooling_rows: Ints = msgspec.field(default_factory=list)
+    # [num_seqs]: each sequence's LoRA pool slot (engine.lora; NO_SLOT: the base), empty when no row has one
+    lora_slots: Ints = msgspec.field(default_factory=list)
+
+    @property
+    def has_lora_rows(self) -> bool:
+        return any(slot != NO_SLOT for slot in self.lora_slots)
 
 
 @dataclass
@@ -181,6 +188,25 @@ def prepare_step(scheduler_output: SchedulerOutput, block_size: int, prompt_logp
     if has_pooling:  # embedding requests in the step
         inputs.pooling_rows, pooling_plans = plan_pooling(scheduler_output.scheduled)
     return PreparedStep(inputs, sampled_requests, sampled_rows, prompt_plans, pooling_plans, image_slices)
+
+
+def selects_output_rows(inputs: StepInputs) -> bool:
+    """Whether the model's last layer runs on the selected rows alone (sampled, then pooled): not when a
+    decode step samples every row in order, nor when a step samples none (a prompt's middle chunk, run
+    whole so that no matmul or all-reduce ever sees zero rows). Pooled rows are always named."""
+    return bool(inputs.pooling_rows) or len(inputs.sample_rows) not in (0, len(inputs.input_ids))
+
+
+def lora_groups(inputs: StepInputs, device: torch.device) -> tuple[Groups, Groups | None]:
+    """The step's rows grouped by LoRA slot (engine.lora.lora_layers): over every token, and over the
+    output rows where the last layer runs on those alone."""
+    if not inputs.has_lora_rows:
+        return [], None
+    token_slots = [slot for slot, n in zip(inputs.lora_slots, inputs.query_lens) for _ in range(n)]  # [num_tokens]
+    output_groups = None
+    if selects_output_rows(inputs):
+        output_groups = group_rows([token_slots[r] for r in inputs.sample_rows + inputs.pooling_rows], device)
+    return group_rows(token_slots, device), output_groups
 
 
 def to_tensors(inputs: StepInputs, device: torch.device):

@@ -101,6 +101,7 @@ class Target:
     vocab_size: int = 49152
     max_model_len: int = 8192
     model: str = ""
+    model_path: str = ""  # the served model's folder (/v1/models root), for cases that write files against it
     session: requests.Session = field(default_factory=requests.Session)
 
     def post(self, path: str, body, timeout: float = 30.0) -> tuple[int, str, float]:

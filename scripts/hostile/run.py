@@ -41,6 +41,7 @@ from scripts.hostile.cases import (
 from scripts.hostile.client import Target
 from scripts.hostile.conn import big_header, oversized_bodies, slowloris
 from scripts.hostile.fuzz import run_fuzz
+from scripts.hostile.lora import lora_bad_input
 from scripts.hostile.nesting import nested_json
 from scripts.hostile.tokenizing import tokenizing_abuse
 from scripts.lib.local_server import launch_server, server_env, stop_server
@@ -59,7 +60,8 @@ def free_port() -> int:
 def server_command(args: argparse.Namespace, port: int, has_engine_timeout: bool) -> list[str]:
     command = [sys.executable, "-m", "frontend.api_server", "--model", args.model, "--port", str(port),
                "--client-socket", args.client_socket, "--restart-engine", "--log-level", "warning",
-               "--max-concurrent-requests", str(args.max_concurrent_requests)]
+               "--max-concurrent-requests", str(args.max_concurrent_requests),
+               "--enable-lora", "--allow-runtime-lora-updating"]  # the LoRA case's routes
     if has_engine_timeout:
         command += ["--engine-timeout", str(args.engine_timeout)]
     return command + args.server_arg
@@ -74,7 +76,7 @@ def supports_engine_timeout() -> bool:
 def describe(target: Target) -> None:
     """Fill in the model's bounds: max_model_len from /v1/models, vocab_size from its config.json."""
     card = requests.get(target.url + "/v1/models", timeout=10).json()["data"][0]
-    target.model, target.max_model_len = card["id"], card["max_model_len"]
+    target.model, target.max_model_len, target.model_path = card["id"], card["max_model_len"], card.get("root", "")
     config = Path(card.get("root") or "") / "config.json"
     if config.is_file():
         target.vocab_size = json.loads(config.read_text()).get("vocab_size", target.vocab_size)
@@ -124,6 +126,7 @@ def hostile_run(args: argparse.Namespace, target: Target, engine_timeout: float 
         ("unsatisfiable_grammar", unsatisfiable_grammar, target),
         ("adapter_bad_input", adapter_bad_input, target),
         ("bad_images", bad_images, target),
+        ("lora_bad_input", lora_bad_input, target, tmp, target.model_path),
         ("nested_json", nested_json, target),
         ("bad_predictions", bad_predictions, target),
         ("socket_takeover", socket_takeover, target,

@@ -396,13 +396,22 @@ def test_an_image_round_trips_as_raw_bytes_within_its_bounds():
                        [0.5] * 3, [0.5] * 3)
     msg = AddRequest("img", [1] * 30, SamplingParams(), images=[image, image])
     assert decode(encode(msg)) == msg
-    fields = msgpack.unpackb(encode(msg))
-    assert isinstance(fields[-1][0][0], bytes)  # msgpack bin: the pixels travel as raw bytes, never pickled
+    fields = msgpack.unpackb(encode(msg))  # ..., images, lora_request
+    assert isinstance(fields[-2][0][0], bytes)  # msgpack bin: the pixels travel as raw bytes, never pickled
     for bad in ([0, 3, 16, 16], [1, 3, 16]):  # a zero dimension; not 4 dimensions
-        fields[-1][0][1] = bad
+        fields[-2][0][1] = bad
         with pytest.raises(DecodeError):
             decode(msgpack.packb(fields))
     fields = msgpack.unpackb(encode(msg))
-    fields[-1][0][0] = b"x" * (MAX_IMAGE_BYTES + 1)
+    fields[-2][0][0] = b"x" * (MAX_IMAGE_BYTES + 1)
     with pytest.raises(DecodeError):
         decode(msgpack.packb(fields), max_bytes=2 * MAX_IMAGE_BYTES)
+def test_lora_request_round_trips_and_is_bounded():
+    from ipc.messages import LoRARequest
+
+    message = AddRequest("l", [3], SamplingParams(), 0.0, None, lora_request=LoRARequest("sql", 3, "/adapters/sql"))
+    out = decode(encode(message))
+    assert out == message and type(out.lora_request) is LoRARequest
+    for bad in (["", 1, "/p"], ["a", 0, "/p"], ["a", 2**31, "/p"], ["a", "1", "/p"]):  # empty name, ids from 1
+        with pytest.raises(Exception):
+            decode(msgpack.packb([MessageType.ADD_REQUEST, "r", [1], [], 0.0, None, [], bad]))

@@ -35,10 +35,11 @@ EDGES = [
 # SamplingParams.prediction_token_ids, RequestOutput's prediction counts and SchedulerStats.spec_decode appended;
 # then AddRequest.pooling_params, RequestOutput.embedding, EngineReady's hidden_size and runner;
 # then EngineOutputs.step_counts (a trailing nil while no dashboard watches) and WatchSteps;
-# then AddRequest.images (a trailing empty array without images).
+# then AddRequest.images (a trailing empty array without images) and AddRequest.lora_request (a trailing nil
+# for the base model).
 GOLDEN = [
-'sha256:bc68b4f7a0896ac14ba290122fc814d4d846f1875aa89afa24b77fb3793281a4',
-    '9701a57265712d3290dc0017cb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c0c000c29090c0c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c090',
+'sha256:1184bdaeaee2184396ff2a4c43b59ce765e670fd8aff8fdb69aee406011a0bf7',
+    '9801a57265712d3290dc0017cb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c0c000c29090c0c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c090c0',
     '920293a161a162a163',
     '920290',
     '9203a3627965',
@@ -56,11 +57,11 @@ GOLDEN = [
     '9206c3',  # WatchSteps, then EngineOutputs with its step_counts
     '9206c2',
     '950b02919aa57265712d339108c0c0c000c00000c09900000000000000009094ccc8030103',
-    'sha256:14e2e9c531fd3b3d4f74c760f1dcb8430c540d78b0815de825462a8803b2cdef',
-    '9701a1799101dc0017cb3ff0000000000000cb3fe0000000000000ff01cf7fffffffffffffff1000c2909014c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c090',
+    'sha256:80b00ba962c1987b90545dba014a6a5987dce4e19a519f63362f16d357572296',
+    '9801a1799101dc0017cb3ff0000000000000cb3fe0000000000000ff01cf7fffffffffffffff1000c2909014c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c090c0',
     'sha256:bbb1691909f603ed9a10198724c6cd71fb617d2f821de61be43d90316c3d8f9d',
-    'sha256:7dca8eb5dbea3e2a317f6ed6aa44134e12feb7ad8ffe3acc4a3bc5ef468b1e24',  # reasoning_end_token_ids appended
-    'sha256:b3df8e23e342817aba69841521030d8361ff4a6b6b085a307caeb083f8442de0',
+    'sha256:5b83c006eeb2905f77ed9fda4f618dda52871ff271da52b9438d89e6c2681b21',  # reasoning_end_token_ids appended
+    'sha256:9d53a96a3e2904b212ee29bb5a04aed177e381417e6153bb756a2e390f71d39d',
 ]
 
 
@@ -97,9 +98,19 @@ def test_a_grammar_from_before_reasoning_end_token_ids_still_decodes():
     assert decode(msgpack.packb(fields)) == msg
 
 
-def test_an_add_request_from_before_images_still_decodes():
-    """Append-only: a peer that sends AddRequest without its images field sends a text request."""
+def test_an_add_request_from_before_images_and_lora_still_decodes():
+    """Append-only: a peer that sends AddRequest without its last fields (images, then lora_request)
+    sends a text request to the base model."""
     for msg in [m for m in MESSAGES + EDGES if isinstance(m, AddRequest)]:
         fields = msgpack.unpackb(encode(msg))
-        assert fields[-1] == []  # images, the appended field
-        assert decode(msgpack.packb(fields[:-1])) == msg
+        assert fields[-2:] == [[], None]  # images, lora_request: the appended fields
+        assert decode(msgpack.packb(fields[:-1])) == msg  # before lora_request
+        assert decode(msgpack.packb(fields[:-2])) == msg  # before images
+
+
+def test_an_add_request_from_before_lora_still_decodes_to_the_base_model():
+    # AddRequest("req-2", [], ...) as peers encoded it before images and lora_request were appended.
+    old = bytes.fromhex('9601a57265712d3290dc0017cb3ff0000000000000cb3ff0000000000000ffcb0000000000000000c0c000c29090'
+                        'c0c3c2cb3ff0000000000000cb0000000000000000cb000000000000000090c09090c0c0c0cb0000000000000000c0')
+    message = decode(old)
+    assert message == MESSAGES[1] and message.lora_request is None and message.images == []

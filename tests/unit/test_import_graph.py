@@ -136,7 +136,7 @@ FLOORS = (
     ("engine.config", "engine.kernels", "engine.structured_output", "engine.parallel", "engine.core"),
     ("engine.attention",),
     ("engine.models",),
-    ("engine.cpu",),  # the CPU wing builds on the model interfaces, never the other way
+    ("engine.cpu", "engine.lora"),  # the CPU wing and the LoRA layers build on the model interfaces
     ("engine.loader", "engine.sample"),
     ("engine.worker",),
     ("engine.executor", "engine.baselines", "engine.spec_decode"),

@@ -18,9 +18,11 @@ from frontend.server_args import engine_client_config, make_parser
 def test_worker_records_round_trip():
     step = messages.StepInputs([5, 6, 7], [0, 1, 2], [16, 17, 18], [0, 3], [3], [3], [[1, 0]], [2])
     pooling_step = messages.StepInputs([5, 6], [0, 1], [16, 17], [0, 2], [2], [2], [[1]], [], pooling_rows=[0, 1])
-    for record in (step, pooling_step, messages.WorkerHello(1, 123), messages.WorkerReady(2), messages.StopWorker("bye")):
+    lora_step = messages.StepInputs([5, 6], [0, 1], [16, 17], [0, 1, 2], [1, 1], [1, 1], [[1], [2]], [0, 1],
+                                    lora_slots=[-1, 0])
+    for record in (step, pooling_step, lora_step, messages.WorkerHello(1, 123), messages.WorkerReady(2), messages.StopWorker("bye")):
         assert messages.decode(messages.encode(record)) == record
-    assert messages.encode(step)[:2] == bytes([0x9a, int(messages.WorkerMessageType.STEP_INPUTS)])  # [type, 9 fields]
+    assert messages.encode(step)[:2] == bytes([0x9b, int(messages.WorkerMessageType.STEP_INPUTS)])  # [type, 10 fields]
     with pytest.raises(ValueError):
         messages.decode(messages.encode(messages.WorkerHello(1, 1))[:-1])
 

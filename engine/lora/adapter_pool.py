@@ -1,0 +1,127 @@
+"""The adapters a runner serves: a CPU cache of loaded adapters (`max_cpu_loras`, least recently used
+evicted beyond it) and a pool of `max_loras` slots per adapted layer, on the model's device:
+
+    layer's A:  [max_loras, P * max_rank, in]     P rank blocks: 3 for qkv_proj, 2 for gate_up_proj, else 1
+    layer's B:  [max_loras, out, P * max_rank]    each projection's rows use its own block's columns
+    scales:     [max_loras]                        lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA
+
+An adapter of rank r < max_rank fills its blocks' first r rows of A and columns of B; the rest stay
+zero and add exact zeros. The scheduler lets at most `max_loras` distinct adapters run at once
+(engine.core.adapter_admission), so `activate` always finds a slot: one empty, or the least recently
+used one whose adapter is not in this step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from engine.lora.adapter_files import LoRAWeights, load_adapter
+from engine.lora.lora_layers import NO_SLOT, LoRALinear, LoRAStepState
+from ipc.lora_adapter import NUM_PARTS, ModelShape, check_max_lora_rank
+from ipc.messages import LoRARequest
+
+logger = logging.getLogger(__name__)
+ATTENTION_MODULES = ("qkv_proj", "o_proj")
+MLP_MODULES = ("gate_up_proj", "down_proj")
+
+
+class LoRAPool:
+    def __init__(self, model: nn.Module, shape: ModelShape, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int | None, dtype: torch.dtype, device: torch.device) -> None:
+        check_max_lora_rank(max_lora_rank)
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {max_loras}")
+        self.shape = shape
+        self.max_loras = max_loras
+        self.max_rank = max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.dtype = dtype
+        self.state = LoRAStepState()
+        self.scales = [0.0] * max_loras  # shared with every layer
+        self.cache: OrderedDict[int, LoRAWeights] = OrderedDict()  # lora_int_id -> weights, LRU first
+        self.slot_ids: list[int | None] = [None] * max_loras  # the adapter id in each slot
+        self.slot_order: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # LRU slot first
+        self.layers = self._wrap(model, device)
+
+    def _wrap(self, model: nn.Module, device: torch.device) -> dict[tuple[int, str], LoRALinear]:
+        """Put a LoRALinear around each adaptable linear of the model's decoder layers."""
+        layers: dict[tuple[int, str], LoRALinear] = {}
+        last = len(model.layers) - 1
+        for i, layer in enumerate(model.layers):
+            parents = [(layer.self_attn, ATTENTION_MODULES)] if hasattr(layer, "self_attn") else []
+            if not self.shape.is_moe and hasattr(layer, "mlp"):
+                parents.append((layer.mlp, MLP_MODULES))
+            for parent, names in parents:
+                for name in names:
+                    start, end = self.shape.out_slice(name, None)
+                    width = NUM_PARTS[name] * self.max_rank
+                    a = torch.zeros(self.max_loras, width, self.shape.in_features(name), dtype=self.dtype, device=device)
+                    b = torch.zeros(self.max_loras, end - start, width, dtype=self.dtype, device=device)
+                    is_output = i == last and name != "qkv_proj"  # the last layer past attention: output rows
+                    wrapped = LoRALinear(getattr(parent, name), a, b, self.scales, self.state, is_output)
+                    setattr(parent, name, wrapped)
+                    layers[(i, name)] = wrapped
+        logger.info("LoRA: %d slots of rank %d on %d layers (%.1f MiB)", self.max_loras, self.max_rank, len(layers),
+                    sum(m.a.numel() + m.b.numel() for m in layers.values()) * self.a_itemsize / 2**20)
+        return layers
+
+    @property
+    def a_itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def load(self, lora_request: LoRARequest) -> LoRAWeights:
+        """The adapter's weights, from the cache or its folder (checked: ValueError naming the field)."""
+        weights = self.cache.get(lora_request.lora_int_id)
+        if weights is not None:
+            if weights.path != os.path.abspath(lora_request.lora_path):
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already the adapter at {weights.path}; "
+                                 "give each adapter its own id")
+            self.cache.move_to_end(lora_request.lora_int_id)
+            return weights
+        weights = load_adapter(lora_request.lora_path, self.shape, self.max_rank, self.dtype)
+        self.cache[lora_request.lora_int_id] = weights
+        while len(self.cache) > self.max_cpu_loras:
+            evicted, _ = self.cache.popitem(last=False)  # its slot, if any, keeps its copy
+            logger.info("LoRA: adapter %d left the CPU cache (max_cpu_loras %d)", evicted, self.max_cpu_loras)
+        return weights
+
+    def activate(self, lora_requests: list[LoRARequest | None]) -> dict[int, int]:
+        """A slot for each adapter of the step (at most max_loras of them): lora_int_id -> slot."""
+        wanted = {r.lora_int_id: r for r in lora_requests if r is not None}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"a step of {len(wanted)} adapters, over max_loras {self.max_loras}")
+        slot_of = {lora_id: slot for slot, lora_id in enumerate(self.slot_ids) if lora_id in wanted}
+        for lora_id, request in wanted.items():
+            if lora_id not in slot_of:
+                slot = next(s for s in self.slot_order if self.slot_ids[s] not in wanted)
+                self._fill(slot, lora_id, self.load(request))
+                slot_of[lora_id] = slot
+            self.slot_order.move_to_end(slot_of[lora_id])
+        return slot_of
+
+    def step_slots(self, lora_requests: list[LoRARequest | None]) -> list[int]:
+        """Each of the step's sequences' slot (NO_SLOT: the base), its adapters activated; [] when none has one."""
+        if all(r is None for r in lora_requests):
+            return []
+        slot_of = self.activate(lora_requests)
+        return [NO_SLOT if r is None else slot_of[r.lora_int_id] for r in lora_requests]
+
+    @torch.no_grad()
+    def _fill(self, slot: int, lora_id: int, weights: LoRAWeights) -> None:
+        """Copy the adapter into `slot` of every layer (zeros where it adapts nothing)."""
+        for (layer_index, name), layer in self.layers.items():
+            layer.a[slot].zero_()
+            layer.b[slot].zero_()
+            for part in weights.layers.get((layer_index, name), ()):
+                first = part.part_index * self.max_rank
+                layer.a[slot, first : first + weights.rank].copy_(part.a)  # [rank, in]
+                layer.b[slot, part.out_start : part.out_end, first : first + weights.rank].copy_(part.b)  # [out_p, rank]
+        self.scales[slot] = weights.scale
+        self.slot_ids[slot] = lora_id
+        logger.debug("LoRA: adapter %d in slot %d", lora_id, slot)
+
