@@ -166,7 +166,9 @@ async def measure(servers: list[Server], args: argparse.Namespace, read_rates: l
     requests = make_workload(args.repeats + 1, (args.prompt_len, args.prompt_len), (args.output_len, args.output_len),
                              seed=args.seed, vocab_size=VOCAB_SIZE)
     warmup, rounds = requests[0], requests[1:]
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+    # A fresh connection per request: llama-server closes an idle kept-alive one while the other
+    # servers take their turn, and the next request's write then failed ("Can not write request body").
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)) as session:
         for server in servers:
             server.model = await served_model(session, server.url)
             run = await timed_request(session, server, warmup.prompt_token_ids, WARMUP_OUTPUT_LEN)
