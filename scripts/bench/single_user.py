@@ -68,8 +68,8 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of CPU time
 
 def make_server(name: str, args: argparse.Namespace, port: int) -> Server:
     """The command line of server `name` on `port`."""
-    if name in LLAMA_GGUFS:
-        gguf = Path(args.gguf_dir) / LLAMA_GGUFS[name]
+    if name in LLAMA_GGUFS or name == "llama-file":
+        gguf = Path(args.llama_gguf) if name == "llama-file" else Path(args.gguf_dir) / LLAMA_GGUFS[name]
         if not gguf.is_file():
             raise SystemExit(f"{gguf} is missing; run scripts/peers/llamacpp.sh")
         command = [str(args.llama_server), "-m", str(gguf), "-t", str(args.threads), "-np", "1",
@@ -166,7 +166,9 @@ async def measure(servers: list[Server], args: argparse.Namespace, read_rates: l
     requests = make_workload(args.repeats + 1, (args.prompt_len, args.prompt_len), (args.output_len, args.output_len),
                              seed=args.seed, vocab_size=VOCAB_SIZE)
     warmup, rounds = requests[0], requests[1:]
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+    # A fresh connection per request: llama-server closes an idle kept-alive one while the other
+    # servers take their turn, and the next request's write then failed ("Can not write request body").
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=aiohttp.TCPConnector(force_close=True)) as session:
         for server in servers:
             server.model = await served_model(session, server.url)
             run = await timed_request(session, server, warmup.prompt_token_ids, WARMUP_OUTPUT_LEN)
@@ -264,6 +266,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, from {', '.join([*LLAMA_GGUFS, *OURS_FLAGS, 'ours-extra'])} "
                         "(ours-extra is added when --ours-extra is given)")
     p.add_argument("--ours-extra", default=None, metavar="ARGS", help="flags for a further `ours-extra` server")
+    p.add_argument("--llama-gguf", type=Path, default=None, metavar="PATH",
+                   help="a GGUF for a further `llama-file` server (llama-server on it; give ours the same file "
+                        "with --model and --servers ours-bf16, which then serves it at our defaults)")
     p.add_argument("--repeats", type=int, default=5, help="rounds; each server gets one request per round")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
@@ -281,11 +286,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if args.ours_extra is not None and "ours-extra" not in args.servers:
         args.servers.append("ours-extra")
-    unknown = set(args.servers) - {*LLAMA_GGUFS, *OURS_FLAGS, "ours-extra"}
+    if args.llama_gguf is not None and "llama-file" not in args.servers:
+        args.servers.append("llama-file")
+    unknown = set(args.servers) - {*LLAMA_GGUFS, *OURS_FLAGS, "ours-extra", "llama-file"}
     if unknown:
         p.error(f"unknown servers: {', '.join(sorted(unknown))}")
     if "ours-extra" in args.servers and args.ours_extra is None:
         p.error("ours-extra needs --ours-extra")
+    if "llama-file" in args.servers and (args.llama_gguf is None or not args.llama_gguf.is_file()):
+        p.error("llama-file needs --llama-gguf naming a file")
     if len(set(args.servers)) != len(args.servers) or not args.servers:
         p.error("--servers: at least one, each once")
     return args

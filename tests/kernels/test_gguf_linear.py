@@ -130,7 +130,7 @@ def test_dequantize_is_gguf_bit_for_bit(type_name):
 
 
 @pytest.mark.parametrize("type_name", KERNEL_TYPE_NAMES)
-@pytest.mark.parametrize("num_tokens", [1, 3, 8, 37])
+@pytest.mark.parametrize("num_tokens", [1, 3, 6, 8, 37, 70])  # Q4_K groups: passes of 8, a 64-token tile and more
 def test_matmul_matches_the_dequantized_weight(type_name, num_tokens):
     linear = GgufLinear([(type_name, make_blocks(type_name, 45, 768, seed=num_tokens))], 768)
     x = torch.randn(num_tokens, 768, generator=torch.Generator().manual_seed(num_tokens)) * 2

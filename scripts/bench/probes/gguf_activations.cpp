@@ -55,6 +55,7 @@ int main() {
   std::vector<float> dx(4 * nsb, 0.01f);
   std::vector<int16_t> s16(4 * nsb * 16, 48), s32(4 * nsb * 8, 96);
   const ActK a{q.data(), dx.data(), s16.data(), s32.data(), nsb};
+  const std::vector<int32_t> xw(4 * in / 4, 0x03030303);  // q's words, tokens interleaved (all 3s alike)
   float out[64];
   volatile float sink = 0;
   auto time = [&](auto&& f) {
@@ -65,8 +66,8 @@ int main() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / n;
   };
   const double bytes = rows * nsb * 144.0;
-  double t1 = time([&] { for (int64_t g = 0; g < rows / 8; ++g) { dot_q4_k_x8<1>(w.data() + g * nsb * 1152, a, nsb, out); sink = out[0]; } });
-  double t4 = time([&] { for (int64_t g = 0; g < rows / 8; ++g) { dot_q4_k_x8<4>(w.data() + g * nsb * 1152, a, nsb, out); sink = out[0]; } });
+  double t1 = time([&] { for (int64_t g = 0; g < rows / 8; ++g) { dot_q4_k_x8<1>(w.data() + g * nsb * 1152, a, nsb, xw.data(), out); sink = out[0]; } });
+  double t4 = time([&] { for (int64_t g = 0; g < rows / 8; ++g) { dot_q4_k_x8<4>(w.data() + g * nsb * 1152, a, nsb, xw.data(), out); sink = out[0]; } });
   double f1 = time([&] { for (int64_t r = 0; r < rows; ++r) { dot_f32<1>(w.data() + r * nsb * 144, x.data(), nsb, in, out); sink = out[0]; } });
   double f4 = time([&] { for (int64_t r = 0; r < rows; ++r) { dot_f32<4>(w.data() + r * nsb * 144, x.data(), nsb, in, out); sink = out[0]; } });
   std::printf("{\"int8_x8_1_gb_s\": %.1f, \"int8_x8_4_gb_s\": %.1f, \"fp32_1_gb_s\": %.1f, \"fp32_4_gb_s\": %.1f}\n",

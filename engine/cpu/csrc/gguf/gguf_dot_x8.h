@@ -22,14 +22,9 @@
 namespace tokenloom_gguf {
 
 constexpr int64_t kGroupRows = 8;
+constexpr int64_t kGroupTokens = 8;  // tokens per pass over a group (dot_q4_k_x8's most)
 constexpr int64_t kGroupBlockBytes = 8 * 144;
 constexpr int64_t kQ4_Kx8 = 1000 + kQ4_K;  // our id for the repacked layout (not a ggml type)
-
-inline int32_t word_at(const int8_t* p) {
-  int32_t w;
-  std::memcpy(&w, p, 4);
-  return w;
-}
 
 // Sub-block s's eight rows' scales, each in both of its 16-bit lanes, from U's bytes [8 s, 8 s + 8).
 template <int kSub>
@@ -42,38 +37,59 @@ inline __m256i sub_block_scales(__m256i scales_lo, __m256i scales_hi) {
 
 // One sub-block (32 inputs) of 8 rows against kTokens tokens: sums[t] += scale_r * sum q x per row lane.
 // The sub-blocks go one at a time (a group's codes are loaded twice, once per nibble) so a
-// token keeps one int16 sum live, not two: four tokens then fit the 16 registers.
+// token keeps one int16 sum live, not two.
 template <int kTokens, int kSub>
-inline void sub_block(const uint8_t* codes, const int8_t* x, int64_t x_row, __m256i scales, __m256i* sums) {
+inline void sub_block(const uint8_t* codes, const int32_t* xw, __m256i scales, __m256i* sums) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   __m256i s16[kTokens];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int t = 0; t < kTokens; ++t) s16[t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
     const __m256i bits = load256(codes + 32 * (8 * (kSub / 2) + l));
     const __m256i w = kSub % 2 == 0 ? _mm256_and_si256(bits, low4) : _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < kTokens; ++t) {
-      s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(word_at(x + t * x_row + 32 * kSub + 4 * l))));
+      const __m256i xv = _mm256_set1_epi32(xw[(8 * kSub + l) * kTokens + t]);  // token t's inputs 32 s + 4 l ..
+      s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(w, xv));
       // GCC would otherwise reassociate the adds into a tree of all 8 products, spilling them.
       asm("" : "+x"(s16[t]));
     }
   }
-#pragma GCC unroll 4
-  for (int t = 0; t < kTokens; ++t) sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(s16[t], scales));
+#pragma GCC unroll 8
+  for (int t = 0; t < kTokens; ++t) {
+    const __m256i p = _mm256_madd_epi16(s16[t], scales);
+    sums[t] = _mm256_add_epi32(sums[t], p);
+  }
 }
 
-// out[t * 8 + r] = row r . x_t for t < kTokens.
+// `p` itself, past 4 tokens hidden from GCC: what it points at then stays in memory.
+template <int kTokens, typename T>
+inline T* in_memory_past_4(T* p) {
+  if (kTokens > 4) asm("" : "+r"(p));
+  return p;
+}
+
+// out[t * 8 + r] = row r . x_t for t < kTokens (up to 8). The tokens' int8 activations come
+// interleaved by 4-byte words too (xw: word w of token t at xw[w * kTokens + t], four inputs
+// each), so every broadcast's address is one pointer plus a constant: with a row pointer per
+// token, 8 tokens' pointers took 8 general registers and GCC reloaded them from the stack
+// before every broadcast. x gives the scales and sums per 32 (x_stride blocks a token).
+// Up to 4 tokens the accumulators stay in registers. Past 4 (`in_memory_past_4`) the fp32
+// accumulators and the super-block's int32 sums live in memory (L1: a load, add and store a
+// token and sub-block), so that eight tokens' int16 sums and the codes fill the 16 registers
+// without spills: one pass of 8 tokens then unpacks the codes, scales and mins once, where
+// two passes of 4 did it twice.
 template <int kTokens>
-inline void dot_q4_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, float* out) {
+inline void dot_q4_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, const int32_t* xw, float* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
-  __m256 acc[kTokens];
-#pragma GCC unroll 4
+  alignas(32) __m256 acc_store[kTokens];
+  __m256* acc = in_memory_past_4<kTokens>(acc_store);
+#pragma GCC unroll 8
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
-  const int64_t x_row = x_stride * kQK;
   for (int64_t b = 0; b < x.num_blocks; ++b) {
     const uint8_t* blk = group + b * kGroupBlockBytes;
+    if (kTokens <= kPrefetchTokens) prefetch_ahead<kGroupBlockBytes>(blk);
     const __m256i l0 = load256(blk + 32), l1 = load256(blk + 64), h = load256(blk + 96);
     {
       // The mins' term first, so its registers are free before the codes'.
@@ -88,7 +104,7 @@ inline void dot_q4_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, f
                                _mm256_cvtepu8_epi16(_mm256_castsi256_si128(mins_hi)),
                                _mm256_cvtepu8_epi16(_mm256_extracti128_si256(mins_hi, 1))};
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int t = 0; t < kTokens; ++t) {
         const int16_t* s32 = x.sums32 + (t * x_stride + b) * 8;
         __m256i m = _mm256_setzero_si256();
@@ -106,27 +122,44 @@ inline void dot_q4_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, f
         _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(h, low2), 4));
     const __m256i scales_hi = _mm256_or_si256(  // U[32, 64): 4..7
         _mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), low2), 4));
-    __m256i sums[kTokens];
-#pragma GCC unroll 4
+    alignas(32) __m256i sums_store[kTokens];
+    __m256i* sums = in_memory_past_4<kTokens>(sums_store);
+#pragma GCC unroll 8
     for (int t = 0; t < kTokens; ++t) sums[t] = _mm256_setzero_si256();
     const uint8_t* codes = blk + 128;
-    const int8_t* xb = x.q + b * kQK;
-    sub_block<kTokens, 0>(codes, xb, x_row, sub_block_scales<0>(scales_lo, scales_hi), sums);
-    sub_block<kTokens, 1>(codes, xb, x_row, sub_block_scales<1>(scales_lo, scales_hi), sums);
-    sub_block<kTokens, 2>(codes, xb, x_row, sub_block_scales<2>(scales_lo, scales_hi), sums);
-    sub_block<kTokens, 3>(codes, xb, x_row, sub_block_scales<3>(scales_lo, scales_hi), sums);
-    sub_block<kTokens, 4>(codes, xb, x_row, sub_block_scales<4>(scales_lo, scales_hi), sums);
-    sub_block<kTokens, 5>(codes, xb, x_row, sub_block_scales<5>(scales_lo, scales_hi), sums);
-    sub_block<kTokens, 6>(codes, xb, x_row, sub_block_scales<6>(scales_lo, scales_hi), sums);
-    sub_block<kTokens, 7>(codes, xb, x_row, sub_block_scales<7>(scales_lo, scales_hi), sums);
+    const int32_t* xb = xw + b * (kQK / 4) * kTokens;
+    if (kTokens <= 4) {
+      sub_block<kTokens, 0>(codes, xb, sub_block_scales<0>(scales_lo, scales_hi), sums);
+      sub_block<kTokens, 1>(codes, xb, sub_block_scales<1>(scales_lo, scales_hi), sums);
+      sub_block<kTokens, 2>(codes, xb, sub_block_scales<2>(scales_lo, scales_hi), sums);
+      sub_block<kTokens, 3>(codes, xb, sub_block_scales<3>(scales_lo, scales_hi), sums);
+      sub_block<kTokens, 4>(codes, xb, sub_block_scales<4>(scales_lo, scales_hi), sums);
+      sub_block<kTokens, 5>(codes, xb, sub_block_scales<5>(scales_lo, scales_hi), sums);
+      sub_block<kTokens, 6>(codes, xb, sub_block_scales<6>(scales_lo, scales_hi), sums);
+      sub_block<kTokens, 7>(codes, xb, sub_block_scales<7>(scales_lo, scales_hi), sums);
+    } else {
+      // Past 4 tokens, fully unrolled, the loop's code outgrew the op cache: a loop over the
+      // four pairs of sub-blocks, their scales from memory.
+      alignas(32) __m256i scales[8] = {
+          sub_block_scales<0>(scales_lo, scales_hi), sub_block_scales<1>(scales_lo, scales_hi),
+          sub_block_scales<2>(scales_lo, scales_hi), sub_block_scales<3>(scales_lo, scales_hi),
+          sub_block_scales<4>(scales_lo, scales_hi), sub_block_scales<5>(scales_lo, scales_hi),
+          sub_block_scales<6>(scales_lo, scales_hi), sub_block_scales<7>(scales_lo, scales_hi)};
+      const __m256i* scales_at = in_memory_past_4<kTokens>(scales);
+#pragma GCC unroll 1
+      for (int j = 0; j < 4; ++j) {
+        sub_block<kTokens, 0>(codes + 256 * j, xb + 16 * kTokens * j, scales_at[2 * j], sums);
+        sub_block<kTokens, 1>(codes + 256 * j, xb + 16 * kTokens * j, scales_at[2 * j + 1], sums);
+      }
+    }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < kTokens; ++t) {
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[t * x_stride + b])), _mm256_cvtepi32_ps(sums[t]),
                                acc[t]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int t = 0; t < kTokens; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
 }
 

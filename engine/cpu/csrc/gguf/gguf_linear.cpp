@@ -13,7 +13,8 @@
 //
 // Threads share out the output rows eight at a time (share_out.h: torch's threads, or a
 // decode step's work pool); each row is read from memory once and used for every token,
-// kMaxTokens at a time (a group of rows, a few KB, stays in L1 across the passes).
+// kMaxTokens at a time, or a Q4_K group kGroupTokens at a time (a group of rows, a few KB,
+// stays in L1 across the passes).
 #include "gguf_dot.h"
 #include "gguf_dot_x8.h"
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
@@ -21,8 +22,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace tokenloom_gguf {
@@ -111,13 +114,30 @@ void quantize_token(const in_t* x, int64_t in_features, int64_t block, int8_t* q
 
 // A call's quantized activations, in memory the calling thread keeps from call to call.
 struct Scratch {
+  std::vector<int32_t> qk_words;  // qk for the Q4_K groups: tokens interleaved by words (interleave_words)
   std::vector<int8_t> qk, q32;
   std::vector<float> dk, d32, ds32;
   std::vector<int16_t> sums16, sums32;
 };
 
+// The Q4_K groups' activations (gguf_dot_x8.h): q [tokens][in] as 4-byte words, each tile of
+// kGroupTokens tokens from t0 with its n tokens interleaved: word w of token t0 + i at
+// words[t0 * in / 4 + w * n + i].
+void interleave_words(const int8_t* q, int64_t num_tokens, int64_t in_features, int32_t* words) {
+  const int64_t num_words = in_features / 4;
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += kGroupTokens) {
+    const int64_t n = std::min(kGroupTokens, num_tokens - t0);
+    int32_t* tile = words + t0 * num_words;
+    for (int64_t i = 0; i < n; ++i) {
+      const int8_t* row = q + (t0 + i) * in_features;
+      for (int64_t w = 0; w < num_words; ++w) std::memcpy(tile + w * n + i, row + 4 * w, 4);
+    }
+  }
+}
+
 template <typename in_t>
-void quantize_all(const in_t* x, int64_t num_tokens, int64_t in_features, bool need_k, bool need_32, Scratch& s) {
+void quantize_all(const in_t* x, int64_t num_tokens, int64_t in_features, bool need_k, bool need_32,
+                  bool need_words, Scratch& s) {
   if (need_k) {
     s.qk.resize(num_tokens * in_features), s.dk.resize(num_tokens * in_features / kQK);
     s.sums16.resize(num_tokens * in_features / 16), s.sums32.resize(num_tokens * in_features / kQ32);
@@ -139,6 +159,10 @@ void quantize_all(const in_t* x, int64_t num_tokens, int64_t in_features, bool n
       }
     }
   });
+  if (need_words) {  // a copy of in_features bytes a token: quick beside the matmul
+    s.qk_words.resize(num_tokens * in_features / 4);
+    interleave_words(s.qk.data(), num_tokens, in_features, s.qk_words.data());
+  }
 }
 
 // out[t] for kTokens tokens starting at token t0, one row of type `type`.
@@ -163,16 +187,18 @@ void dot_row(int64_t type, const uint8_t* row, const ActK& xk, const Act32& x32,
 using DotRowFn = void (*)(int64_t, const uint8_t*, const ActK&, const Act32&, int64_t, float*);
 constexpr DotRowFn kDotRow[kMaxTokens] = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>};
 
-// out[t * 8 + r] for kTokens tokens from t0, one group of 8 repacked Q4_K rows.
+// out[t * 8 + r] for kTokens tokens from t0 (a multiple of kGroupTokens, or the last tile's
+// tokens), one group of 8 repacked Q4_K rows; words: every token's, interleave_words's.
 template <int kTokens>
-void dot_group(const uint8_t* group, const ActK& xk, int64_t t0, float* out) {
+void dot_group(const uint8_t* group, const ActK& xk, const int32_t* words, int64_t t0, float* out) {
   const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
                xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
-  dot_q4_k_x8<kTokens>(group, k, k.num_blocks, out);
+  dot_q4_k_x8<kTokens>(group, k, k.num_blocks, words + t0 * xk.num_blocks * (kQK / 4), out);
 }
 
-using DotGroupFn = void (*)(const uint8_t*, const ActK&, int64_t, float*);
-constexpr DotGroupFn kDotGroup[kMaxTokens] = {dot_group<1>, dot_group<2>, dot_group<3>, dot_group<4>};
+using DotGroupFn = void (*)(const uint8_t*, const ActK&, const int32_t*, int64_t, float*);
+constexpr DotGroupFn kDotGroup[kGroupTokens] = {dot_group<1>, dot_group<2>, dot_group<3>, dot_group<4>,
+                                                dot_group<5>, dot_group<6>, dot_group<7>, dot_group<8>};
 
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }  // nearest even, as torch's cast
@@ -194,19 +220,23 @@ void store_row(out_t* out, int64_t out_features, int64_t t, int64_t r, float y, 
 
 // Rows [r0, r0 + n) of one part (n <= 8) for tokens [t0, t1).
 template <typename out_t>
-void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const Act32& x32, int64_t t0, int64_t t1,
-              int64_t out_features, const float* bias, out_t* out) {
+void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const int32_t* words, const Act32& x32,
+              int64_t t0, int64_t t1, int64_t out_features, const float* bias, out_t* out) {
   const uint8_t* rows = part.bytes + (r0 - part.first_row) * part.row_bytes;
-  for (int64_t t = t0; t < t1; t += kMaxTokens) {
-    const int64_t num = std::min<int64_t>(kMaxTokens, t1 - t);
-    float y[kMaxTokens * kGroupRows];
-    if (part.type == kQ4_Kx8) {
-      kDotGroup[num - 1](rows, xk, t, y);
+  if (part.type == kQ4_Kx8) {
+    for (int64_t t = t0; t < t1; t += kGroupTokens) {
+      const int64_t num = std::min<int64_t>(kGroupTokens, t1 - t);
+      float y[kGroupTokens * kGroupRows];
+      kDotGroup[num - 1](rows, xk, words, t, y);
       for (int64_t i = 0; i < num; ++i) {
         for (int64_t j = 0; j < kGroupRows; ++j) store_row(out, out_features, t + i, r0 + j, y[i * kGroupRows + j], bias);
       }
-      continue;
     }
+    return;
+  }
+  for (int64_t t = t0; t < t1; t += kMaxTokens) {
+    const int64_t num = std::min<int64_t>(kMaxTokens, t1 - t);
+    float y[kMaxTokens];
     for (int64_t j = 0; j < n; ++j) {
       kDotRow[num - 1](part.type, rows + j * part.row_bytes, xk, x32, t, y);
       for (int64_t i = 0; i < num; ++i) store_row(out, out_features, t + i, r0 + j, y[i], bias);
@@ -215,8 +245,8 @@ void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const Act
 }
 
 template <typename out_t>
-void run_rows(const std::vector<Part>& parts, const ActK& xk, const Act32& x32, int64_t num_tokens,
-              int64_t out_features, const float* bias, out_t* out) {
+void run_rows(const std::vector<Part>& parts, const ActK& xk, const int32_t* words, const Act32& x32,
+              int64_t num_tokens, int64_t out_features, const float* bias, out_t* out) {
   const int64_t num_items = parts.back().first_item + (parts.back().num_rows + kGroupRows - 1) / kGroupRows;
   tokenloom_cpu::share_out_ranges<kChunksPerThread>(num_items, 0, [](int64_t) {}, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
@@ -227,7 +257,7 @@ void run_rows(const std::vector<Part>& parts, const ActK& xk, const Act32& x32, 
         const Part& part = parts[p];
         const int64_t r0 = part.first_row + (i - part.first_item) * kGroupRows;
         const int64_t n = std::min(kGroupRows, part.first_row + part.num_rows - r0);
-        run_item(part, r0, n, xk, x32, t0, t1, out_features, bias, out);
+        run_item(part, r0, n, xk, words, x32, t0, t1, out_features, bias, out);
       }
     }
   });
@@ -254,7 +284,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
   const int64_t num_tokens = x.size(0), in_features = x.size(1);
   const int64_t* entries = layout.data_ptr<int64_t>();
   std::vector<Part> spans;
-  bool need_k = false, need_32 = false;
+  bool need_k = false, need_32 = false, need_words = false;
   int64_t num_rows = 0;
   for (int64_t i = 0; i < layout.size(0); ++i) {
     const int64_t type = entries[3 * i], offset = entries[3 * i + 1], rows = entries[3 * i + 2];
@@ -265,6 +295,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
                     (type != kQ4_Kx8 || rows % kGroupRows == 0),
                 "part ", i, ": ", rows, " rows of type ", type, " at byte ", offset, " are not inside the blocks");
     (info.is_k ? need_k : need_32) = true;
+    need_words = need_words || type == kQ4_Kx8;
     const int64_t first_item =
         spans.empty() ? 0 : spans.back().first_item + (spans.back().num_rows + kGroupRows - 1) / kGroupRows;
     spans.push_back({blocks.data_ptr<uint8_t>() + offset, type, row_bytes, num_rows, rows, first_item});
@@ -279,17 +310,17 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
 
   thread_local Scratch scratch;
   if (x.scalar_type() == at::kFloat) {
-    quantize_all(x.data_ptr<float>(), num_tokens, in_features, need_k, need_32, scratch);
+    quantize_all(x.data_ptr<float>(), num_tokens, in_features, need_k, need_32, need_words, scratch);
   } else {
-    quantize_all(x.data_ptr<at::BFloat16>(), num_tokens, in_features, need_k, need_32, scratch);
+    quantize_all(x.data_ptr<at::BFloat16>(), num_tokens, in_features, need_k, need_32, need_words, scratch);
   }
   const ActK xk{scratch.qk.data(), scratch.dk.data(), scratch.sums16.data(), scratch.sums32.data(), in_features / kQK};
   const Act32 x32{scratch.q32.data(), scratch.d32.data(), scratch.ds32.data(), in_features / kQ32};
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
   if (out.scalar_type() == at::kFloat) {
-    run_rows(spans, xk, x32, num_tokens, out_features, b, out.data_ptr<float>());
+    run_rows(spans, xk, scratch.qk_words.data(), x32, num_tokens, out_features, b, out.data_ptr<float>());
   } else {
-    run_rows(spans, xk, x32, num_tokens, out_features, b, out.data_ptr<at::BFloat16>());
+    run_rows(spans, xk, scratch.qk_words.data(), x32, num_tokens, out_features, b, out.data_ptr<at::BFloat16>());
   }
   return out;
 }
@@ -302,6 +333,27 @@ torch::Tensor gguf_rows(const torch::Tensor& blocks, const torch::Tensor& layout
 }  // namespace tokenloom_gguf
 
 namespace {
+
+// Reads `bytes` (uint8, contiguous, a multiple of 4 KB) once, on the threads and hand-out the
+// matmuls use (share_out), summing 64-bit words so nothing is skipped; returns the sum. The
+// benchmark's stream rate (scripts/bench/gguf_kernels.py): what these threads can read at most.
+int64_t stream_read(const torch::Tensor& bytes) {
+  TORCH_CHECK(bytes.scalar_type() == at::kByte && bytes.is_contiguous() && bytes.numel() % 4096 == 0,
+              "bytes: uint8, contiguous, whole 4 KB pages");
+  const uint8_t* base = bytes.data_ptr<uint8_t>();
+  std::atomic<int64_t> total{0};
+  tokenloom_cpu::share_out_ranges<8>(bytes.numel() / 4096, 0, [](int64_t) {}, [&](int64_t begin, int64_t end) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (const uint8_t* p = base + begin * 4096; p < base + end * 4096; p += 128) {
+      a0 = _mm256_add_epi64(a0, tokenloom_gguf::load256(p)), a1 = _mm256_add_epi64(a1, tokenloom_gguf::load256(p + 32));
+      a2 = _mm256_add_epi64(a2, tokenloom_gguf::load256(p + 64)), a3 = _mm256_add_epi64(a3, tokenloom_gguf::load256(p + 96));
+    }
+    const __m256i s = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    total.fetch_add(_mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1) + _mm256_extract_epi64(s, 2) +
+                    _mm256_extract_epi64(s, 3), std::memory_order_relaxed);
+  });
+  return total.load();
+}
 
 bool has_gguf_kernels() { return tokenloom_gguf::cpu_runs_kernels(); }
 
@@ -325,6 +377,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_work_pool", &use_work_pool, "share out on the decode steps' work pool at this address (work_pool.h)");
   m.def("q4_k_x8_type", [] { return tokenloom_gguf::kQ4_Kx8; }, "our type id of Q4_K rows repacked 8 to a group");
   m.def("has_gguf_kernels", &has_gguf_kernels, "whether this CPU runs the gguf kernels (AVX2, FMA, F16C)");
+  m.def("stream_read", &stream_read, "read a buffer once on the matmuls' threads (the benchmark's stream rate)");
   m.def("gguf_rows", &tokenloom_gguf::gguf_rows, "rows of the blocks as fp32, gguf's dequantized values bit for bit");
   m.def("gguf_linear", &tokenloom_gguf::gguf_linear, "y = x @ W^T (+ bias), W in GGUF blocks, parts stacked (CPU)");
 }
