@@ -36,7 +36,7 @@ kernels: $(STAMP)
 	$(PY) -m engine.cpu.gguf_extension
 
 test: model kernels browser
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
