@@ -66,3 +66,33 @@ def hf_image_processor():
     from transformers import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+
+
+def as_published_layout(folder, dest):
+    """A copy of a transformers-5 Qwen2.5-VL folder in the published checkpoints' layout (Qwen2.5-VL-3B's):
+    the text config at the top level with rope_scaling {"type": "mrope", ...}, and the weights named
+    visual.X and model.X instead of model.visual.X and model.language_model.X."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    folder, dest = Path(folder), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+        shutil.copy(folder / name, dest / name)
+    cfg = json.loads((folder / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**text, **cfg, "model_type": "qwen2_5_vl", "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
+            "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 70}
+    flat["vision_config"] = {**cfg["vision_config"], "in_chans": 3}
+    flat["vision_config"].pop("in_channels", None)
+    flat["vision_config"].pop("rope_parameters", None)
+    (dest / "config.json").write_text(json.dumps(flat))
+    weights = load_file(str(folder / "model.safetensors"))
+    renamed = {name.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1): tensor
+               for name, tensor in weights.items()}
+    save_file(renamed, str(dest / "model.safetensors"))
+    return str(dest)

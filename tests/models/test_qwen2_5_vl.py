@@ -213,3 +213,24 @@ def test_bad_images_fail_the_request_alone(qwen_vl):
         llm.engine.add_request("bad2", spread, GREEDY, None, None, [moved])
     assert llm.generate({"prompt": prompt("still fine", 1), "multi_modal_data": {"image": image(1, 60, 60)}},
                         GREEDY)[0].token_ids
+
+
+def test_the_published_checkpoint_layout_loads_and_answers_the_same(qwen_vl, tmp_path):
+    """Qwen2.5-VL-3B's folder layout: a flat config with rope_scaling {"type": "mrope"}, weights named
+    visual.X and model.X."""
+    from engine.models.config import ModelConfig
+    from scripts.lib.qwen_vl_model import as_published_layout
+
+    path, hf_model, _ = qwen_vl
+    published = as_published_layout(path, tmp_path / "published")
+    config = ModelConfig.from_folder(published)
+    assert (config.rope_scaling, config.attention_bias, config.layer_windows) == (None, True, ())
+    assert config.vision.mrope_section == (2, 3, 3) and config.vision.fullatt_block_indexes == (1, 3)
+    llm = LLM(published, **ENGINE_KWARGS)
+    try:
+        text, images = CASES[4]
+        output = llm.generate({"prompt": prompt(text, len(images)), "multi_modal_data": {"image": images}}, GREEDY)
+        token_ids, _ = llm._vision_processor().process(prompt(text, len(images)), images)
+        assert output[0].token_ids == hf_greedy(hf_model, token_ids, images)
+    finally:
+        llm.shutdown()
