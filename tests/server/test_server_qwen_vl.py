@@ -70,3 +70,26 @@ def test_bad_images_are_400s_naming_the_part(qwen_server, case):
     assert "messages[0].content[1]" in error and message in error, error
     assert engine_pid(server) == pid
     assert requests_chat(server).status_code == 200  # and the core still answers
+
+
+def test_responses_and_anthropic_routes_answer_as_chat(qwen_server):
+    import base64
+
+    import requests
+
+    server = qwen_server[0]
+    expected = requests_chat(server).json()["choices"][0]["message"]["content"]
+    response = requests.post(f"{server.url}/v1/responses", timeout=120, json={
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(png_bytes(PICTURE))},
+                                               {"type": "input_text", "text": QUESTION}]}],
+        "max_output_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["output"][0]["content"][0]["text"] == expected
+    response = requests.post(f"{server.url}/v1/messages", timeout=120, json={
+        "model": "smollm2", "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True,
+        "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png_bytes(PICTURE)).decode()}},
+            {"type": "text", "text": QUESTION}]}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["content"][0]["text"] == expected
