@@ -16,6 +16,10 @@ TINY_QWEN_VISION = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads
 TINY_QWEN_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+# Qwen2.5-VL-3B-Instruct's config.json vision_config (the 7B's differs only in out_hidden_size).
+QWEN2_5_VL_3B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                            patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112,
+                            fullatt_block_indexes=[7, 15, 23, 31])
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 QWEN_VL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -234,3 +234,30 @@ def test_the_published_checkpoint_layout_loads_and_answers_the_same(qwen_vl, tmp
         assert output[0].token_ids == hf_greedy(hf_model, token_ids, images)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_the_tower_at_the_qwen2_5_vl_3b_shape_equals_transformers():
+    """The published vision tower (32 blocks of 1280, full attention in 7/15/23/31, 112-px windows) on a
+    224 x 336 px image (6 windows): transformers' merged embeddings, to the bit in fp32."""
+    import transformers
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from engine.models.qwen2_5_vision import Qwen2_5VisionTransformer
+    from engine.models.qwen_vision_config import split_qwen2_5_vl_config
+    from scripts.lib.qwen_vl_model import QWEN2_5_VL_3B_VISION
+
+    config = transformers.Qwen2_5_VLConfig(vision_config=QWEN2_5_VL_3B_VISION, text_config=dict(
+        hidden_size=2048, num_attention_heads=16, num_hidden_layers=1, intermediate_size=64, vocab_size=256,
+        bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                         "mrope_section": [16, 24, 24]}))
+    torch.manual_seed(0)
+    hf_tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config).eval()
+    _, vision = split_qwen2_5_vl_config({**config.to_dict(), "architectures": ["Qwen2_5_VLForConditionalGeneration"]})
+    tower = Qwen2_5VisionTransformer(vision).eval()
+    tower.load_state_dict(hf_tower.state_dict())
+    grid_h, grid_w = 16, 24
+    patches = torch.randn(grid_h * grid_w, 3 * 2 * 14 * 14)
+    with torch.inference_mode():
+        expected = hf_tower(patches, grid_thw=torch.tensor([[1, grid_h, grid_w]])).pooler_output
+        assert torch.equal(tower(patches, grid_h, grid_w), expected)  # [96, 2048]
