@@ -23,6 +23,7 @@ from engine.models.layers import OffsetRMSNorm
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ MODEL_CLASSES = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,  # SmolVLM: images in, text out
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # M-RoPE, dynamic resolution
 }
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.models.qwen_vision_config import QwenVisionConfig, split_qwen2_5_vl_config
+
 # Vision-language architecture -> the text architecture its decoder is built as.
-VISION_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM"}
+VISION_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "LlamaForCausalLM",
+                        "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,18 @@ class VisionConfig:
     def num_patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
+    def num_image_tokens(self, shape: list[int], what: str) -> int:
+        """The placeholder tokens frames of `shape` [F, C, H, W] become; ValueError naming `what` unless
+        the encoder takes them: square, in whole patches that pixel-shuffle."""
+        frames, channels, height, width = shape
+        if channels != self.num_channels or height != width or height % self.patch_size:
+            raise ValueError(f"{what}: frames of {channels} x {height} x {width} pixels; the encoder takes "
+                             f"{self.num_channels} channels, square, in patches of {self.patch_size}")
+        side = height // self.patch_size
+        if side % self.scale_factor:
+            raise ValueError(f"{what}: {side} patches a side do not pixel-shuffle by {self.scale_factor}")
+        return frames * side * side // self.scale_factor ** 2
+
     @property
     def tokens_per_frame(self) -> int:
         """Image tokens one encoder frame (a crop, or the global view) becomes."""
@@ -41,6 +56,8 @@ def split_vision_config(cfg: dict) -> tuple[dict, VisionConfig | None]:
     architecture = (cfg.get("architectures") or [""])[0]
     if architecture not in VISION_ARCHITECTURES:
         return cfg, None
+    if architecture == "Qwen2_5_VLForConditionalGeneration":
+        return split_qwen2_5_vl_config(cfg)
     text = dict(cfg["text_config"])
     text["architectures"] = [architecture]
     # The top level's choice wins: HF ties (or not) the LM head there for the whole model.
@@ -68,7 +85,7 @@ def split_vision_config(cfg: dict) -> tuple[dict, VisionConfig | None]:
 PIXEL_ITEMSIZE = {1: 1, 2: 4}  # ipc.messages.PixelDType: UINT8, FLOAT32
 
 
-def check_images(images: list, prompt_token_ids: list[int], vision: VisionConfig | None) -> None:
+def check_images(images: list, prompt_token_ids: list[int], vision: VisionConfig | QwenVisionConfig | None) -> None:
     """Raise ValueError naming the image unless every one of `images` (ipc.messages.ImageInput) fits this
     model and the prompt: its bytes match its shape, its frames the encoder, its range the prompt's
     placeholder tokens, which no other image's range overlaps."""
@@ -83,12 +100,7 @@ def check_images(images: list, prompt_token_ids: list[int], vision: VisionConfig
         what = f"image {i}"
         if len(image.data) != frames * channels * height * width * PIXEL_ITEMSIZE[int(image.dtype)]:
             raise ValueError(f"{what}: {len(image.data)} bytes do not hold a {image.dtype.name} array of shape {image.shape}")
-        if channels != vision.num_channels or height != width or height % vision.patch_size:
-            raise ValueError(f"{what}: frames of {channels} x {height} x {width} pixels; the encoder takes "
-                             f"{vision.num_channels} channels, square, in patches of {vision.patch_size}")
-        side = height // vision.patch_size
-        if side % vision.scale_factor:
-            raise ValueError(f"{what}: {side} patches a side do not pixel-shuffle by {vision.scale_factor}")
+        wanted = vision.num_image_tokens(image.shape, what)  # raises where the frames do not fit the encoder
         if int(image.dtype) == 1 and not (len(image.image_mean) == len(image.image_std) == channels
                                           and all(image.image_std)):
             raise ValueError(f"{what}: uint8 pixels need a nonzero image_mean and image_std per channel")
@@ -96,10 +108,11 @@ def check_images(images: list, prompt_token_ids: list[int], vision: VisionConfig
             raise ValueError(f"{what}: tokens {image.offset}..{image.offset + image.length - 1} overlap another "
                              f"image or pass the prompt's {len(prompt_token_ids)} tokens")
         end = image.offset + image.length
-        wanted = frames * side * side // vision.scale_factor ** 2
         found = sum(1 for t in prompt_token_ids[image.offset:end] if t == vision.image_token_id)
         if found != wanted:
             raise ValueError(f"{what}: its {frames} frames make {wanted} image tokens; its range holds {found}")
+        if isinstance(vision, QwenVisionConfig) and image.length != wanted:  # M-RoPE lays them out as one grid
+            raise ValueError(f"{what}: its {wanted} image tokens must be consecutive")
         num_placeholders -= found
     if num_placeholders:
         raise ValueError(f"the prompt holds {num_placeholders} image placeholder tokens that no image fills")

@@ -43,6 +43,7 @@ from engine.worker.compilation import compile_forward, inductor_cache_dir, warm_
 from engine.worker.cuda_graph_check import check_replays
 from engine.worker.cuda_graphs import CudaGraphRunner
 from engine.worker.encoder_cache import EncoderCache
+from engine.worker.mrope_positions import MRopePositions
 from engine.worker.device_and_dtype import (
     cpu_features_of, kv_bytes_per_block, resolve_device, resolve_dtype, resolve_kv_cache_dtype,
 )
@@ -105,6 +106,8 @@ class ModelRunner:
         # A vision-language model's image embeddings by content hash, a few steps' worth of encoder budget.
         self.encoder_cache = (EncoderCache(self.model, self.device, 4 * config.max_num_encoder_input_tokens)
                               if getattr(self.model, "is_multimodal", False) else None)
+        # Qwen2.5-VL's 3-component positions (engine.worker.mrope_positions); None: 1D positions as they are.
+        self.mrope = MRopePositions(model_config.vision) if getattr(self.model, "uses_mrope", False) else None
         self.cuda_graphs = self._capture_cuda_graphs(max_model_len)
         self.compiled_forward = None
         if self.is_compiled:
@@ -184,6 +187,8 @@ class ModelRunner:
         """The step's inputs as lists, and which logits rows go where (engine.worker.step_inputs)."""
         image_token_id = self.model_config.vision.image_token_id if self.encoder_cache is not None else None
         step = prepare_step(scheduler_output, self.block_size, self.prompt_logprobs, image_token_id)
+        if self.mrope is not None:
+            self.mrope.apply(step, scheduler_output)
         if self.lora is not None:  # each adapter of the step in a pool slot, and each sequence's slot
             step.inputs.lora_slots = self.lora.step_slots([s.request.lora_request for s in scheduler_output.scheduled])
         return step
@@ -192,6 +197,8 @@ class ModelRunner:
         """The model on every rank: the logits of `step.inputs.sample_rows`; pooled rows collected."""
         if self.executor is None:
             images = self.encoder_cache.step_rows(step.image_slices) if step.image_slices else None
+            if step.mrope_positions is not None:  # the image tokens' (temporal, height, width)
+                images = (*images, torch.tensor(step.mrope_positions, dtype=torch.int64, device=self.device))
             logits = self.forward_step(step.inputs, images=images)  # [num_logits_rows, vocab_size]
         else:
             logits = self.executor.run_step(step.inputs, self.forward_step)  # every rank runs it
@@ -264,6 +271,8 @@ class ModelRunner:
             self.logits_state.release(request_id)
         if self.encoder_cache is not None:
             self.encoder_cache.release(request_id)
+        if self.mrope is not None:
+            self.mrope.release(request_id)
 
     def _prepare_sampling(self, requests: list[Request]) -> SamplingBatch:
         return make_sampling_batch(requests, self.model_config, self.device, self.generators, self.logits_state)

@@ -48,12 +48,14 @@ class EagerStep:
 
     def forward(self, inputs: StepInputs, as_rows: bool = False, images=None) -> StepResult:
         """`images`: (batch rows [n], their embeddings [n, hidden]) of a vision-language step's image
-        tokens, which take the place of their placeholders' embeddings; such a step runs eager."""
+        tokens, which take the place of their placeholders' embeddings; such a step runs eager. An M-RoPE
+        model's adds the step's positions [3, num_tokens] (engine.worker.mrope_positions)."""
         input_ids, positions, metadata, selected_rows = to_tensors(inputs, self.device)  # sampled, then pooled
         self.backend.prepare(metadata)  # the step's plan, made once for every layer
         if images is not None:
+            positions = images[2] if len(images) > 2 else positions
             hidden = EagerStep.run(self, inputs, input_ids, positions, metadata, selected_rows,
-                                   merge_images(self.model.embed(input_ids), *images))
+                                   merge_images(self.model.embed(input_ids), *images[:2]))
         else:
             hidden = self.run(inputs, input_ids, positions, metadata, selected_rows)
         return self.finish(inputs, hidden)

@@ -62,6 +62,8 @@ class PreparedStep:
     prompt_plans: list[PromptLogprobRows]
     pooling_plans: list  # engine.worker.pooler's, for the rows in inputs.pooling_rows
     image_slices: list[ImageSlice] = field(default_factory=list)  # the images whose tokens the step computes
+    # An M-RoPE model's step with image tokens: every token's (temporal, height, width) positions [3, num_tokens].
+    mrope_positions: list[list[int]] | None = None
 
 
 @dataclass
