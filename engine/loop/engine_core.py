@@ -12,6 +12,7 @@ import logging
 import time
 
 from engine.core.block_manager import BlockManager
+from engine.cpu.host import cache_dir
 from engine.config import EngineConfig
 from engine.worker.device_and_dtype import kv_bytes_per_block, resolve_kv_pool_dtype
 from engine.executor.backends import make_executor
@@ -46,7 +47,7 @@ class StepError(RuntimeError):
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.grammar_compiler: GrammarCompilerPool | None = None  # made for the first structured request
+        self.grammar_compiler: GrammarCompilerPool | None = None  # made once the model is loaded
         self.model_path = resolve_model(config.model)
         self.model_config = ModelConfig.from_folder(self.model_path)
         # The pool is sized from the memory budget unless its block count is given.
@@ -96,6 +97,8 @@ class EngineCore:
         self.step_stats: list[StepStats] = []
         self.record_step_stats = False
         self.count_steps = False  # a dashboard watches: each step returns its StepCounts
+        if config.runner != "pooling":  # the grammar compiler builds on its thread now, not at the first grammar
+            self._grammar_compiler()
 
     def _load_draft(self, num_kv_blocks: int):
         """The draft model's proposer for method "draft" (its own KV pool of the target's blocks), else None."""
@@ -154,7 +157,8 @@ class EngineCore:
     def _grammar_compiler(self) -> GrammarCompilerPool:
         if self.grammar_compiler is None:
             self.grammar_compiler = GrammarCompilerPool(self.model_path, self.vocab_size,
-                                                        self.model_config.eos_token_ids)
+                                                        self.model_config.eos_token_ids,
+                                                        info_cache_dir=cache_dir() / "grammar")
         return self.grammar_compiler
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:

@@ -1,8 +1,13 @@
 """Grammar compiles on worker threads, so the engine's busy loop never waits for one.
 
 xgrammar's `GrammarCompiler` keeps a cache, so the n choices of a request, and
-every later request with the same schema, compile once. Its tokenizer info is
-built on the first compile, on a worker too: loading the tokenizer takes seconds.
+every later request with the same schema, compile once. The compiler itself (xgrammar's
+import, the tokenizer info: seconds on 2 cores the first time) is built on the pool's
+thread as soon as the pool exists, which the engine makes at its start: compiles queue
+behind that build on the same thread, so a request that arrives before it is done waits
+only for what is left of it, and one that arrives later for its own compile alone
+(issue #58: the first constrained request had paid for the build). The tokenizer info is kept
+on disk (`tokenizer_info.py`), so a later start reads it instead of loading the tokenizer.
 
 `make_grammar_compiler` and `compile_grammar` are the whole xgrammar call: the
 frontend's checker (`engine.structured_output.checker`) calls the same two with the
@@ -17,6 +22,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from engine.structured_output.tokenizer_info import load_tokenizer_info
 from ipc.structured_outputs import StructuredOutputsParams, grammar_source
 
 logger = logging.getLogger(__name__)
@@ -31,13 +37,29 @@ MAX_WHITESPACE = 16  # JSON whitespace in a row, so a small model cannot spin on
 
 class GrammarCompilerPool:
     def __init__(self, model_folder: str | Path, vocab_size: int, stop_token_ids: list[int],
-                 num_threads: int = NUM_COMPILE_THREADS) -> None:
+                 num_threads: int = NUM_COMPILE_THREADS, info_cache_dir: str | Path | None = None) -> None:
         self.model_folder = str(model_folder)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        self.info_cache_dir = info_cache_dir  # where the tokenizer info is kept (None: built each time)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar")
         self._compiler = None
         self._lock = threading.Lock()
+        # First in the queue: the first compile finds the compiler built, or waits on the lock for the rest.
+        self._compiler_future = self._pool.submit(self._build_compiler)
+
+    @property
+    def is_ready(self) -> bool:
+        """The compiler is built (or failed to be: each compile then raises its error)."""
+        return self._compiler_future.done()
+
+    def wait_until_ready(self, timeout_s: float | None = None) -> bool:
+        """True once the compiler is built; False if `timeout_s` passes first."""
+        try:
+            self._compiler_future.result(timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         """A future of the xgrammar CompiledGrammar (or of the exception xgrammar raised)."""
@@ -49,24 +71,29 @@ class GrammarCompilerPool:
     def _compile(self, params: StructuredOutputsParams):
         return compile_grammar(self._get_compiler(), *grammar_source(params), params.any_whitespace)
 
+    def _build_compiler(self) -> None:
+        try:
+            self._get_compiler()
+        except Exception:  # each compile tries again and fails its request with the reason
+            logger.exception("the grammar compiler could not be built")
+
     def _get_compiler(self):
         with self._lock:
             if self._compiler is None:
-                self._compiler = make_grammar_compiler(self.model_folder, self.vocab_size, self.stop_token_ids)
+                self._compiler = make_grammar_compiler(self.model_folder, self.vocab_size, self.stop_token_ids,
+                                                       info_cache_dir=self.info_cache_dir)
                 logger.info("grammar compiler ready (vocabulary of %d, stop tokens %s)", self.vocab_size,
                             self.stop_token_ids)
             return self._compiler
 
 
 def make_grammar_compiler(model_folder: str | Path, vocab_size: int | None, stop_token_ids: list[int] | None,
-                          cache_enabled: bool = True):
+                          cache_enabled: bool = True, info_cache_dir: str | Path | None = None):
     """An xgrammar GrammarCompiler over the folder's tokenizer, sized to the model's vocabulary
     (the logits' width, which may pad the tokenizer's) and ending on its stop tokens."""
     import xgrammar
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_folder))
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    info = load_tokenizer_info(model_folder, vocab_size, stop_token_ids, info_cache_dir)
     return xgrammar.GrammarCompiler(info, max_threads=XGRAMMAR_COMPILE_THREADS, cache_enabled=cache_enabled)
 
 

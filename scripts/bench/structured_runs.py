@@ -15,6 +15,12 @@ checker's start and the schema's first compile, as the first constrained request
 server do. The table gives every run's ratio, since the cost this measures was bimodal (issue
 #58): a median over runs would hide one run in three at 1.4x. scripts/bench/structured.py is the longer
 six-field profile with rounds pooled per arm.
+
+With --trace FILE the servers write the core's step trace there (TOKENLOOM_STEP_TRACE,
+engine/loop/step_trace.py) and each round gets its steps' summary beside its TPOT (the
+forward, the rest of the step, the fill and its share inside the forward, the mask, and the
+torch threads the governor stepped with and the readings that chose them): a slow run says
+whether its steps were slow in the forward, outside it, or on fewer threads.
 """
 
 from __future__ import annotations
@@ -22,10 +28,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 from scripts.lib.bench_report import machine_info, write_report
+from scripts.lib.step_summary import summarize_steps
 from scripts.lib.local_server import start_server, stop_server
 
 TARGET_RATIO = 1.15  # issue #58: each run's grammar TPOT within 1.15x of the free one's
@@ -97,8 +106,11 @@ def run_runs(args: argparse.Namespace, base_url: str | None, concurrency: int) -
             asyncio.run(run_round(url, args.model, min(concurrency, 4), 8, False))  # warm, no grammar
             rounds = {}
             for is_grammar in ((False, True) if index % 2 == 0 else (True, False)):
-                rounds["grammar" if is_grammar else "free"] = asyncio.run(
+                start = time.perf_counter()
+                rounds["grammar" if is_grammar else "free"] = result = asyncio.run(
                     run_round(url, args.model, concurrency, args.max_tokens, is_grammar))
+                if args.trace:
+                    result["steps"] = round_steps(args.trace, start, time.perf_counter())
         finally:
             if process is not None:
                 stop_server(process)
@@ -111,6 +123,16 @@ def run_runs(args: argparse.Namespace, base_url: str | None, concurrency: int) -
     return {"concurrency": concurrency, "runs": runs, "ratios": ratios,
             "max_ratio": max(ratios) if ratios else None,
             "meets_target": len(ratios) == args.runs and max(ratios) <= TARGET_RATIO}
+
+
+def round_steps(trace: str, start: float, end: float) -> dict:
+    """The round's steps from the core's trace (perf_counter is one clock for all processes)."""
+    summary = summarize_steps(Path(trace), start, end)
+    print(f"  {'grammar' if summary['num_grammar_steps'] else 'free'} round: step {summary['step_ms']} ms, "
+          f"forward {summary['forward_ms']} ms, rest {summary['rest_ms']} ms, fill {summary['fill_ms']} ms "
+          f"(overlap {summary['fill_overlap']}), mask {summary['apply_ms']} ms, threads {summary['threads']}, "
+          f"governor others {summary['governor_others_cores']} busy {summary['governor_busy_share']}", flush=True)
+    return summary
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -141,8 +163,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=60)
     p.add_argument("--fresh-server", action="store_true",
                    help="each run on a server of its own, the grammar unseen: its check and first compile in the run")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="the servers' step trace (TOKENLOOM_STEP_TRACE): each round's steps in the report")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
+    if args.trace and args.url:
+        p.error("--trace needs servers this script starts: leave out --url")
     if args.fresh_server and args.url:
         p.error("--fresh-server starts its own servers: leave out --url")
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -155,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.trace:
+        os.environ["TOKENLOOM_STEP_TRACE"] = args.trace  # the servers' environment is this one
     process = log_path = None
     base_url = args.url
     if base_url is None and not args.fresh_server:

@@ -23,10 +23,11 @@ import statistics
 import tempfile
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 from scripts.bench.structured_runs import run_round
+from scripts.lib.step_summary import summarize_steps
 from scripts.lib.bench_report import write_report
 from scripts.lib.local_server import start_server, stop_server
 
@@ -133,33 +134,6 @@ class ThreadSampler:
                                                                for role, values in used.items()}})
             edge += bucket_s
         return points
-
-
-def summarize_steps(trace_path: Path, start: float, end: float) -> dict:
-    steps = [s for s in map(json.loads, trace_path.read_text().splitlines()) if start <= s["t0"] <= end]
-    decode = [s for s in steps if s["fwd0"] is not None]
-
-    def median(values):
-        values = [v for v in values if v is not None]
-        return round(statistics.median(values), 3) if values else None
-
-    grammar = [s for s in decode if "grammar_rows" in s]
-    return {
-        "num_steps": len(steps),
-        "step_ms": median([(s["t1"] - s["t0"]) * 1e3 for s in decode]),
-        "forward_ms": median([(s["fwd1"] - s["fwd0"]) * 1e3 for s in decode]),
-        "rest_ms": median([((s["t1"] - s["t0"]) - (s["fwd1"] - s["fwd0"])) * 1e3 for s in decode]),
-        "num_grammar_steps": len(grammar),
-        "fill_ms": median([(s["fill1"] - s["fill0"]) * 1e3 for s in grammar]),
-        "fill_overlap": median([s["fill_overlap"] for s in grammar]),
-        "num_fills_outside_forward": sum(s["fill_overlap"] < 0.5 for s in grammar),
-        "wait_ms": median([s["wait_ms"] for s in grammar]),
-        "apply_ms": median([s["apply_ms"] for s in grammar]),
-        "num_fused_applies": sum(bool(s["fused"]) for s in grammar),
-        "threads": dict(sorted(Counter(s.get("threads", 0) for s in steps).items())) if steps else {},
-        "governor_others_cores": median([s.get("others") for s in steps]),
-        "governor_busy_share": median([s.get("busy") for s in steps]),
-    }
 
 
 def with_steps(series: list[dict], trace_path: Path, start: float, bucket_s: float) -> list[dict]:
