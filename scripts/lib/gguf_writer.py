@@ -195,10 +195,11 @@ def write_random_llama_gguf(out_path: Path, tokenizer_folder: Path, *, vocab_siz
                             intermediate_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                             types: str | dict[str, str] = "Q8_0", tie_word_embeddings: bool = False,
                             chat_template: bool = True, seed: int = 0, context_length: int = 2048,
-                            std: float = 0.05) -> Path:
+                            std: float = 0.05, stds: dict[str, float] | None = None) -> Path:
     """A Llama GGUF with random weights in any ggml type (`types`: one name for every matmul
     weight, or llama.cpp tensor name without ".weight" -> type, e.g. q4_k_m_types), the tokenizer
-    of `tokenizer_folder` padded to `vocab_size`, norms in F32, weights of about `std`. Tensors are streamed to the file
+    of `tokenizer_folder` padded to `vocab_size`, norms in F32, weights of about `std` (`stds`: another std
+    for the tensors whose name ends with a key, e.g. {"ffn_down": 0.01}). Tensors are streamed to the file
     one at a time, so an 8B-shaped file needs no more memory than its largest tensor."""
     rng = np.random.default_rng(seed)
     head_dim = hidden_size // num_heads
@@ -246,7 +247,8 @@ def write_random_llama_gguf(out_path: Path, tokenizer_folder: Path, *, vocab_siz
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, shape in shapes.items():
-        writer.write_tensor_data(random_tensor(shape, type_of(name), rng, std))
+        std_of = next((value for key, value in (stds or {}).items() if name.endswith(key)), std)
+        writer.write_tensor_data(random_tensor(shape, type_of(name), rng, std_of))
     for name in norms:
         writer.write_tensor_data(rng.uniform(0.5, 1.5, hidden_size).astype(np.float32))
     writer.close()

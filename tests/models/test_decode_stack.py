@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cpu.host import detect_cpu_features
-from tests.helpers.models import make_tiny_model
+from tests.helpers.models import make_tiny_model, quantization_runs
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              initializer_range=0.2)
@@ -36,9 +36,9 @@ SETTINGS = {
 NEEDS = {
     # Without it bf16 attention runs the torch backend (engine/worker/attention_choice.py), which the stack does not take.
     "bf16": (CPU.has_avx512_bf16, "bf16 on the C++ attention backend needs AVX512_BF16"),
-    "int8": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
-    "int8_fp32_kv": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
-    "int4": (CPU.has_avx512_vnni, "int4 needs AVX512_VNNI"),
+    "int8": (quantization_runs("int8"), "int8 needs AVX512_VNNI or AVX2"),
+    "int8_fp32_kv": (quantization_runs("int8"), "int8 needs AVX512_VNNI or AVX2"),
+    "int4": (quantization_runs("int4"), "int4 needs AVX512_VNNI or AVX2"),
     "fp32_bf16_kv": (CPU.has_avx512_bf16, "the C++ bf16 attention needs AVX512_BF16"),
 }
 ENGINE_KWARGS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, enable_prefix_caching=False)
