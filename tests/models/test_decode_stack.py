@@ -130,12 +130,12 @@ def test_stack_runs_on_the_work_pool_where_every_matmul_shares_out(setting, tmp_
     assert llm.engine.model_runner.decode_stack._stack.is_pooled() is POOLED[setting]
 
 
-@pytest.mark.skipif(not (CPU.has_avx512_vnni or CPU.has_avx512_bf16), reason="no pooled matmul kind on this CPU")
+@pytest.mark.skipif(not (quantization_runs("int8") or CPU.has_avx512_bf16), reason="no pooled matmul kind on this CPU")
 def test_an_error_inside_the_work_pool_reaches_python_and_the_pool_stays_usable(tmp_path):
     """A kernel's check failing in the pool's OpenMP region is raised to the caller (an exception
     must not cross the region's end), and the next steps run on the pool as before."""
     path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL)
-    setting = SETTINGS["int8"] if CPU.has_avx512_vnni else SETTINGS["bf16"]
+    setting = SETTINGS["int8"] if quantization_runs("int8") else SETTINGS["bf16"]
     llm = LLM(path, num_threads=2, **ENGINE_KWARGS, **setting)
     runner = llm.engine.model_runner
     stack = runner.decode_stack._stack
