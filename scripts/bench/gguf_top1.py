@@ -93,7 +93,10 @@ def ours_on_chunks(quantized: Path, token_ids: list[int], work: Path, args) -> d
     per_chunk = args.ctx - 1
     # llama-perplexity scores the logits at positions ctx/2 .. ctx-2 of each chunk (the next token known)
     half = [i for c in range(len(chunks)) for i in range(c * per_chunk + args.ctx // 2, (c + 1) * per_chunk)]
+    current = [t for c in chunks for t in c[:-1]]
+    decided_by_layers = sum(expected[i] != current[i] for i in half) / len(half)
     return {"agreement_scored_half": agreement([ours[i] for i in half], [expected[i] for i in half]),
+            "context_share_scored_half": decided_by_layers,
             "num_positions_scored_half": len(half), "agreement_all": agreement(ours, expected),
             "num_positions_all": len(expected)}
 
@@ -120,9 +123,10 @@ def run(args: argparse.Namespace) -> dict:
         f32 = write_dequantized_f32(quantized, work / f"tiny.{type_name}.f32.gguf")
         entry = {"llama_cpp": llama_same_top(bin_dir, quantized, f32, work / "text.txt", work, args),
                  "ours": ours_on_chunks(quantized, token_ids, work, args)}
-        logger.info("%s: llama.cpp same top %.4f, ours %.4f (scored half, %d positions), %.4f (all)", type_name,
-                    entry["llama_cpp"]["same_top_p"], entry["ours"]["agreement_scored_half"],
-                    entry["ours"]["num_positions_scored_half"], entry["ours"]["agreement_all"])
+        logger.info("%s: llama.cpp same top %.4f, ours %.4f (scored half, %d positions, %.3f decided by the "
+                    "layers), %.4f (all)", type_name, entry["llama_cpp"]["same_top_p"],
+                    entry["ours"]["agreement_scored_half"], entry["ours"]["num_positions_scored_half"],
+                    entry["ours"]["context_share_scored_half"], entry["ours"]["agreement_all"])
         report["types"][type_name] = entry
     report["machine"] = machine_info()
     return report
