@@ -6,7 +6,7 @@ checked against the layouts they take.
 - Without it, on AVX2 + FMA + F16C: the weights are quantized into llama.cpp blocks
   (int4 -> Q4_1, the very rounding the int4 panels hold; int8 -> Q8_0) and run on the GGUF
   block kernels (engine/cpu/gguf_linear.py, engine/cpu/block_quantize.py). docs/cpu-kernels.md
-  has the measurement that chose this over an AVX2 kernel for the panels.
+  has the measurement behind Q4_1 (and why not Q4_0, or Q4_K yet).
 - With neither, quantization is refused with a message saying so.
 
 The choice is a pure function of the CPU's features and of the block types the GGUF kernels
