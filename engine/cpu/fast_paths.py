@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.cpu.fused import CpuFusedOps
+from engine.cpu.block_quantize import block_linear
 from engine.cpu.gguf_linear import GgufLinear
 from engine.cpu.int4_linear import BLOCK, Int4Linear
 from engine.cpu.int8_linear import GROUP, Int8Linear, QuantizedEmbedding, QuantizedLinear, gather_panels_on_huge_pages
@@ -69,7 +70,7 @@ def apply_fast_paths(model: nn.Module, *, batch_size_hint: int | None, slabs: Sl
     elif not is_compiled:
         notes.append("element-wise ops: torch (no fused kernels for this device and backend)")
     gguf_note = keep_gguf_linears(model)
-    if gguf_note:
+    if gguf_note and (int8 is None or int8.block_type is None):  # else the quantization's note says it
         notes.append(gguf_note)
     notes.append(f"attention: {backend.name} backend")
     num_moe = sum(isinstance(m, MoEBlock) for m in model.modules())
@@ -114,11 +115,18 @@ def quantize_model(model: nn.Module, plan: QuantizedPlan, gguf_blocks: dict[str,
     num_quantized = quantize_linears(model, plan, gguf_blocks)  # the LM head among them, tied or not
     for module in model.modules():
         if isinstance(module, RowParallelLinear):  # not nn.Linears: their all-reduce stays
-            module.packed = quantized_linear(module.weight, None, plan)
-            module.weight = None
-            num_quantized += 1
+            packed = quantized_linear(module.weight, None, plan)
+            if packed is not None:
+                module.packed, module.weight = packed, None
+                num_quantized += 1
     head = getattr(model, "lm_head", None)
-    if plan.scheme == "int4":
+    if plan.block_type is not None:
+        num_plain = sum(type(m) is nn.Linear for m in model.modules())
+        note = (f"{num_quantized} matmuls {plan.scheme} ({plan.block_type} blocks on the AVX2 GGUF kernels: "
+                f"this CPU has no AVX512_VNNI)")
+        if num_plain:
+            note += f", {num_plain} left unquantized (inputs not a multiple of {BLOCK})"
+    elif plan.scheme == "int4":
         note = f"{num_quantized} matmuls int4 (W4A8 on vpdpbusd, Q4_1's blocks of {BLOCK} inputs)"
     else:
         note = f"{num_quantized} matmuls int8 (W8A8 on vpdpbusd, scales per group of {GROUP} inputs)"
@@ -129,7 +137,7 @@ def quantize_model(model: nn.Module, plan: QuantizedPlan, gguf_blocks: dict[str,
     moved = gather_panels_on_huge_pages(model)
     if moved:
         note += f", {moved / 1e6:.1f} MB of panels on huge pages"
-    if isinstance(head, QuantizedLinear):
+    if isinstance(head, (QuantizedLinear, GgufLinear)):
         head.out_fp32 = True
         if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and getattr(model.tp, "size", 1) == 1:
             model.embed_tokens = QuantizedEmbedding(head, model.embed_tokens.weight.dtype)
@@ -180,9 +188,12 @@ def _packing(slabs: SlabPlan | None) -> str:
 
 
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, plan: QuantizedPlan,
-                     blocks: GgufBlocks | None = None) -> nn.Module:
+                     blocks: GgufBlocks | None = None) -> nn.Module | None:
     """An Int8Linear, or with plan.scheme "int4" an Int4Linear, of `weight`; of a GGUF's `blocks`
-    as they are where given (the scheme's own: Q8_0 for int8, Q4_0 or Q4_1 for int4)."""
+    as they are where given (the scheme's own: Q8_0 for int8, Q4_0 or Q4_1 for int4). Without
+    VNNI a GgufLinear in plan.block_type's blocks, or None where the inputs are not whole blocks."""
+    if plan.block_type is not None:
+        return block_linear(weight, bias, plan.block_type, blocks)
     if plan.scheme == "int4":
         return Int4Linear(weight, bias, plan, None if blocks is None else (blocks.codes, blocks.d, blocks.m))
     return Int8Linear(weight, bias, plan, None if blocks is None else (blocks.codes, blocks.d))
@@ -197,6 +208,8 @@ def quantize_linears(model: nn.Module, plan: QuantizedPlan, blocks: dict[str, Gg
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 weight_name = f"{prefix}.{name}.weight" if prefix else f"{name}.weight"
-                setattr(module, name, quantized_linear(child.weight, child.bias, plan, blocks.get(weight_name)))
-                num_quantized += 1
+                quantized = quantized_linear(child.weight, child.bias, plan, blocks.get(weight_name))
+                if quantized is not None:
+                    setattr(module, name, quantized)
+                    num_quantized += 1
     return num_quantized

@@ -12,7 +12,8 @@ llama.cpp's Q8_1, and stay in fp32 between matmuls (engine/worker/dtype_policy.p
 `Int4Linear` replaces each nn.Linear (the LM head's too) through engine/cpu/fast_paths.py,
 as Int8Linear does; a tied embedding reads its rows back out of the head's blocks
 (int8_linear.QuantizedEmbedding), so the vocabulary is held once. Like int8 it needs AVX512_VNNI
-(engine/cpu/quantized_plan.py, shared).
+(engine/cpu/quantized_plan.py, shared); without it int4 runs as the same Q4_1 blocks on the AVX2
+GGUF kernels (engine/cpu/block_quantize.py).
 """
 
 from __future__ import annotations

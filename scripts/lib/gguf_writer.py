@@ -138,10 +138,15 @@ FP16_FIELDS = {
 }
 
 
-def random_blocks(shape: tuple[int, int], type_name: str, rng: np.random.Generator, std: float = 0.05) -> np.ndarray:
+def random_blocks(shape: tuple[int, int], type_name: str, rng: np.random.Generator, std: float = 0.05,
+                  centred: bool = False) -> np.ndarray:
     """[rows, bytes per row] uint8: valid blocks of `type_name` with random codes and sub-block
     scales, and fp16 scales set so the weights' standard deviation is about `std` (the gguf
-    package cannot quantize to the K-quants, so they are made, not quantized)."""
+    package cannot quantize to the K-quants, so they are made, not quantized). `centred`: each
+    Q4_K/Q5_K sub-block's min equals its scale, so its weights centre on zero as a quantizer's
+    fit of zero-mean data does (otherwise a random min per 32 weights outweighs their spread, and
+    a row is nearly constant in each sub-block), and Q4_0's codes avoid -8 (otherwise every
+    weight leans by -d/2, a mean shared by all rows)."""
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
@@ -150,6 +155,15 @@ def random_blocks(shape: tuple[int, int], type_name: str, rng: np.random.Generat
     rows, columns = shape
     num_blocks = columns // block_size
     blocks = rng.integers(0, 256, size=(rows, num_blocks, type_size), dtype=np.uint8)
+    if centred and type_name in ("Q4_K", "Q5_K"):  # 12 bytes of 6-bit scales and mins at 4..16
+        from engine.cpu.gguf_repack import _pack_scales_mins, _scales_mins
+
+        scales, _ = _scales_mins(blocks[..., 4:16])
+        blocks[..., 4:16] = _pack_scales_mins(scales, scales)
+    if centred and type_name == "Q4_0":  # d (q - 8): code 0 (-8) made 8 (0), so -7..7 evenly, no mean of -d/2
+        codes = blocks[..., 2:]
+        low, high = codes & 0x0F, codes >> 4
+        blocks[..., 2:] = np.where(low == 0, 8, low) | (np.where(high == 0, 8, high) << 4)
     d_offset, minimum = FP16_FIELDS[type_name]
     d = rng.uniform(0.5, 1.5, size=(rows, num_blocks)).astype(np.float32)
     # Measure the weights at d = 1 on a few rows, then scale d (and the minimum with it) to `std`.
@@ -169,11 +183,12 @@ def _set_fp16(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
     blocks[:, :, offset:offset + 2] = values.astype(np.float16)[:, :, None].view(np.uint8)
 
 
-def random_tensor(shape: tuple[int, ...], type_name: str, rng: np.random.Generator, std: float = 0.05) -> np.ndarray:
+def random_tensor(shape: tuple[int, ...], type_name: str, rng: np.random.Generator, std: float = 0.05,
+                  centred: bool = False) -> np.ndarray:
     """A tensor's data as GGUFWriter takes it: float values for F32/F16, blocks otherwise."""
     if type_name in ("F32", "F16"):
         return (rng.standard_normal(shape) * std).astype(np.float32 if type_name == "F32" else np.float16)
-    return random_blocks(shape, type_name, rng, std)
+    return random_blocks(shape, type_name, rng, std, centred)
 
 
 def q4_k_m_types(num_layers: int) -> dict[str, str]:
@@ -195,10 +210,11 @@ def write_random_llama_gguf(out_path: Path, tokenizer_folder: Path, *, vocab_siz
                             intermediate_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                             types: str | dict[str, str] = "Q8_0", tie_word_embeddings: bool = False,
                             chat_template: bool = True, seed: int = 0, context_length: int = 2048,
-                            std: float = 0.05) -> Path:
+                            std: float = 0.05, stds: dict[str, float] | None = None, centred: bool = False) -> Path:
     """A Llama GGUF with random weights in any ggml type (`types`: one name for every matmul
     weight, or llama.cpp tensor name without ".weight" -> type, e.g. q4_k_m_types), the tokenizer
-    of `tokenizer_folder` padded to `vocab_size`, norms in F32, weights of about `std`. Tensors are streamed to the file
+    of `tokenizer_folder` padded to `vocab_size`, norms in F32, weights of about `std` (`stds`: another std
+    for the tensors whose name ends with a key, e.g. {"ffn_down": 0.01}; `centred`: random_blocks'). Tensors are streamed to the file
     one at a time, so an 8B-shaped file needs no more memory than its largest tensor."""
     rng = np.random.default_rng(seed)
     head_dim = hidden_size // num_heads
@@ -246,7 +262,8 @@ def write_random_llama_gguf(out_path: Path, tokenizer_folder: Path, *, vocab_siz
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, shape in shapes.items():
-        writer.write_tensor_data(random_tensor(shape, type_of(name), rng, std))
+        std_of = next((value for key, value in (stds or {}).items() if name.endswith(key)), std)
+        writer.write_tensor_data(random_tensor(shape, type_of(name), rng, std_of, centred))
     for name in norms:
         writer.write_tensor_data(rng.uniform(0.5, 1.5, hidden_size).astype(np.float32))
     writer.close()

@@ -68,12 +68,24 @@ def cached_default_model():
     return folder
 
 
-def quantized_llm(model_path: str, quantization: str):
-    """An offline LLM with --quantization int8 or int4; skips on a CPU without AVX512_VNNI,
-    which both need (make kernels builds them where the CPU has it)."""
-    from engine import LLM
+def quantization_runs(scheme: str) -> bool:
+    """Whether --quantization `scheme` runs on this CPU: the vpdpbusd kernels (AVX512_VNNI) or,
+    without them, llama.cpp blocks on the AVX2 GGUF kernels (engine/cpu/quantized_plan.py)."""
     from engine.cpu.host import detect_cpu_features
+    from engine.cpu.quantized_plan import plan_quantization
 
-    if not detect_cpu_features().has_avx512_vnni:
-        pytest.skip(f"{quantization} needs AVX512_VNNI")
+    try:
+        plan_quantization("cpu", detect_cpu_features().has_avx512_vnni, scheme)
+    except ValueError:
+        return False
+    return True
+
+
+def quantized_llm(model_path: str, quantization: str):
+    """An offline LLM with --quantization int8 or int4; skips on a CPU with neither AVX512_VNNI
+    nor AVX2 (quantization_runs)."""
+    from engine import LLM
+
+    if not quantization_runs(quantization):
+        pytest.skip(f"{quantization} needs AVX512_VNNI or AVX2")
     return LLM(model_path, quantization=quantization)

@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cpu.host import detect_cpu_features
-from tests.helpers.models import make_tiny_model
+from tests.helpers.models import make_tiny_model, quantization_runs
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              initializer_range=0.2)
@@ -36,9 +36,9 @@ SETTINGS = {
 NEEDS = {
     # Without it bf16 attention runs the torch backend (engine/worker/attention_choice.py), which the stack does not take.
     "bf16": (CPU.has_avx512_bf16, "bf16 on the C++ attention backend needs AVX512_BF16"),
-    "int8": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
-    "int8_fp32_kv": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI"),
-    "int4": (CPU.has_avx512_vnni, "int4 needs AVX512_VNNI"),
+    "int8": (quantization_runs("int8"), "int8 needs AVX512_VNNI or AVX2"),
+    "int8_fp32_kv": (quantization_runs("int8"), "int8 needs AVX512_VNNI or AVX2"),
+    "int4": (quantization_runs("int4"), "int4 needs AVX512_VNNI or AVX2"),
     "fp32_bf16_kv": (CPU.has_avx512_bf16, "the C++ bf16 attention needs AVX512_BF16"),
 }
 ENGINE_KWARGS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, enable_prefix_caching=False)
@@ -130,12 +130,12 @@ def test_stack_runs_on_the_work_pool_where_every_matmul_shares_out(setting, tmp_
     assert llm.engine.model_runner.decode_stack._stack.is_pooled() is POOLED[setting]
 
 
-@pytest.mark.skipif(not (CPU.has_avx512_vnni or CPU.has_avx512_bf16), reason="no pooled matmul kind on this CPU")
+@pytest.mark.skipif(not (quantization_runs("int8") or CPU.has_avx512_bf16), reason="no pooled matmul kind on this CPU")
 def test_an_error_inside_the_work_pool_reaches_python_and_the_pool_stays_usable(tmp_path):
     """A kernel's check failing in the pool's OpenMP region is raised to the caller (an exception
     must not cross the region's end), and the next steps run on the pool as before."""
     path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL)
-    setting = SETTINGS["int8"] if CPU.has_avx512_vnni else SETTINGS["bf16"]
+    setting = SETTINGS["int8"] if quantization_runs("int8") else SETTINGS["bf16"]
     llm = LLM(path, num_threads=2, **ENGINE_KWARGS, **setting)
     runner = llm.engine.model_runner
     stack = runner.decode_stack._stack

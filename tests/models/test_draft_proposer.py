@@ -13,14 +13,13 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.block_manager import BlockManager, num_blocks_for
 from engine.config import EngineConfig
-from engine.cpu.host import detect_cpu_features
 from engine.models.config import ModelConfig
 from engine.core.request import Request
 from engine.spec_decode.draft_proposer import DraftModelProposer
 from ipc.speculative_config import SpeculativeConfig
-from tests.helpers.models import make_tiny_model
+from tests.helpers.models import make_tiny_model, quantization_runs
 
-pytestmark = pytest.mark.skipif(not detect_cpu_features().has_avx512_vnni, reason="int4 needs AVX512_VNNI")
+pytestmark = pytest.mark.skipif(not quantization_runs("int4"), reason="int4 needs AVX512_VNNI or AVX2")
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128

@@ -16,17 +16,21 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine import LLM, SamplingParams
-from engine.cpu.host import detect_cpu_features
 from engine.loader.gguf_blocks import read_gguf_blocks, unpack_blocks
 from engine.loader.gguf_convert import convert_gguf
 from engine.loader.model_files import resolve_model
-from engine.models import load_model
+from engine.loader.gguf_model import load_gguf_model
 from engine.models.config import ModelConfig
+from engine.cpu.gguf_linear import GgufLinear
 from engine.cpu.int8_linear import QuantizedLinear
 from scripts.lib.gguf_writer import write_llama_gguf
+from tests.helpers.models import quantization_runs
 from tests.models.test_gguf_files import write_tiny_llama
 
-needs_vnni = pytest.mark.skipif(not detect_cpu_features().has_avx512_vnni, reason="int8/int4 need AVX512_VNNI")
+needs_vnni = pytest.mark.skipif(not (quantization_runs("int8") and quantization_runs("int4")),
+                                reason="int8/int4 need AVX512_VNNI or AVX2")
+# The quantized matmuls: the vpdpbusd panels (AVX512_VNNI), or llama.cpp blocks on the AVX2 kernels.
+QUANTIZED = (QuantizedLinear, GgufLinear)
 SCHEME = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -53,8 +57,9 @@ def tiny(tmp_path_factory):
     return folder, files
 
 
-def our_fp32_weights(folder) -> dict[str, torch.Tensor]:
-    model = load_model(ModelConfig.from_folder(folder), torch.float32, torch.device("cpu"))
+def our_fp32_weights(folder, gguf_path) -> dict[str, torch.Tensor]:
+    """Our model's weights from the GGUF, every tensor dequantized to fp32 (gguf-py's values)."""
+    model = load_gguf_model(ModelConfig.from_folder(folder), gguf_path, torch.float32, torch.device("cpu"))
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
@@ -76,28 +81,32 @@ def test_blocks_map_onto_the_checkpoint_names(type_name, tiny, in_gguf_cache, tm
 
 @needs_vnni
 @pytest.mark.parametrize("type_name", list(SCHEME))
-def test_engine_keeps_the_gguf_blocks(type_name, tiny, in_gguf_cache, caplog):
+def test_engine_keeps_the_gguf_blocks(type_name, tiny, in_gguf_cache, caplog, monkeypatch):
     _, files = tiny
     with caplog.at_level(logging.INFO):
         llm = LLM(str(files[type_name]), quantization=SCHEME[type_name], skip_tokenizer_init=True)
     model = llm.engine.model_runner.model
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, QUANTIZED)}
     assert len(linears) == 2 * 4 + 1 and all(m.from_gguf for m in linears.values())
     kind = "Q8_0 blocks" if type_name == "Q8_0" else "Q4_0/Q4_1 blocks"
     assert any(f"9 of them the GGUF's own {kind}" in r.getMessage() for r in caplog.records)
     if type_name == "Q8_0":
-        assert all(m.quantized.group_size == 32 for m in linears.values())
-    # Each matmul's weight, read back from its panels, is the converted folder's, bit for bit.
-    reference = our_fp32_weights(llm.engine.model_path)
+        assert all(m.quantized.group_size == 32 if isinstance(m, QuantizedLinear) else m.type_names == ["Q8_0"]
+                   for m in linears.values())
+    # Each matmul's weight, read back from its panels or blocks, is the file's, bit for bit.
+    reference = our_fp32_weights(llm.engine.model_path, files[type_name])
     for name, linear in linears.items():
         expected = reference["embed_tokens.weight" if name == "lm_head" else f"{name}.weight"]
         assert torch.equal(linear.dequantize_rows(torch.arange(linear.out_features)), expected), name
     tokens = [o.token_ids for o in llm.generate([[5, 17, 42, 9], [100, 3]], GREEDY, use_tqdm=False)]
     llm.shutdown()
-    if type_name == "Q4_1":  # requantizing the folder gives the same blocks: the same tokens
-        requantized = LLM(str(llm.engine.model_path), quantization="int4", skip_tokenizer_init=True)
+    if type_name == "Q4_1":  # requantizing the dequantized weights gives the same blocks: the same tokens
+        import engine.loader.gguf_blocks as gguf_blocks
+
+        monkeypatch.setattr(gguf_blocks, "read_gguf_blocks", lambda *args: {})
+        requantized = LLM(str(files[type_name]), quantization="int4", skip_tokenizer_init=True)
         assert not any(m.from_gguf for m in requantized.engine.model_runner.model.modules()
-                       if isinstance(m, QuantizedLinear))
+                       if isinstance(m, QUANTIZED))
         assert [o.token_ids for o in requantized.generate([[5, 17, 42, 9], [100, 3]], GREEDY,
                                                           use_tqdm=False)] == tokens
         requantized.shutdown()
@@ -110,7 +119,7 @@ def test_folder_and_other_schemes_quantize_as_before(tiny, in_gguf_cache):
     folder, files = tiny
     for model, quantization in ((str(folder), "int8"), (str(files["Q8_0"]), "int4")):
         llm = LLM(model, quantization=quantization, skip_tokenizer_init=True)
-        linears = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, QuantizedLinear)]
+        linears = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, QUANTIZED)]
         assert linears and not any(m.from_gguf for m in linears)
         llm.shutdown()
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cpu.host import detect_cpu_features
 from ipc.messages import SpecMethod
-from tests.helpers.models import make_tiny_model
+from tests.helpers.models import make_tiny_model, quantization_runs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 VOCAB_SIZE = 512
@@ -60,8 +59,8 @@ METHODS = ["ngram", "self-int4", "prediction"]
 def speculating(method: str, model_path, params: SamplingParams, expected: list[list[int]], **kwargs):
     """An engine speculating with `method`, and each request's parameters: a prediction request's is
     its expected answer with every 7th token edited (so it diverges and resyncs)."""
-    if method == "self-int4" and not detect_cpu_features().has_avx512_vnni:
-        pytest.skip("self-int4 needs AVX512_VNNI; this CPU has none")
+    if method == "self-int4" and not quantization_runs("int4"):
+        pytest.skip("self-int4 needs AVX512_VNNI or AVX2; this CPU has neither")
     config = {"ngram": NGRAM, "self-int4": SELF_INT4}.get(method)
     llm = make_llm(model_path, speculative_config=config, **kwargs)
     if method != "prediction":
@@ -164,8 +163,8 @@ def test_rows_with_logits_processing_are_not_speculated_and_stay_exact(model_pat
 
 def test_the_draft_method_loads_its_draft_model(model_path):
     """method "draft" loads the draft beside the target (its exactness: tests/models/test_draft_proposer.py)."""
-    if not detect_cpu_features().has_avx512_vnni:
-        pytest.skip("self-int4 needs AVX512_VNNI")
+    if not quantization_runs("int4"):
+        pytest.skip("self-int4 needs AVX512_VNNI or AVX2")
     llm = make_llm(model_path, speculative_config={"method": "draft", "model": "self-int4", "num_speculative_tokens": 3})
     assert llm.engine.proposer.draft is not None
     llm.shutdown()
