@@ -6,7 +6,7 @@ from, so a new family gets them without code of its own:
   the LM head too; of a GGUF's own Q8_0 / Q4_0 / Q4_1 blocks where the model came from one
   (engine/loader/gguf_blocks.py);
 - a GGUF's matmuls in its own blocks (engine/cpu/gguf_linear.py) are kept as they are (the
-  passes below touch nn.Linears only); the LM head among them gives fp32 logits;
+  passes below touch nn.Linears only), moved onto huge pages; the LM head among them gives fp32 logits;
 - prepacked matmuls (engine/cpu/packing.py): every nn.Linear (attention, MLPs, MoE
   experts, the LM head, tied or not) becomes a PackedLinear, on oneDNN's blocked layout or
   on bf16 slabs per the SlabPlan; a RowParallelLinear packs its matmul and keeps its
@@ -34,7 +34,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.cpu.fused import CpuFusedOps
 from engine.cpu.block_quantize import block_linear
-from engine.cpu.gguf_linear import GgufLinear
+from engine.cpu.gguf_linear import GgufLinear, gather_blocks_on_huge_pages
 from engine.cpu.int4_linear import BLOCK, Int4Linear
 from engine.cpu.int8_linear import GROUP, Int8Linear, QuantizedEmbedding, QuantizedLinear, gather_panels_on_huge_pages
 from engine.cpu.packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages, prepack_linears
@@ -91,7 +91,9 @@ def keep_gguf_linears(model: nn.Module) -> str:
     if not linears:
         return ""
     types = Counter(name for m in linears for name in m.type_names)
-    return f"{len(linears)} matmuls in the GGUF's own blocks ({', '.join(sorted(types))}, on the AVX2 kernels)"
+    moved = gather_blocks_on_huge_pages(linears)
+    pages = f", {moved / 2**20:.0f} MB on huge pages" if moved else ""
+    return f"{len(linears)} matmuls in the GGUF's own blocks ({', '.join(sorted(types))}, on the AVX2 kernels{pages})"
 
 
 def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None = None) -> int:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from engine.cpu.gguf_repack import GROUP_ROWS, pack_q4_k_x8, unpack_q4_k_x8
+from engine.cpu.huge_pages import move_onto_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +180,16 @@ class GgufLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, types={self.type_names}"
+
+
+def gather_blocks_on_huge_pages(linears: list[GgufLinear]) -> int:
+    """Every GgufLinear's blocks copied into one tensor on huge pages, where Linux gives them
+    (engine.cpu.huge_pages), each old buffer freed as its copy is placed; returns the bytes moved
+    (0: nothing moved). A one-token step streams every weight once: on 4 KB pages each page
+    missed the TLB and the hardware prefetcher stopped at its end (docs/cpu-kernels.md has the
+    figures). Before the decode stack is built: it holds the buffers it was given."""
+    return move_onto_huge_pages(linears, lambda m: m.blocks, _put_blocks)
+
+
+def _put_blocks(module: GgufLinear, blocks: torch.Tensor) -> None:
+    module.blocks = blocks  # the registered buffer; the layout's offsets are relative to it

@@ -48,9 +48,10 @@ def huge_pages_on_request() -> bool:
         return False
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) on the CPU, its 2 MB-aligned interior advised onto huge
-    pages before the zeros touch it. Falls back to plain pages if the advice fails."""
+def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(shape, dtype) on the CPU, its 2 MB-aligned interior advised onto huge pages
+    before anything touches it (so each page is faulted in huge as it is first written). Plain
+    pages if the advice fails."""
     tensor = torch.empty(shape, dtype=dtype)
     if huge_pages_on_request():
         start = tensor.data_ptr()
@@ -59,7 +60,12 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         aligned_end = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
         if aligned_end > aligned_start and _libc_madvise()(aligned_start, aligned_end - aligned_start, MADV_HUGEPAGE):
             logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-    return tensor.zero_()
+    return tensor
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype) on the CPU, on huge pages where Linux gives them (empty_on_huge_pages)."""
+    return empty_on_huge_pages(shape, dtype).zero_()
 
 
 def move_onto_huge_pages(owners: list, get, put) -> int:
@@ -71,7 +77,9 @@ def move_onto_huge_pages(owners: list, get, put) -> int:
     if not owners or not huge_pages_on_request():
         return 0
     num_elements = [get(owner).numel() for owner in owners]
-    pool = zeros_on_huge_pages((sum(num_elements),), get(owners[0]).dtype)
+    # Not zeroed: every element is a copy's, and a page is touched only as its copy is written,
+    # so the peak is the old tensors plus what has been copied so far, one tensor past the model.
+    pool = empty_on_huge_pages((sum(num_elements),), get(owners[0]).dtype)
     offset = 0
     for owner, n in zip(owners, num_elements):
         old = get(owner)

@@ -28,7 +28,7 @@ import gguf
 import numpy as np
 import torch
 
-from engine.cpu.gguf_linear import KERNEL_TYPE_NAMES, GgufLinear, kernel_types
+from engine.cpu.gguf_linear import KERNEL_TYPE_NAMES, GgufLinear, gather_blocks_on_huge_pages, kernel_types
 from scripts.lib.bench_report import machine_info, run_and_report
 
 logger = logging.getLogger(__name__)
@@ -102,10 +102,11 @@ def time_calls(layers: list, x: torch.Tensor, min_s: float) -> tuple[float, floa
 
 
 def measure(make_layer, num_bytes: int, in_features: int, rows_list: list[int], stream: float,
-            min_s: float) -> dict:
+            min_s: float, huge_pages: bool = False) -> dict:
     copies = max(1, -(-MIN_BYTES // num_bytes))
     layers = [make_layer(i) for i in range(copies)]
-    result = {"weight_bytes": num_bytes, "copies": copies}
+    moved = gather_blocks_on_huge_pages(layers) if huge_pages else 0  # as the engine places them
+    result = {"weight_bytes": num_bytes, "copies": copies, "huge_pages": moved > 0}
     for rows in rows_list:
         x = torch.randn(rows, in_features)
         median, fast = time_calls(layers, x, min_s)
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
     logger.info("stream rate, %d threads: %s", args.threads, stream)
     rng = np.random.default_rng(0)
     rows_list = [int(r) for r in args.rows.split(",")]
-    report: dict = {"stream": stream, "threads": args.threads, "rows": rows_list, "types": {}}
+    report: dict = {"stream": stream, "threads": args.threads, "rows": rows_list, "pages": args.pages, "types": {}}
     for type_name in args.types.split(","):
         per_shape = {}
         for shape_name in args.shapes.split(","):
@@ -132,7 +133,8 @@ def run(args: argparse.Namespace) -> dict:
             base = random_blocks(type_name, out_features, in_features, rng)
             # copies of one random matrix: the same bytes, in separate memory
             per_shape[shape_name] = measure(lambda i: GgufLinear([(type_name, base.clone())], in_features),
-                                            base.numel(), in_features, rows_list, stream, args.seconds)
+                                            base.numel(), in_features, rows_list, stream, args.seconds,
+                                            args.pages == "huge")
             logger.info("%s %s: %s", type_name, shape_name, per_shape[shape_name])
             del base
         one_row = GgufLinear([(type_name, random_blocks(type_name, 1, 2048, rng))], 2048)
@@ -187,6 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", default="1,4,8", help="tokens per call")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=0.6, help="timed per (type, shape, rows)")
+    parser.add_argument("--pages", choices=("huge", "4k"), default="huge",
+                        help="the blocks on huge pages, as the engine places them, or on 4 KB pages")
     parser.add_argument("--json", default=None, help="also write the report here")
     return parser.parse_args(argv)
 

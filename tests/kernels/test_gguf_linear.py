@@ -209,3 +209,23 @@ def test_fast_paths_keep_gguf_linears_and_the_head_gives_fp32_logits():
     assert head.out_fp32 and not proj.out_fp32
     assert head(torch.randn(2, 256).bfloat16()).dtype == torch.float32
     assert "2 matmuls in the GGUF's own blocks (Q4_K, Q6_K" in " ".join(notes)
+
+
+def test_gathering_blocks_onto_huge_pages_keeps_every_bit_and_output(monkeypatch):
+    """gather_blocks_on_huge_pages copies every layer's blocks into one tensor (one run of huge
+    pages): the same bytes, the same outputs, and the file's values still bit for bit."""
+    from engine.cpu.gguf_linear import gather_blocks_on_huge_pages
+
+    linears = [GgufLinear([("Q4_K", make_blocks("Q4_K", 16, 256)), ("Q6_K", make_blocks("Q6_K", 5, 256, seed=1))], 256),
+               GgufLinear([("Q8_0", make_blocks("Q8_0", 9, 256, seed=2))], 256)]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    before = [(linear(x), linear.dequantize(), linear.blocks.clone()) for linear in linears]
+    monkeypatch.setattr("engine.cpu.huge_pages.huge_pages_on_request", lambda: True)
+    assert gather_blocks_on_huge_pages(linears) == sum(old.numel() for _, _, old in before)
+    storage = linears[0].blocks.untyped_storage().data_ptr()
+    for linear, (y, weight, old) in zip(linears, before):
+        assert linear.blocks.untyped_storage().data_ptr() == storage
+        assert torch.equal(linear.blocks, old) and torch.equal(linear.dequantize(), weight)
+        assert torch.equal(linear(x), y)
+    monkeypatch.setattr("engine.cpu.huge_pages.huge_pages_on_request", lambda: False)
+    assert gather_blocks_on_huge_pages(linears) == 0

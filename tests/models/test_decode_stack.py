@@ -170,3 +170,21 @@ def test_steps_past_the_slabs_take_the_wide_stack_bit_for_bit(tmp_path):
         answers.append([(o.token_ids, o.logprobs) for o in llm.generate(batch, greedy, use_tqdm=False)])
     assert max(widths) == 12  # decode steps of 12 rows went through a stack: the wide one
     assert answers[0] == answers[1]
+
+
+def test_profiling_times_every_layer_and_op_and_changes_no_bits(tmp_path):
+    """With profiling on (scripts/bench/gguf_decode_profile.py), each forward adds every op's time
+    to [num_layers, phases], every cell positive, and the tokens and log-probabilities are the
+    same as without it; set_profiling starts the sums again from zero."""
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL)
+    llm = LLM(path, dtype="float32", **ENGINE_KWARGS)
+    stack = llm.engine.model_runner.decode_stack._stack
+    expected = [(o.token_ids, o.logprobs) for o in llm.generate(prompts(), params(), use_tqdm=False)]
+    stack.set_profiling(True)
+    profiled = [(o.token_ids, o.logprobs) for o in llm.generate(prompts(), params(), use_tqdm=False)]
+    seconds = stack.phase_seconds()
+    assert profiled == expected
+    assert seconds.shape == (SMALL["num_hidden_layers"], 9) and seconds.dtype == torch.float64
+    assert bool((seconds > 0).all()), seconds
+    stack.set_profiling(False)
+    assert float(stack.phase_seconds().abs().sum()) == 0.0

@@ -18,6 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -82,6 +83,9 @@ struct Layer {
   int64_t window;  // 0: the whole context
 };
 
+// What a profiled forward times, per layer (scripts/bench/gguf_decode_profile.py reads them).
+enum Phase : int { kNorm, kQkv, kRotaryStore, kAttention, kOProj, kPostNorm, kGateUp, kSiluMul, kDown, kNumPhases };
+
 // (kind, weight, scales, bias, out_features, the quantized op's name or "")
 using LinearSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, std::string>;
 
@@ -120,6 +124,14 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Profiling on: each forward adds every op's seconds to [num_layers, kNumPhases] (a clock read
+  // between ops, a few ns each); off (the default) reads no clock. Returns the sums so far.
+  void set_profiling(bool on) {
+    is_profiling_ = on;
+    phase_seconds_ = torch::zeros({num_layers(), kNumPhases}, torch::kFloat64);
+  }
+  torch::Tensor phase_seconds() const { return phase_seconds_.clone(); }
+
   // Whether forward runs its layers in the work pool's region (every matmul shares out).
   bool is_pooled() const { return is_pooled_; }
 
@@ -151,25 +163,44 @@ class DecodeStack {
                                 const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
     const int64_t num_tokens = hidden.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    using Clock = std::chrono::steady_clock;
+    double* seconds = is_profiling_ ? phase_seconds_.data_ptr<double>() : nullptr;
+    Clock::time_point last = seconds != nullptr ? Clock::now() : Clock::time_point();
+    const auto mark = [&](size_t i, Phase phase) {  // the time since the last mark goes to `phase`
+      if (seconds == nullptr) return;
+      const Clock::time_point now = Clock::now();
+      seconds[i * kNumPhases + phase] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    };
     torch::Tensor x = rms_norm(hidden, layers_[0].input_norm, eps_, sum_lanes_);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       if (i > 0) add_rms_norm(x, residual, layer.input_norm, eps_, sum_lanes_);  // x, residual in place
+      mark(i, kNorm);
       torch::Tensor qkv = layer.qkv.forward(x);  // [num_tokens, q_size + 2 * kv_size]
       const bool is_cast = qkv.scalar_type() != layer.k_cache.scalar_type();  // attention in the cache's dtype
       if (is_cast) qkv = qkv.to(layer.k_cache.scalar_type());
+      mark(i, kQkv);
       if (layer.q_norm.numel() > 0) norm_qk_in_place(qkv, layer, num_tokens, q_size, kv_size);
       // [num_tokens, num_heads, head_dim]; k rotated in place, k and v in the cache
       torch::Tensor q = rotary_store_kv(qkv, cos, sin, slot_mapping, layer.k_cache, layer.v_cache, num_heads_,
                                         num_kv_heads_);
+      mark(i, kRotaryStore);
       torch::Tensor out = paged_decode_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, layer.scale,
                                                  layer.window);  // [num_tokens, num_heads, head_dim]
       out = out.reshape({num_tokens, q_size});
       if (is_cast) out = out.to(hidden.scalar_type());
+      mark(i, kAttention);
       torch::Tensor attn = layer.o_proj.forward(out);  // [num_tokens, hidden_size]
+      mark(i, kOProj);
       add_rms_norm(attn, residual, layer.post_norm, eps_, sum_lanes_);
+      mark(i, kPostNorm);
       torch::Tensor gate_up = layer.gate_up.forward(attn);  // [num_tokens, 2 * intermediate_size]
-      x = layer.down.forward(silu_mul(gate_up));  // [num_tokens, hidden_size]
+      mark(i, kGateUp);
+      torch::Tensor act = silu_mul(gate_up);  // [num_tokens, intermediate_size]
+      mark(i, kSiluMul);
+      x = layer.down.forward(act);  // [num_tokens, hidden_size]
+      mark(i, kDown);
     }
     return x;
   }
@@ -207,6 +238,8 @@ class DecodeStack {
   int64_t sum_lanes_, silu_lanes_;
   bool is_silu_exact_;
   bool is_pooled_ = false;
+  bool is_profiling_ = false;
+  torch::Tensor phase_seconds_;  // [num_layers, kNumPhases] float64, while profiling
   std::vector<Layer> layers_;
 };
 
@@ -217,5 +250,7 @@ void bind_decode_stack(pybind11::module& m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
       .def("is_pooled", &DecodeStack::is_pooled)
+      .def("set_profiling", &DecodeStack::set_profiling)
+      .def("phase_seconds", &DecodeStack::phase_seconds)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
