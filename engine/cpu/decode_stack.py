@@ -69,7 +69,8 @@ class DecodeStack:
             tensors = []
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 layer = layers.get((index, name))
-                tensors += [layer.a, layer.b] if layer is not None else [NONE, NONE]  # [slots, P*R, in], [slots, P*R, out]
+                # A [slots, P*R, in] and B [slots, P*R, out], or none: not adapted
+                tensors += [layer.a, layer.b] if layer is not None else [NONE, NONE]
             for stack in (self._stack, self._wide_stack):
                 if stack is not None:
                     stack.set_lora(index, *tensors)

@@ -123,7 +123,8 @@ class LoRAPool:
             for part in weights.layers.get((layer_index, name), ()):
                 first = part.part_index * self.max_rank
                 layer.a[slot, first : first + weights.rank].copy_(part.a)  # [rank, in]
-                layer.b[slot, first : first + weights.rank, part.out_start : part.out_end].copy_(part.b.t())  # [rank, out_p]
+                rows = slice(first, first + weights.rank)
+                layer.b[slot, rows, part.out_start : part.out_end].copy_(part.b.t())  # [rank, out_p]: B transposed
         self.scales[slot] = weights.scale
         self.slot_ids[slot] = lora_id
         logger.debug("LoRA: adapter %d in slot %d", lora_id, slot)
