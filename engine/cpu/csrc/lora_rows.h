@@ -76,6 +76,15 @@ inline float dot(const float* x, const float* a, int64_t n) {
 }
 
 constexpr int64_t kOutChunk = 8 * Vec::size();  // the expand's output features per item: 8 accumulators
+// The least work (multiply-adds) one thread takes: a small step's adapters (one user's row: ~50K a
+// projection) run on the calling thread, with no parallel region to fork and join, which on a busy
+// machine cost more than the work.
+constexpr int64_t kMinChunkMacs = 1 << 17;
+
+// parallel_for's grain for items of `item_macs` multiply-adds each.
+inline int64_t grain_for(int64_t item_macs) {
+  return std::max<int64_t>(1, kMinChunkMacs / std::max<int64_t>(item_macs, 1));
+}
 
 // y[o0 .. o1) += Σ_w t[w] · b[w, o0 .. o1), b's rows `out` apart.
 inline void expand_row(float* y, const float* t, const float* b, int64_t rank, int64_t out, int64_t o0, int64_t o1) {
@@ -113,8 +122,11 @@ inline void add_lora_fp32(torch::Tensor& y, const torch::Tensor& x, const LoRAWe
   const float* bp = weights.b.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   std::vector<float> t(num_rows * rank);  // [num_rows, W]: each adapted row's x · Aᵀ · scale
+  int64_t num_adapted = 0;
+  for (const auto& ids : groups.row_ids) num_adapted += static_cast<int64_t>(ids.size());
+  const int64_t rows_per_group = (num_adapted + num_groups - 1) / num_groups;
   // Shrink: item (group, rank row w), A's row read once for the group's rows.
-  parallel_for(0, num_groups * rank, 4, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_groups * rank, lora_detail::grain_for(rows_per_group * in), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / rank, w = item % rank;
       const float* a_row = ap + (groups.slots[g] * rank + w) * in;
@@ -124,12 +136,15 @@ inline void add_lora_fp32(torch::Tensor& y, const torch::Tensor& x, const LoRAWe
   });
   // Expand: item (group, chunk of output features), B's chunk read once for the group's rows.
   const int64_t num_chunks = (out + lora_detail::kOutChunk - 1) / lora_detail::kOutChunk;
-  parallel_for(0, num_groups * num_chunks, 4, [&](int64_t begin, int64_t end) {
+  const int64_t chunk_macs = rows_per_group * lora_detail::kOutChunk * rank;
+  parallel_for(0, num_groups * num_chunks, lora_detail::grain_for(chunk_macs), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / num_chunks, o0 = (item % num_chunks) * lora_detail::kOutChunk;
       const int64_t o1 = std::min(out, o0 + lora_detail::kOutChunk);
       const float* b = bp + groups.slots[g] * rank * out;  // [W, out]
-      for (int64_t r : groups.row_ids[g]) lora_detail::expand_row(yp + r * out, t.data() + r * rank, b, rank, out, o0, o1);
+      for (int64_t r : groups.row_ids[g]) {
+        lora_detail::expand_row(yp + r * out, t.data() + r * rank, b, rank, out, o0, o1);
+      }
     }
   });
 }
