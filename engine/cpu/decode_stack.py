@@ -18,6 +18,10 @@ one call each per step. Where every matmul is slabs, int8/int4 panels or GGUF bl
 OpenMP region whose helpers take each kernel's work as they come free (work_pool.h). Beside AMX,
 where bf16 slabs take steps of up to 8 tokens only, wider steps run a second stack of the same
 layers on oneDNN's prepacked weights (no second copy).
+
+Under --enable-lora the runner hands the stack the adapter pool's tensors (`use_lora`), and a step
+with adapter rows adds each row's adapter after the four projections (csrc/lora_rows.h), grouped
+by slot as the eager LoRALinear does, with the same ops: the eager path's bits again.
 """
 
 from __future__ import annotations
@@ -51,6 +55,26 @@ class DecodeStack:
         self._max_tokens = max_tokens  # bf16 slabs beside oneDNN (AMX): steps of up to this many tokens
         self._wide_stack = wide_stack  # the same layers on oneDNN's weights, for steps past max_tokens
         self._model = model
+        self._lora_state = None  # the adapter pool's step state (use_lora); None: no LoRA
+        self._lora_scales: list[float] = []  # the pool's per-slot scales, updated as slots are filled
+
+    @property
+    def has_lora(self) -> bool:
+        return self._lora_state is not None
+
+    def use_lora(self, layers: dict, state, scales: list[float]) -> None:
+        """Add adapters from the LoRA pool (engine.lora.adapter_pool.LoRAPool's `layers`, `state` and
+        `scales`): its tensors are held by reference, so slots filled later are seen without a copy."""
+        for index in range(self._stack.num_layers()):
+            tensors = []
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                layer = layers.get((index, name))
+                # A [slots, P*R, in] and B [slots, P*R, out], or none: not adapted
+                tensors += [layer.a, layer.b] if layer is not None else [NONE, NONE]
+            for stack in (self._stack, self._wide_stack):
+                if stack is not None:
+                    stack.set_lora(index, *tensors)
+        self._lora_state, self._lora_scales = state, scales
 
     def can_run(self, metadata: AttentionMetadata, backend) -> bool:
         """A decode-only step that the CPU backend runs on its plain decode kernel, within the stacks' size."""
@@ -81,9 +105,17 @@ class DecodeStack:
         stack = self._stack
         if self._max_tokens is not None and input_ids.shape[0] > self._max_tokens:
             stack = self._wide_stack
-        hidden, residual = stack.forward(hidden, cos.squeeze(1), sin.squeeze(1), slot_mapping, block_tables, seq_lens)
+        hidden, residual = stack.forward(hidden, cos.squeeze(1), sin.squeeze(1), slot_mapping, block_tables, seq_lens,
+                                         *self._lora_groups())
         hidden, _ = model.norm(hidden, residual)
         return hidden
+
+    def _lora_groups(self) -> tuple[list[int], list[torch.Tensor], list[float]]:
+        """The step's rows by slot, as the pool's state holds them over the step's tokens (this stack
+        runs every layer on every row): slots, rows (empty: all of them), scales."""
+        groups = self._lora_state.token_groups if self._lora_state is not None else []
+        return ([slot for slot, _ in groups], [NONE if rows is None else rows for _, rows in groups],
+                [self._lora_scales[slot] for slot, _ in groups])
 
 
 def build_decode_stack(model: nn.Module, kv_caches, backend, fused_ops: CpuFusedOps | None,

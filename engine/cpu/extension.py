@@ -40,7 +40,7 @@ SOURCES = [
                  "decode_stack.cpp", "bindings.cpp")
 ]
 HEADERS = [CSRC / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "prefill_bf16_tiles.h",
-                                                     "share_out.h", "work_pool.h")]
+                                                     "share_out.h", "work_pool.h", "lora_rows.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _module: ModuleType | None = None

@@ -2,13 +2,16 @@
 evicted beyond it) and a pool of `max_loras` slots per adapted layer, on the model's device:
 
     layer's A:  [max_loras, P * max_rank, in]     P rank blocks: 3 for qkv_proj, 2 for gate_up_proj, else 1
-    layer's B:  [max_loras, out, P * max_rank]    each projection's rows use its own block's columns
+    layer's B:  [max_loras, P * max_rank, out]    transposed as loaded: each projection's output
+                                                  features use its own block's rows
     scales:     [max_loras]                        lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA
 
-An adapter of rank r < max_rank fills its blocks' first r rows of A and columns of B; the rest stay
-zero and add exact zeros. The scheduler lets at most `max_loras` distinct adapters run at once
-(engine.core.adapter_admission), so `activate` always finds a slot: one empty, or the least recently
-used one whose adapter is not in this step.
+An adapter of rank r < max_rank fills its blocks' first r rows of A and of B; the rest stay
+zero and add exact zeros. B is kept transposed (rank rows, output features along them) so that the
+CPU decode stack's expand (engine/cpu/csrc/lora_rows.h) reads it in vectors along the outputs. The
+scheduler lets at most `max_loras` distinct adapters run at once (engine.core.adapter_admission),
+so `activate` always finds a slot: one empty, or the least recently used one whose adapter is not in
+this step.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class LoRAPool:
                     start, end = self.shape.out_slice(name, None)
                     width = NUM_PARTS[name] * self.max_rank
                     a = torch.zeros(self.max_loras, width, self.shape.in_features(name), dtype=self.dtype, device=device)
-                    b = torch.zeros(self.max_loras, end - start, width, dtype=self.dtype, device=device)
+                    b = torch.zeros(self.max_loras, width, end - start, dtype=self.dtype, device=device)
                     is_output = i == last and name != "qkv_proj"  # the last layer past attention: output rows
                     wrapped = LoRALinear(getattr(parent, name), a, b, self.scales, self.state, is_output)
                     setattr(parent, name, wrapped)
@@ -120,7 +123,8 @@ class LoRAPool:
             for part in weights.layers.get((layer_index, name), ()):
                 first = part.part_index * self.max_rank
                 layer.a[slot, first : first + weights.rank].copy_(part.a)  # [rank, in]
-                layer.b[slot, part.out_start : part.out_end, first : first + weights.rank].copy_(part.b)  # [out_p, rank]
+                rows = slice(first, first + weights.rank)
+                layer.b[slot, rows, part.out_start : part.out_end].copy_(part.b.t())  # [rank, out_p]: B transposed
         self.scales[slot] = weights.scale
         self.slot_ids[slot] = lora_id
         logger.debug("LoRA: adapter %d in slot %d", lora_id, slot)

@@ -4,10 +4,11 @@ and one expand matmul per group (S-LoRA's and Punica's SGMV, in torch):
 
     rows:    0  1  2  3  4  5        slots: 1 -1  1  0  0 -1    (-1: the base model, nothing added)
     groups:  slot 1 -> rows [0, 2]   slot 0 -> rows [3, 4]
-    y[rows] += ((x[rows] @ A[s].T) @ B[s].T) * scale[s]            # [n, P*R] then [n, out]
+    y[rows] += ((x[rows] @ A[s].T) @ B[s]) * scale[s]              # [n, P*R] then [n, out]
 
-A fused layer (qkv_proj, gate_up_proj) keeps P rank blocks in A, one per projection (q, k, v;
-gate, up), and B's rows of each projection use only that block's columns (zeros elsewhere), so
+(B kept transposed, [P*R, out], as the CPU decode stack's expand reads it.) A fused layer
+(qkv_proj, gate_up_proj) keeps P rank blocks in A, one per projection (q, k, v; gate, up), and
+B's output features of each projection use only that block's rows (zeros elsewhere), so
 one shrink and one expand still cover all of them. The step's groups are set once per step by the
 model runner (`LoRAStepState.prepare`), as the attention backend is prepared, and read by every layer.
 The base layer may be any linear (fp32, bf16, the CPU wing's int8/int4/GGUF ones): it is called as is.
@@ -58,7 +59,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.a = a  # [max_loras, P * max_rank, in]
-        self.b = b  # [max_loras, out, P * max_rank]
+        self.b = b  # [max_loras, P * max_rank, out]
         self.scales = scales  # [max_loras]: the pool's list, updated as slots are filled
         self.state = state
         # The last decoder layer's o_proj, gate_up_proj and down_proj run on the output rows alone.
@@ -71,7 +72,7 @@ class LoRALinear(nn.Module):
         for slot, rows in groups:
             a, b, scale = self.a[slot], self.b[slot], self.scales[slot]
             if rows is None:
-                y = y + (x @ a.t()) @ b.t() * scale  # [n, P*R] -> [n, out]
+                y = y + (x @ a.t()) @ b * scale  # [n, P*R] -> [n, out]
             else:
-                y = y.index_add(0, rows, (x[rows] @ a.t()) @ b.t() * scale)  # [len(rows), out] into y's rows
+                y = y.index_add(0, rows, (x[rows] @ a.t()) @ b * scale)  # [len(rows), out] into y's rows
         return y

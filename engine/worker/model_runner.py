@@ -95,8 +95,10 @@ class ModelRunner:
         self.kv_caches = self._make_kv_pool(num_kv_blocks)
         self.decode_stack = self.cpu_plan.prepare(self.model, self.backend, self.kv_caches, self.num_weight_bytes)
         # Around the prepared layers (the fused and quantized ones are its base layers); the decode stack
-        # keeps the base's weights and runs the steps that have no adapter row.
+        # keeps the base's weights and adds the adapters from the pool's own tensors.
         self.lora = make_lora_pool(config, model_config, self.model, self.dtype, self.device)
+        if self.lora is not None and self.decode_stack is not None:
+            self.decode_stack.use_lora(self.lora.layers, self.lora.state, self.lora.scales)
         self.sampler = self._make_sampler()
         self.forward_times: tuple[float, float | None] = (0.0, None)  # the last step's forward (perf_counter)
         self.generators: dict[str, torch.Generator] = {}

@@ -144,11 +144,15 @@ class DecodeStackStep(EagerStep):
         return self.finish(inputs, hidden)
 
     def run(self, inputs, input_ids, positions, metadata, selected_rows) -> torch.Tensor:
-        if (len(inputs.sample_rows) == len(inputs.input_ids) and not inputs.pooling_rows and not inputs.has_lora_rows
+        if (len(inputs.sample_rows) == len(inputs.input_ids) and not inputs.pooling_rows and self.runs_lora(inputs)
                 and self.decode_stack.can_run(metadata, self.backend)):
             # A decode-only step: every row is sampled, in order.
             return self.decode_stack.forward(input_ids, positions, metadata, self.backend)  # [num_seqs, hidden_size]
         return super().run(inputs, input_ids, positions, metadata, selected_rows)
+
+    def runs_lora(self, inputs: StepInputs) -> bool:
+        """Whether the stack can take the step's adapter rows: none, or the runner gave it the LoRA pool."""
+        return not inputs.has_lora_rows or self.decode_stack.has_lora
 
     def runs_as_rows(self, inputs: StepInputs, as_rows: bool) -> bool:
         """A step of several tokens per sequence that the stack takes as one-token rows: a verification
@@ -157,7 +161,7 @@ class DecodeStackStep(EagerStep):
         # A sequence of more tokens than a verification's (a prompt with prompt log-probs) takes the
         # prefill kernel, which reads each key once for all its rows.
         return (1 < max(inputs.query_lens) <= 1 + MAX_SPECULATIVE_TOKENS and not inputs.pooling_rows
-                and not inputs.has_lora_rows  # the stack applies no LoRA (yet): such steps run eager
+                and self.runs_lora(inputs)
                 and (as_rows or len(inputs.sample_rows) == len(inputs.input_ids))
                 and self.decode_stack.can_run_rows(len(inputs.input_ids)))
 

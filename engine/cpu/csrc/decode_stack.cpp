@@ -11,7 +11,9 @@
 // the paged decode kernel, and a SiLU-gated MLP. The matmuls are whatever the model runner
 // put in place: bf16 slabs (small_batch_linear.cpp), int8 panels (an op of the quantized
 // kernels' module, reached through torch's dispatcher since it is another shared library), oneDNN-prepacked
-// weights (mkldnn::_linear_pointwise, as PackedLinear calls it) or plain weights.
+// weights (mkldnn::_linear_pointwise, as PackedLinear calls it) or plain weights. A step with
+// LoRA rows adds each row's adapter after the projections the pool adapts (lora_rows.h).
+#include "lora_rows.h"
 #include "work_pool.h"
 
 #include <ATen/ATen.h>
@@ -81,6 +83,8 @@ struct Layer {
   torch::Tensor k_cache, v_cache;  // [num_blocks, num_kv_heads, block_size, head_dim]
   double scale;
   int64_t window;  // 0: the whole context
+  // The LoRA pool's tensors of each projection (set_lora); empty: not adapted.
+  tokenloom_cpu::LoRAWeights qkv_lora{}, o_lora{}, gate_up_lora{}, down_lora{};
 };
 
 // What a profiled forward times, per layer (scripts/bench/gguf_decode_profile.py reads them).
@@ -131,24 +135,42 @@ class DecodeStack {
     phase_seconds_ = torch::zeros({num_layers(), kNumPhases}, torch::kFloat64);
   }
   torch::Tensor phase_seconds() const { return phase_seconds_.clone(); }
+  // Layer `index`'s LoRA pool tensors, A [max_loras, P * R, in] and B [max_loras, P * R, out] of
+  // qkv, o, gate_up and down (empty ones: that projection is not adapted), held by reference.
+  void set_lora(int64_t index, torch::Tensor qkv_a, torch::Tensor qkv_b, torch::Tensor o_a, torch::Tensor o_b,
+                torch::Tensor gate_up_a, torch::Tensor gate_up_b, torch::Tensor down_a, torch::Tensor down_b) {
+    TORCH_CHECK(index >= 0 && index < num_layers(), "no layer ", index);
+    Layer& layer = layers_[index];
+    layer.qkv_lora = {qkv_a, qkv_b};
+    layer.o_lora = {o_a, o_b};
+    layer.gate_up_lora = {gate_up_a, gate_up_b};
+    layer.down_lora = {down_a, down_b};
+  }
 
   // Whether forward runs its layers in the work pool's region (every matmul shares out).
   bool is_pooled() const { return is_pooled_; }
 
   // hidden: [num_seqs, hidden_size], the embeddings of a decode-only step (row i: sequence i);
   // cos, sin: [num_seqs, head_dim]; slot_mapping: [num_seqs] int64; block_tables:
-  // [num_seqs, max_num_blocks] int32; seq_lens: [num_seqs] int32. Returns (the last MLP's
-  // output, the residual stream before it is added), as DecoderForCausalLM's layer loop does;
-  // `hidden` becomes the residual stream.
+  // [num_seqs, max_num_blocks] int32; seq_lens: [num_seqs] int32; lora_*: the step's rows grouped
+  // by LoRA slot (LoRAGroups: slot, rows or empty for all, scale), none for a step of the base.
+  // Returns (the last MLP's output, the residual stream before it is added), as
+  // DecoderForCausalLM's layer loop does; `hidden` becomes the residual stream.
   std::vector<torch::Tensor> forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
-                                     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens) {
+                                     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     std::vector<int64_t> lora_slots, std::vector<torch::Tensor> lora_rows,
+                                     std::vector<double> lora_scales) {
     TORCH_CHECK(!layers_.empty(), "no layers");
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(0) == seq_lens.size(0), "one token per sequence");
+    const tokenloom_cpu::LoRAGroups lora =
+        tokenloom_cpu::make_lora_groups(std::move(lora_slots), std::move(lora_rows), std::move(lora_scales), hidden.size(0));
     torch::Tensor residual = hidden;
     torch::Tensor x;
     // Every layer on one OpenMP region, its kernels' work shared out on the pool, where every
     // matmul can share out; else each kernel on torch's threads, region by region.
-    const auto run_layers = [&] { x = run_layers_from(hidden, residual, cos, sin, slot_mapping, block_tables, seq_lens); };
+    const auto run_layers = [&] {
+      x = run_layers_from(hidden, residual, cos, sin, slot_mapping, block_tables, seq_lens, lora);
+    };
     if (is_pooled_) {
       decode_pool().run_region(at::get_num_threads(), run_layers);
     } else {
@@ -160,7 +182,8 @@ class DecodeStack {
  private:
   torch::Tensor run_layers_from(const torch::Tensor& hidden, torch::Tensor& residual, const torch::Tensor& cos,
                                 const torch::Tensor& sin, const torch::Tensor& slot_mapping,
-                                const torch::Tensor& block_tables, const torch::Tensor& seq_lens) const {
+                                const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                const tokenloom_cpu::LoRAGroups& lora) const {
     const int64_t num_tokens = hidden.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     using Clock = std::chrono::steady_clock;
@@ -178,6 +201,7 @@ class DecodeStack {
       if (i > 0) add_rms_norm(x, residual, layer.input_norm, eps_, sum_lanes_);  // x, residual in place
       mark(i, kNorm);
       torch::Tensor qkv = layer.qkv.forward(x);  // [num_tokens, q_size + 2 * kv_size]
+      tokenloom_cpu::add_lora(qkv, x, layer.qkv_lora, lora);
       const bool is_cast = qkv.scalar_type() != layer.k_cache.scalar_type();  // attention in the cache's dtype
       if (is_cast) qkv = qkv.to(layer.k_cache.scalar_type());
       mark(i, kQkv);
@@ -192,14 +216,17 @@ class DecodeStack {
       if (is_cast) out = out.to(hidden.scalar_type());
       mark(i, kAttention);
       torch::Tensor attn = layer.o_proj.forward(out);  // [num_tokens, hidden_size]
+      tokenloom_cpu::add_lora(attn, out, layer.o_lora, lora);
       mark(i, kOProj);
       add_rms_norm(attn, residual, layer.post_norm, eps_, sum_lanes_);
       mark(i, kPostNorm);
       torch::Tensor gate_up = layer.gate_up.forward(attn);  // [num_tokens, 2 * intermediate_size]
+      tokenloom_cpu::add_lora(gate_up, attn, layer.gate_up_lora, lora);
       mark(i, kGateUp);
-      torch::Tensor act = silu_mul(gate_up);  // [num_tokens, intermediate_size]
+      const torch::Tensor act = silu_mul(gate_up);  // [num_tokens, intermediate_size]
       mark(i, kSiluMul);
       x = layer.down.forward(act);  // [num_tokens, hidden_size]
+      tokenloom_cpu::add_lora(x, act, layer.down_lora, lora);
       mark(i, kDown);
     }
     return x;
@@ -249,8 +276,12 @@ void bind_decode_stack(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t, int64_t, bool>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_lora", &DecodeStack::set_lora)
       .def("is_pooled", &DecodeStack::is_pooled)
       .def("set_profiling", &DecodeStack::set_profiling)
       .def("phase_seconds", &DecodeStack::phase_seconds)
-      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecodeStack::forward, pybind11::arg("hidden"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+           pybind11::arg("lora_slots") = std::vector<int64_t>(), pybind11::arg("lora_rows") = std::vector<torch::Tensor>(),
+           pybind11::arg("lora_scales") = std::vector<double>(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }
