@@ -44,7 +44,9 @@ class LoRAPool:
         self.max_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.dtype = dtype
-        self.state = LoRAStepState()
+        # On the GPU every layer runs the Triton kernels (engine.kernels.lora_sgmv), reading the scales there.
+        self.state = LoRAStepState(scales=torch.zeros(max_loras, dtype=torch.float32, device=device),
+                                   uses_kernels=device.type == "cuda")
         self.scales = [0.0] * max_loras  # shared with every layer
         self.cache: OrderedDict[int, LoRAWeights] = OrderedDict()  # lora_int_id -> weights, LRU first
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter id in each slot
@@ -126,6 +128,7 @@ class LoRAPool:
                 rows = slice(first, first + weights.rank)
                 layer.b[slot, rows, part.out_start : part.out_end].copy_(part.b.t())  # [rank, out_p]: B transposed
         self.scales[slot] = weights.scale
+        self.state.scales[slot] = weights.scale
         self.slot_ids[slot] = lora_id
         logger.debug("LoRA: adapter %d in slot %d", lora_id, slot)
 

@@ -12,11 +12,14 @@ B's output features of each projection use only that block's rows (zeros elsewhe
 one shrink and one expand still cover all of them. The step's groups are set once per step by the
 model runner (`LoRAStepState.prepare`), as the attention backend is prepared, and read by every layer.
 The base layer may be any linear (fp32, bf16, the CPU wing's int8/int4/GGUF ones): it is called as is.
+On the GPU the same sums run as two Triton launches per layer over every slot's rows at once
+(engine.kernels.lora_sgmv), from a segment plan made once per step instead of the groups.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,14 +31,29 @@ Groups = list[tuple[int, "torch.Tensor | None"]]  # (slot, the rows; None: every
 @dataclass
 class LoRAStepState:
     """One step's rows grouped by slot: over the step's tokens, and over the rows the last layer keeps
-    (`output_rows`: the sampled then pooled rows, when the model runs its last layer on those alone)."""
+    (the sampled then pooled rows, when the model runs its last layer on those alone). With
+    `uses_kernels` (the GPU), Triton segment plans of the same rows instead of the groups."""
 
+    scales: torch.Tensor | None = None  # [max_loras] fp32 on the device, for the kernels (the pool fills it)
+    uses_kernels: bool = False
     token_groups: Groups = field(default_factory=list)
     output_groups: Groups | None = None  # None: the last layer runs on every token too
+    token_plan: Any = None  # engine.kernels.lora_sgmv.SegmentPlan; None: no row has an adapter
+    output_plan: Any = None
+    selects_output: bool = False  # whether the last layer runs on the output rows alone
 
-    def prepare(self, token_groups: Groups, output_groups: Groups | None) -> None:
-        self.token_groups = token_groups
-        self.output_groups = output_groups
+    def prepare(self, token_slots: list[int], output_slots: list[int] | None, device: torch.device) -> None:
+        """Each token's slot (NO_SLOT: the base; [] for a step of the base alone), and each output row's."""
+        self.selects_output = output_slots is not None
+        if self.uses_kernels:
+            # Imported here: triton is the `gpu` extra, and a CPU server never runs these kernels.
+            from engine.kernels.lora_sgmv import make_segment_plan
+
+            self.token_plan = make_segment_plan(token_slots, device)
+            self.output_plan = make_segment_plan(output_slots, device) if self.selects_output else None
+        else:
+            self.token_groups = group_rows(token_slots, device) if token_slots else []
+            self.output_groups = group_rows(output_slots, device) if self.selects_output else None
 
 
 def group_rows(slots: list[int], device: torch.device) -> Groups:
@@ -68,6 +86,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [n, out]
         state = self.state
+        if state.uses_kernels:
+            from engine.kernels.lora_sgmv import add_lora  # the gpu extra's (see LoRAStepState.prepare)
+
+            plan = state.output_plan if self.is_output_layer and state.selects_output else state.token_plan
+            # B is [slots, P*R, out] in memory; the kernel takes it as [slots, out, P*R] at any strides.
+            return add_lora(y, x, self.a, self.b.transpose(1, 2), state.scales, plan)
         groups = state.output_groups if self.is_output_layer and state.output_groups is not None else state.token_groups
         for slot, rows in groups:
             a, b, scale = self.a[slot], self.b[slot], self.scales[slot]

@@ -49,7 +49,7 @@ from engine.worker.device_and_dtype import (
 )
 from engine.worker.pooler import Pooler
 from engine.worker.step_executors import make_step_executor
-from engine.worker.step_inputs import PreparedStep, StepInputs, lora_groups, make_sampling_batch, prepare_step
+from engine.worker.step_inputs import PreparedStep, StepInputs, make_sampling_batch, prepare_step, token_lora_slots
 from ipc.lora_adapter import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -256,7 +256,7 @@ class ModelRunner:
         hidden states go to `pooled_hidden`. `as_rows`: a step of a few short chunks (a draft model's
         catch-up) may run as one-token rows, as a verification step does."""
         if self.lora is not None:
-            self.lora.state.prepare(*lora_groups(inputs, self.device))
+            self.lora.state.prepare(*token_lora_slots(inputs), self.device)
         result = self.step_executor.forward(inputs, as_rows, images)  # images: (rows [n], embeddings [n, hidden])
         self.pooled_hidden = result.pooled  # [num_pooled, hidden_size] or None
         return result.logits  # [num_sampled, vocab_size] or None

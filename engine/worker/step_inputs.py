@@ -15,7 +15,7 @@ import msgspec
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.lora.lora_layers import NO_SLOT, Groups, group_rows
+from engine.lora.lora_layers import NO_SLOT
 from engine.sample.logits_processing import LogitsProcessingState, bad_word_bans
 from engine.models.config import ModelConfig
 from engine.worker.pooler import plan_pooling
@@ -199,16 +199,16 @@ def selects_output_rows(inputs: StepInputs) -> bool:
     return bool(inputs.pooling_rows) or len(inputs.sample_rows) not in (0, len(inputs.input_ids))
 
 
-def lora_groups(inputs: StepInputs, device: torch.device) -> tuple[Groups, Groups | None]:
-    """The step's rows grouped by LoRA slot (engine.lora.lora_layers): over every token, and over the
-    output rows where the last layer runs on those alone."""
+def token_lora_slots(inputs: StepInputs) -> tuple[list[int], list[int] | None]:
+    """The LoRA pool slot of each of the step's tokens ([] when no row has an adapter), and of each
+    output row where the last layer runs on those alone (engine.lora.lora_layers.LoRAStepState)."""
     if not inputs.has_lora_rows:
         return [], None
     token_slots = [slot for slot, n in zip(inputs.lora_slots, inputs.query_lens) for _ in range(n)]  # [num_tokens]
-    output_groups = None
+    output_slots = None
     if selects_output_rows(inputs):
-        output_groups = group_rows([token_slots[r] for r in inputs.sample_rows + inputs.pooling_rows], device)
-    return group_rows(token_slots, device), output_groups
+        output_slots = [token_slots[r] for r in inputs.sample_rows + inputs.pooling_rows]
+    return token_slots, output_slots
 
 
 def to_tensors(inputs: StepInputs, device: torch.device):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kernels.lora_sgmv import NO_SLOT, add_lora, lora_shrink, lora_shrink_kernel, make_segment_plan
-from engine.lora.lora_layers import LoRALinear, LoRAStepState, group_rows
+from engine.lora.lora_layers import LoRALinear, LoRAStepState
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and type(lora_shrink_kernel).__name__ != "InterpretedFunction":
@@ -18,8 +18,9 @@ def torch_reference(x, a, b, scales, slots):
     base = torch.nn.Linear(x.shape[1], b.shape[1], bias=False, dtype=torch.float32)
     torch.nn.init.zeros_(base.weight)
     state = LoRAStepState()
-    state.prepare(group_rows(slots, torch.device("cpu")), None)
-    layer = LoRALinear(base, a.float(), b.float(), [float(s) for s in scales], state, is_output_layer=False)
+    state.prepare(slots, None, torch.device("cpu"))
+    b_stored = b.float().transpose(1, 2).contiguous()  # the pool keeps B as [slots, R, out]
+    layer = LoRALinear(base, a.float(), b_stored, [float(s) for s in scales], state, is_output_layer=False)
     return layer(x.float())
 
 
@@ -86,3 +87,22 @@ def test_b_stored_transposed_reads_the_same():
     y_ref = add_lora(torch.zeros(4, 40, device=DEVICE), *args, b.to(DEVICE), scales.to(DEVICE), plan)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y.cpu(), torch_reference(x, a, b, scales.tolist(), slots), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("is_output_layer", [False, True])
+def test_the_layer_on_the_kernels_equals_the_layer_on_torch(is_output_layer):
+    # LoRALinear as the GPU runs it (uses_kernels: a segment plan, two launches) against the CPU's
+    # groups, over a prefill chunk and a decode row; the output layer runs on the output rows alone.
+    token_slots = [1, 1, 1, 1, NO_SLOT, NO_SLOT, 0]  # a 4-token chunk on slot 1, the base's 2, slot 0's decode
+    output_slots = [1, NO_SLOT, 0]  # the sampled rows: each sequence's last
+    x, a, b, scales = make_case(7 if not is_output_layer else 3, 48, 40, 16, 2, token_slots, torch.float32, seed=9)
+    base = torch.nn.Linear(48, 40, bias=False)
+    b_stored = b.transpose(1, 2).contiguous()  # [slots, R, out], as engine.lora.adapter_pool keeps it
+    outputs = []
+    for uses_kernels in (False, True):
+        state = LoRAStepState(scales=scales.to(DEVICE), uses_kernels=uses_kernels)
+        state.prepare(token_slots, output_slots, torch.device(DEVICE))
+        layer = LoRALinear(base.to(DEVICE), a.to(DEVICE), b_stored.to(DEVICE), scales.tolist(), state, is_output_layer)
+        outputs.append(layer(x.to(DEVICE)).cpu())
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
+    assert not torch.equal(outputs[0], base(x))  # the adapters added something
