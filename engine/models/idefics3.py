@@ -14,6 +14,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.siglip import SiglipVisionTransformer
+from engine.models.vision_weights import load_vision_language_weights
 from engine.parallel.parallel_state import NO_TP, TensorParallelGroup
 
 VISION_PREFIXES = ("model.vision_model.", "model.connector.")
@@ -69,23 +70,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         the encoder's and connector's by their own names."""
         vision_params = {name: p for name, p in self.named_parameters()
                          if name.startswith(("vision_model.", "connector."))}
-        loaded_vision: set[str] = set()
-
-        def text_weights():
-            for hf_name, tensor in weights:
-                if hf_name.startswith(VISION_PREFIXES):
-                    name = hf_name.removeprefix("model.")
-                    if name not in vision_params:
-                        raise KeyError(f"unexpected weight {hf_name!r}")
-                    with torch.no_grad():
-                        vision_params[name].copy_(tensor[:])
-                    loaded_vision.add(name)
-                else:
-                    yield hf_name.replace("model.text_model.", "model.", 1), tensor
-
-        loaded = super().load_weights(text_weights(), into)  # checks the text model's are all there
-        missing = set(vision_params) - loaded_vision
-        if missing and into is None:
-            raise ValueError(f"vision weights missing from the checkpoint: {sorted(missing)[:5]}")
-        return loaded | loaded_vision
+        return load_vision_language_weights(super().load_weights, weights, into, vision_params, VISION_PREFIXES,
+                                            "model.text_model.")
 

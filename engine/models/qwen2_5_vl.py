@@ -25,6 +25,7 @@ from engine.models.config import ModelConfig
 from engine.models.llama import Qwen2ForCausalLM
 from engine.models.qwen2_5_vision import Qwen2_5VisionTransformer
 from engine.models.rotary import RotaryEmbedding
+from engine.models.vision_weights import load_vision_language_weights
 from engine.parallel.parallel_state import NO_TP, TensorParallelGroup
 from ipc.vision.qwen2_vl import patchify
 
@@ -86,25 +87,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         """The text model's tensors through the decoder's loader (model.language_model.X, as transformers 5
         writes them, or the published checkpoints' model.X); the tower's by their own names."""
         vision_params = {name: p for name, p in self.named_parameters() if name.startswith("visual.")}
-        loaded_vision: set[str] = set()
-
-        def text_weights():
-            for hf_name, tensor in weights:
-                if hf_name.startswith(VISION_PREFIXES):
-                    name = hf_name.removeprefix("model.")
-                    if name not in vision_params:
-                        raise KeyError(f"unexpected weight {hf_name!r}")
-                    with torch.no_grad():
-                        vision_params[name].copy_(tensor[:])
-                    loaded_vision.add(name)
-                else:
-                    yield hf_name.replace("model.language_model.", "model.", 1), tensor
-
-        loaded = super().load_weights(text_weights(), into)
-        missing = set(vision_params) - loaded_vision
-        if missing and into is None:
-            raise ValueError(f"vision weights missing from the checkpoint: {sorted(missing)[:5]}")
-        return loaded | loaded_vision
+        return load_vision_language_weights(super().load_weights, weights, into, vision_params, VISION_PREFIXES,
+                                            "model.language_model.")
 
 
 def vision_inv_freq(config: ModelConfig) -> torch.Tensor:
