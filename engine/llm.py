@@ -185,6 +185,10 @@ class LLM:
         """Forget cached prefix blocks that no request holds; returns how many."""
         return self.engine.reset_prefix_cache()
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (vLLM's LLM.get_tokenizer): encode, decode, apply_chat_template."""
+        return self._need_tokenizer("get_tokenizer")
+
     def _need_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError(f"{what} need a tokenizer; pass token ids, or drop skip_tokenizer_init")
