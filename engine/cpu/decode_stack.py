@@ -21,7 +21,8 @@ layers on oneDNN's prepacked weights (no second copy).
 
 Under --enable-lora the runner hands the stack the adapter pool's tensors (`use_lora`), and a step
 with adapter rows adds each row's adapter after the four projections (csrc/lora_rows.h), grouped
-by slot as the eager LoRALinear does, with the same ops: the eager path's bits again.
+by slot as the eager LoRALinear does. Its fp32 kernel folds the scale into the shrink, so it agrees
+with the eager path to fp32 rounding, not bit for bit (docs/lora.md).
 """
 
 from __future__ import annotations
