@@ -13,8 +13,13 @@ the window, per thread) and how much CPU the rest of the machine used (all CPUs'
 time in /proc/stat, less ours). Threads go only when both say so: ours were stalled
 (below STALLED_SHARE busy) while others used more than HIGH_OTHER_CORES. A frontend's
 normal work, short and once per step, takes as much CPU in a burst of streams but
-leaves our threads busy, so it never costs a thread. They come back after HOLD_S with
-others below LOW_OTHER_CORES. While every request waits for its grammar's compile the
+leaves our threads busy, so it never costs a thread. They come back once others stay below
+LOW_OTHER_CORES for a hold: MIN_HOLD_S at first, since a burst (64 requests arriving, their
+prompts tokenized at once) passes within it, and a fixed 2 s hold cost such a round 8-11 steps
+on one thread, 1.16x its time (issue #58); doubled, up to MAX_HOLD_S, each time the threads
+must go again soon after they came back, so intermittent abuse is not met with a stall every
+return. Processes at a higher nice value than ours yield their core to our threads and are not
+counted as others (a niced build beside a served core would otherwise hold one thread forever). While every request waits for its grammar's compile the
 core steps nothing and its threads sit idle by design: the loop calls `restart`, not
 `update`, so that wait (beside the frontend's checker compiling the same grammar) never
 reads as a stall (issue #58: it cost the whole constrained round a thread, 1.4x). Two
@@ -32,19 +37,25 @@ import time
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 0.2  # one measurement; short enough to react within a stream's gap target (0.3 s)
-HOLD_S = 2.0  # how long the machine must be quiet before the threads come back
+MIN_HOLD_S = 0.4  # how long the machine must be quiet before the threads come back, at first
+MAX_HOLD_S = 3.2  # ... and at most, after threads were taken again and again
+FLAP_S = 5.0  # threads taken again within this of their return: the hold doubles
 HIGH_OTHER_CORES = 0.7  # others' CPU use (in cores) that, with our threads stalled, takes threads away
-LOW_OTHER_CORES = 0.3  # ... and below which, for HOLD_S, they come back
+LOW_OTHER_CORES = 0.3  # ... and below which, for the hold, they come back
 STALLED_SHARE = 0.6  # our CPU time over (window x threads) below this: our threads waited for a core
 USER_HZ = os.sysconf("SC_CLK_TCK")
 
 
-def machine_busy_s() -> float:
-    """CPU seconds all CPUs spent busy since boot (the first line of /proc/stat)."""
+def machine_busy_s(count_niced: bool | None = None) -> float:
+    """CPU seconds all CPUs spent busy since boot (the first line of /proc/stat). Niced processes'
+    user time counts only when we are niced ourselves: at nice 0 they give way to our threads."""
+    if count_niced is None:
+        count_niced = os.getpriority(os.PRIO_PROCESS, 0) > 0
     with open("/proc/stat", "rb") as f:
         fields = f.readline().split()[1:]
     user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / USER_HZ  # guest time is inside user
+    busy = user + system + irq + softirq + steal + (nice if count_niced else 0)  # guest time is inside user
+    return busy / USER_HZ
 
 
 def own_cpu_s() -> float:
@@ -67,6 +78,8 @@ class ThreadGovernor:
         self.busy_share = 1.0
         self._start = self._sample()
         self._quiet_since: float | None = None
+        self.hold_s = MIN_HOLD_S
+        self._returned_at: float | None = None  # when the threads last came back
 
     def _sample(self) -> tuple[float, float, float]:
         return self.clock(), self.read_machine(), self.read_own()
@@ -95,14 +108,19 @@ class ThreadGovernor:
         if self.other_cores > HIGH_OTHER_CORES and self.busy_share < STALLED_SHARE and self.num_threads > 1:
             self._quiet_since = None
             free = self.num_cpus - math.ceil(self.other_cores - 0.25)  # a core 3/4 used by others is theirs
-            self._set(max(1, min(self.max_threads, free)))
+            free = max(1, min(self.max_threads, free))
+            if free < self.num_threads:
+                flapping = self._returned_at is not None and now - self._returned_at < FLAP_S
+                self.hold_s = min(MAX_HOLD_S, 2 * self.hold_s) if flapping else MIN_HOLD_S
+            self._set(free)
         elif self.other_cores >= LOW_OTHER_CORES:
             self._quiet_since = None  # quiet means quiet for the whole hold
         elif self.num_threads < self.max_threads:
             if self._quiet_since is None:
                 self._quiet_since = now
-            elif now - self._quiet_since >= HOLD_S:
+            elif now - self._quiet_since >= self.hold_s:
                 self._set(self.max_threads)
+                self._returned_at = now
         return self.num_threads
 
     def _set(self, num_threads: int) -> None:
