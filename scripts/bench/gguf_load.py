@@ -29,6 +29,8 @@ SHAPES = {  # the Hugging Face configs' sizes
                  num_kv_heads=2, tie_word_embeddings=True),
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                          num_kv_heads=8, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24,
+                         num_kv_heads=8, tie_word_embeddings=True),
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                          num_kv_heads=8, tie_word_embeddings=False),
 }
