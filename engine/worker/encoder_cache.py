@@ -5,7 +5,8 @@ The cache is keyed by the image's content hash (ipc.messages.ImageInput.content_
 sent again, by the same request or another, is encoded once (`num_encoder_runs` counts the runs).
 Entries go least recently used first once the cache holds more than `max_num_rows` embedding
 rows, except an image some request is partway through (a prefill chunk cut through its tokens):
-that one stays until its last token is computed, or its request ends.
+that one stays until its last token is computed, or its request ends. The image just encoded stays
+too, even one larger than the whole cache.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ class EncoderCache:
         embeds = self.model.embed_images(pixels_to_tensor(image, self.device))  # [num_tokens, hidden]
         self.num_encoder_runs += 1
         self.entries[image.content_hash] = embeds
-        self._evict()
+        # The new entry stays even when it alone is more than the cache holds: the step reads it now,
+        # and a chunk cut through it marks it in progress only after this call (an image near Qwen's
+        # max_pixels with a lowered --max-num-encoder-input-tokens was encoded again for every chunk).
+        self._evict(keep=image.content_hash)
         return embeds
 
     def step_rows(self, slices: list[ImageSlice]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -59,9 +63,9 @@ class EncoderCache:
     def release(self, request_id: str) -> None:
         self.in_progress.pop(request_id, None)
 
-    def _evict(self) -> None:
+    def _evict(self, keep: str) -> None:
         num_rows = sum(e.shape[0] for e in self.entries.values())
-        kept = set().union(*self.in_progress.values()) if self.in_progress else set()
+        kept = set().union({keep}, *self.in_progress.values())
         for content_hash in list(self.entries):
             if num_rows <= self.max_num_rows:
                 break
