@@ -94,8 +94,6 @@ class LoRAPool:
             self.cache.move_to_end(lora_request.lora_int_id)
             return weights
         weights = load_adapter(lora_request.lora_path, self.shape, self.max_rank, self.dtype)
-        if self.sharding is not None:
-            weights = self.sharding.shard(weights)  # this rank's cut (engine.lora.parallel_lora)
         self.cache[lora_request.lora_int_id] = weights
         while len(self.cache) > self.max_cpu_loras:
             evicted, _ = self.cache.popitem(last=False)  # its slot, if any, keeps its copy
@@ -130,6 +128,8 @@ class LoRAPool:
     @torch.no_grad()
     def _fill(self, slot: int, lora_id: int, weights: LoRAWeights) -> None:
         """Copy the adapter into `slot` of every layer (zeros where it adapts nothing)."""
+        if self.sharding is not None:
+            weights = self.sharding.shard(weights)  # this rank's cut of the whole adapter (engine.lora.parallel_lora)
         for (layer_index, name), layer in self.layers.items():
             layer.a[slot].zero_()
             layer.b[slot].zero_()
