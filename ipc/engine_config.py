@@ -189,8 +189,9 @@ class EngineConfig:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        unsupported = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1, "compile": self.compile,
-                       "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
+        # Tensor parallelism shards each adapter as its base layer (engine/lora/parallel_lora.py); pipeline
+        # stages would each need their layers' part of the pool and the slots sent along the stages.
+        unsupported = {"compile": self.compile, "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
                        f"batching {self.batching}": self.batching != "continuous", "runner pooling": self.runner == "pooling"}
         for what, is_set in unsupported.items():
             if is_set:

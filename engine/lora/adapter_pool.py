@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.lora.adapter_files import LoRAWeights, load_adapter
 from engine.lora.lora_layers import NO_SLOT, LoRALinear, LoRAStepState
+from engine.lora.parallel_lora import attach_lora
 from ipc.lora_adapter import NUM_PARTS, ModelShape, check_max_lora_rank
 from ipc.messages import LoRARequest
 
@@ -35,7 +36,8 @@ MLP_MODULES = ("gate_up_proj", "down_proj")
 
 class LoRAPool:
     def __init__(self, model: nn.Module, shape: ModelShape, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int | None, dtype: torch.dtype, device: torch.device) -> None:
+                 max_cpu_loras: int | None, dtype: torch.dtype, device: torch.device, sharding=None) -> None:
+        """`sharding`: this rank's engine.lora.parallel_lora.AdapterSharding under tensor parallelism."""
         check_max_lora_rank(max_lora_rank)
         if max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {max_loras}")
@@ -44,6 +46,9 @@ class LoRAPool:
         self.max_rank = max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.dtype = dtype
+        self.sharding = sharding
+        # The layers' own sizes (this rank's under TP); adapters are checked against the whole model's.
+        self.local_shape = shape if sharding is None else sharding.local_shape
         # On the GPU every layer runs the Triton kernels (engine.kernels.lora_sgmv), reading the scales there.
         self.state = LoRAStepState(scales=torch.zeros(max_loras, dtype=torch.float32, device=device),
                                    uses_kernels=device.type == "cuda")
@@ -63,13 +68,13 @@ class LoRAPool:
                 parents.append((layer.mlp, MLP_MODULES))
             for parent, names in parents:
                 for name in names:
-                    start, end = self.shape.out_slice(name, None)
+                    start, end = self.local_shape.out_slice(name, None)
                     width = NUM_PARTS[name] * self.max_rank
-                    a = torch.zeros(self.max_loras, width, self.shape.in_features(name), dtype=self.dtype, device=device)
+                    a = torch.zeros(self.max_loras, width, self.local_shape.in_features(name), dtype=self.dtype,
+                                    device=device)
                     b = torch.zeros(self.max_loras, width, end - start, dtype=self.dtype, device=device)
                     is_output = i == last and name != "qkv_proj"  # the last layer past attention: output rows
-                    wrapped = LoRALinear(getattr(parent, name), a, b, self.scales, self.state, is_output)
-                    setattr(parent, name, wrapped)
+                    wrapped = attach_lora(parent, name, a, b, self.scales, self.state, is_output)
                     layers[(i, name)] = wrapped
         logger.info("LoRA: %d slots of rank %d on %d layers (%.1f MiB)", self.max_loras, self.max_rank, len(layers),
                     sum(m.a.numel() + m.b.numel() for m in layers.values()) * self.a_itemsize / 2**20)
@@ -116,9 +121,15 @@ class LoRAPool:
         slot_of = self.activate(lora_requests)
         return [NO_SLOT if r is None else slot_of[r.lora_int_id] for r in lora_requests]
 
+    def fill_slot(self, slot: int, lora_request: LoRARequest) -> None:
+        """Put the adapter in `slot` as another rank's pool did (a tensor-parallel worker's)."""
+        self._fill(slot, lora_request.lora_int_id, self.load(lora_request))
+
     @torch.no_grad()
     def _fill(self, slot: int, lora_id: int, weights: LoRAWeights) -> None:
         """Copy the adapter into `slot` of every layer (zeros where it adapts nothing)."""
+        if self.sharding is not None:
+            weights = self.sharding.shard(weights)  # this rank's cut of the whole adapter (engine.lora.parallel_lora)
         for (layer_index, name), layer in self.layers.items():
             layer.a[slot].zero_()
             layer.b[slot].zero_()

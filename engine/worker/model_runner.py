@@ -26,6 +26,7 @@ from engine.core.request import Request
 from engine.core.scheduler_output import SampledToken, SchedulerOutput
 from engine.cpu.execution_plan import CpuExecutionPlan
 from engine.lora.adapter_pool import LoRAPool
+from engine.lora.parallel_lora import AdapterSharding, step_adapters, use_step_adapters
 from engine.loader.gguf_blocks import blocks_for_model
 from engine.loader.gguf_model import load_gguf_model
 from engine.loader.model_files import gguf_file_of
@@ -55,12 +56,16 @@ from ipc.lora_adapter import ModelShape
 logger = logging.getLogger(__name__)
 
 
-def make_lora_pool(config: EngineConfig, model_config: ModelConfig, model, dtype, device) -> LoRAPool | None:
-    """The LoRA adapters' pool around the model's layers under --enable-lora, else None."""
+def make_lora_pool(config: EngineConfig, model_config: ModelConfig, model, dtype, device,
+                   tp: TensorParallelGroup | None = None) -> LoRAPool | None:
+    """The LoRA adapters' pool around the model's layers under --enable-lora (this rank's shard
+    of each adapter under TP), else None."""
     if not config.enable_lora:
         return None
-    return LoRAPool(model, ModelShape.from_folder(model_config.path), config.max_loras, config.max_lora_rank,
-                    config.max_cpu_loras, dtype, device)
+    shape = ModelShape.from_folder(model_config.path)
+    sharding = AdapterSharding(shape, model_config, tp) if tp is not None and tp.size > 1 else None
+    return LoRAPool(model, shape, config.max_loras, config.max_lora_rank, config.max_cpu_loras, dtype, device,
+                    sharding=sharding)
 
 
 class ModelRunner:
@@ -96,7 +101,7 @@ class ModelRunner:
         self.decode_stack = self.cpu_plan.prepare(self.model, self.backend, self.kv_caches, self.num_weight_bytes)
         # Around the prepared layers (the fused and quantized ones are its base layers); the decode stack
         # keeps the base's weights and adds the adapters from the pool's own tensors.
-        self.lora = make_lora_pool(config, model_config, self.model, self.dtype, self.device)
+        self.lora = make_lora_pool(config, model_config, self.model, self.dtype, self.device, self.tp)
         if self.lora is not None and self.decode_stack is not None:
             self.decode_stack.use_lora(self.lora.layers, self.lora.state, self.lora.scales)
         self.sampler = self._make_sampler()
@@ -192,7 +197,10 @@ class ModelRunner:
         if self.mrope is not None:
             self.mrope.apply(step, scheduler_output)
         if self.lora is not None:  # each adapter of the step in a pool slot, and each sequence's slot
-            step.inputs.lora_slots = self.lora.step_slots([s.request.lora_request for s in scheduler_output.scheduled])
+            lora_requests = [s.request.lora_request for s in scheduler_output.scheduled]
+            step.inputs.lora_slots = self.lora.step_slots(lora_requests)
+            if self.executor is not None and step.inputs.lora_slots:  # the workers' pools follow this one
+                step.inputs.lora_adapters = step_adapters(self.lora, lora_requests)
         return step
 
     def run_step(self, step: PreparedStep) -> torch.Tensor | None:
@@ -256,6 +264,7 @@ class ModelRunner:
         hidden states go to `pooled_hidden`. `as_rows`: a step of a few short chunks (a draft model's
         catch-up) may run as one-token rows, as a verification step does."""
         if self.lora is not None:
+            use_step_adapters(self.lora, inputs.lora_adapters)  # a worker's new adapters (rank 0 has them)
             self.lora.state.prepare(*token_lora_slots(inputs), self.device)
         result = self.step_executor.forward(inputs, as_rows, images)  # images: (rows [n], embeddings [n, hidden])
         self.pooled_hidden = result.pooled  # [num_pooled, hidden_size] or None

@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.lora.lora_layers import NO_SLOT
+from engine.lora.parallel_lora import LoRASlot
 from engine.sample.logits_processing import LogitsProcessingState, bad_word_bans
 from engine.models.config import ModelConfig
 from engine.worker.pooler import plan_pooling
@@ -46,6 +47,8 @@ class StepInputs(msgspec.Struct, array_like=True, forbid_unknown_fields=True, ta
     pooling_rows: Ints = msgspec.field(default_factory=list)
     # [num_seqs]: each sequence's LoRA pool slot (engine.lora; NO_SLOT: the base), empty when no row has one
     lora_slots: Ints = msgspec.field(default_factory=list)
+    # Under tensor parallelism: the step's adapters and their slots, for the workers' pools to match rank 0's
+    lora_adapters: list[LoRASlot] = msgspec.field(default_factory=list)
 
     @property
     def has_lora_rows(self) -> bool:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.executor import messages
+from engine.lora.parallel_lora import LoRASlot
 from engine.parallel.parallel_layers import shard_checkpoint_tensor, vocab_rows_per_rank
 from engine.parallel.parallel_state import TensorParallelGroup
 from engine.models.config import ModelConfig
@@ -19,10 +20,10 @@ def test_worker_records_round_trip():
     step = messages.StepInputs([5, 6, 7], [0, 1, 2], [16, 17, 18], [0, 3], [3], [3], [[1, 0]], [2])
     pooling_step = messages.StepInputs([5, 6], [0, 1], [16, 17], [0, 2], [2], [2], [[1]], [], pooling_rows=[0, 1])
     lora_step = messages.StepInputs([5, 6], [0, 1], [16, 17], [0, 1, 2], [1, 1], [1, 1], [[1], [2]], [0, 1],
-                                    lora_slots=[-1, 0])
+                                    lora_slots=[-1, 0], lora_adapters=[LoRASlot(0, "sql", 7, "/adapters/sql")])
     for record in (step, pooling_step, lora_step, messages.WorkerHello(1, 123), messages.WorkerReady(2), messages.StopWorker("bye")):
         assert messages.decode(messages.encode(record)) == record
-    assert messages.encode(step)[:2] == bytes([0x9b, int(messages.WorkerMessageType.STEP_INPUTS)])  # [type, 10 fields]
+    assert messages.encode(step)[:2] == bytes([0x9c, int(messages.WorkerMessageType.STEP_INPUTS)])  # [type, 11 fields]
     with pytest.raises(ValueError):
         messages.decode(messages.encode(messages.WorkerHello(1, 1))[:-1])
 
