@@ -19,7 +19,9 @@ prompts tokenized at once) passes within it, and a fixed 2 s hold cost such a ro
 on one thread, 1.16x its time (issue #58); doubled, up to MAX_HOLD_S, each time the threads
 must go again soon after they came back, so intermittent abuse is not met with a stall every
 return. Processes at a higher nice value than ours yield their core to our threads and are not
-counted as others (a niced build beside a served core would otherwise hold one thread forever). While every request waits for its grammar's compile the
+counted as others (a niced build beside a served core would otherwise hold one thread forever),
+unless the kernel's autogroup shares the CPU by session first: then nice yields nothing across
+sessions, and they count. While every request waits for its grammar's compile the
 core steps nothing and its threads sit idle by design: the loop calls `restart`, not
 `update`, so that wait (beside the frontend's checker compiling the same grammar) never
 reads as a stall (issue #58: it cost the whole constrained round a thread, 1.4x). Two
@@ -46,11 +48,27 @@ STALLED_SHARE = 0.6  # our CPU time over (window x threads) below this: our thre
 USER_HZ = os.sysconf("SC_CLK_TCK")
 
 
+def is_autogroup_on() -> bool:
+    """Whether the scheduler shares the CPU between sessions first (sched_autogroup): then a niced
+    process of another session takes its session's full share, and nice gives way only inside one."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled", "rb") as f:
+            return f.read().strip() == b"1"
+    except OSError:
+        return False
+
+
+def niced_work_competes() -> bool:
+    """Whether niced processes take CPU from our threads: when we are niced ourselves, or autogroup
+    shares the CPU by session. Otherwise, at nice 0, they give way to our threads."""
+    return os.getpriority(os.PRIO_PROCESS, 0) > 0 or is_autogroup_on()
+
+
 def machine_busy_s(count_niced: bool | None = None) -> float:
-    """CPU seconds all CPUs spent busy since boot (the first line of /proc/stat). Niced processes'
-    user time counts only when we are niced ourselves: at nice 0 they give way to our threads."""
+    """CPU seconds all CPUs spent busy since boot (the first line of /proc/stat); niced processes'
+    user time only where it competes (`niced_work_competes`) unless `count_niced` says."""
     if count_niced is None:
-        count_niced = os.getpriority(os.PRIO_PROCESS, 0) > 0
+        count_niced = niced_work_competes()
     with open("/proc/stat", "rb") as f:
         fields = f.readline().split()[1:]
     user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])

@@ -200,6 +200,17 @@ def test_niced_work_counts_as_others_only_for_a_niced_core():
     assert niced - plain >= 0.5  # the burner's second (less whatever else ran), as niced time
 
 
+def test_niced_work_competes_for_a_niced_core_or_where_autogroup_shares_the_cpu_by_session(monkeypatch):
+    """With sched_autogroup on, a niced build in another session takes a whole session's share: a rival."""
+    from engine.cpu import thread_governor
+
+    assert thread_governor.is_autogroup_on() in (True, False)  # the real sysctl read, or absent: off
+    for our_nice, is_on, competes in ((0, False, False), (0, True, True), (10, False, True), (10, True, True)):
+        monkeypatch.setattr(thread_governor.os, "getpriority", lambda *_, n=our_nice: n)
+        monkeypatch.setattr(thread_governor, "is_autogroup_on", lambda is_on=is_on: is_on)
+        assert thread_governor.niced_work_competes() is competes, (our_nice, is_on)
+
+
 def test_a_wait_for_grammar_compiles_costs_no_thread():
     """While every request waits for its grammar, the loop restarts the window instead of reading it: the
     compile thread alone busy (our torch threads idle) beside the frontend's checker compiling the same
