@@ -1,4 +1,5 @@
-"""`--vision-quantization int8`: the vision encoder's linears on fbgemm's dynamic int8 matmuls. Its
+"""`--vision-quantization int8`: the vision encoder's linears on fbgemm's dynamic int8 matmuls (SigLIP, and
+Qwen2.5-VL's ViT: its embeddings within 0.99 cosine too). Its
 image embeddings stay within 0.99 cosine of the fp32 encoder's per token (the tiny checkpoint, and
 SigLIP-B/16 at 512 px, SmolVLM-256M's shape), the greedy answers on the tiny checkpoint are fp32's
 (transformers' tokens), only the tower is quantized, and a bad value is refused naming the field."""
@@ -93,3 +94,22 @@ def test_smolvlm_256m_shape_encoder_within_0_99_cosine(tmp_path):
     int8.shutdown()
     cosine = F.cosine_similarity(quantized, exact, dim=-1)  # [64]
     assert cosine.shape == (64,) and cosine.min().item() >= 0.99, cosine
+
+
+def test_qwen2_5_vl_tower_within_0_99_cosine_of_fp32(tmp_path):
+    """The same flag on Qwen2.5-VL's ViT: its qkv, proj and SwiGLU linears and the patch merger's."""
+    from scripts.lib.qwen_vl_model import make_tiny_qwen2_5_vl
+
+    path, _ = make_tiny_qwen2_5_vl(tmp_path)
+    fp32 = LLM(path, **ENGINE_KWARGS)
+    int8 = LLM(path, vision_quantization="int8", **ENGINE_KWARGS)
+    model = int8.engine.model_runner.model
+    num_layers = len(model.visual.blocks)
+    assert sum(isinstance(m, DynamicInt8Linear) for m in model.modules()) == 5 * num_layers + 2
+    pixels = torch.randn(1, 3, 56, 84, generator=torch.Generator().manual_seed(0))  # 2 x 3 merged tokens
+    exact, quantized = embeddings(fp32, pixels), embeddings(int8, pixels)
+    int8.shutdown()
+    fp32.shutdown()
+    assert not torch.equal(exact, quantized)
+    cosine = F.cosine_similarity(quantized, exact, dim=-1)  # [6]
+    assert cosine.shape == (6,) and cosine.min().item() >= 0.99, cosine
