@@ -28,6 +28,7 @@ from engine.cpu.gguf_kernels import GgufKernels, load_gguf_kernels
 from engine.cpu.packing import bound_primitive_caches, can_prepack, plan_slabs
 from engine.cpu.quantized_plan import QuantizedPlan, plan_quantization
 from engine.cpu.host import CpuFeatures
+from engine.cpu.vision_int8 import check_vision_quantization_supported, quantize_vision_tower
 from engine.cpu.huge_pages import zeros_on_huge_pages
 from engine.parallel.parallel_state import threads_per_rank
 
@@ -48,6 +49,7 @@ class CpuExecutionPlan:
     gguf_source: tuple[str, Path] | None  # (model as given, its folder): quantize from a GGUF's own blocks
     read_gguf_blocks: Callable | None  # the loader's (engine.loader.gguf_blocks.blocks_for_model), handed in
     can_keep_gguf_blocks: bool  # a GGUF's matmuls may run on its own blocks (GgufLinear), not dequantized
+    vision_int8: bool = False  # --vision-quantization int8: the vision tower's linears on fbgemm's int8
 
     @classmethod
     def make(cls, config: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype,
@@ -66,6 +68,8 @@ class CpuExecutionPlan:
                         and can_prepack(device, dtype))
         if is_prepacked or is_compiled:
             bound_primitive_caches()
+        if config.vision_quantization:
+            check_vision_quantization_supported(config.vision_quantization, device.type)
         may_use_gguf = (quantization is not None and not is_tensor_parallel and config.load_format == "auto"
                         and read_gguf_blocks is not None)
         return cls(
@@ -78,6 +82,7 @@ class CpuExecutionPlan:
             # tensor parallelism take dequantized weights instead.
             can_keep_gguf_blocks=(config.gguf_blocks and device.type == "cpu" and quantization is None
                                   and not is_compiled and not is_tensor_parallel),
+            vision_int8=config.vision_quantization == "int8",
         )
 
     def gguf_kernels(self) -> GgufKernels | None:
@@ -104,6 +109,10 @@ class CpuExecutionPlan:
         gguf_blocks = None
         if self.gguf_source is not None:
             gguf_blocks = self.read_gguf_blocks(model, *self.gguf_source, self.quantization.scheme)
+        if self.vision_int8:
+            # Before the passes below: they take nn.Linears only, so the tower is neither packed nor
+            # block-quantized again.
+            quantize_vision_tower(model, reduce_range=not self.cpu.has_avx512_vnni)
         apply_fast_paths(model, batch_size_hint=self.batch_size_hint if self.is_prepacked else None, slabs=slabs,
                          fused_ops=self.fused_ops, backend=backend, is_compiled=self.is_compiled,
                          int8=self.quantization, gguf_blocks=gguf_blocks)

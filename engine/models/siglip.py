@@ -52,11 +52,27 @@ class VisionAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.qkv_proj: nn.Linear | None = None  # fuse_qkv's one matmul in place of the three
+
+    def fuse_qkv(self) -> None:
+        """One [3 * hidden, hidden] matmul for q, k and v (the same values; one pass over the
+        activations, which a quantized matmul also quantizes once instead of three times)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(self.q_proj.in_features, 3 * self.q_proj.out_features)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([p.weight for p in projs]))  # [3 * hidden, hidden]
+            fused.bias.copy_(torch.cat([p.bias for p in projs]))
+        self.qkv_proj = fused.to(self.q_proj.weight.dtype)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         num_frames, num_patches, _ = hidden.shape
         shape = (num_frames, num_patches, self.num_heads, self.head_dim)
-        q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(hidden).view(num_frames, num_patches, 3, self.num_heads, self.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [num_frames, heads, num_patches, head_dim]
+        else:
+            q, k, v = (proj(hidden).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
         out = F.scaled_dot_product_attention(q, k, v)  # [num_frames, heads, num_patches, head_dim], every patch sees all
         return self.out_proj(out.transpose(1, 2).reshape(num_frames, num_patches, -1))
 
@@ -68,7 +84,8 @@ class VisionMLP(nn.Module):
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(hidden), approximate="tanh"))
+        # In place: fc1's [num_frames, num_patches, intermediate] output is the largest activation.
+        return self.fc2(torch.ops.aten.gelu_(self.fc1(hidden), approximate="tanh"))
 
 
 class VisionLayer(nn.Module):
