@@ -59,9 +59,12 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     block_size = 16
-    input_ids, positions, metadata, num_blocks = step_inputs([args.prompt_len], [args.prompt_len], block_size)
+    _, positions, metadata, num_blocks = step_inputs([args.prompt_len], [args.prompt_len], block_size)
+    model_config = ModelConfig.from_folder(path)
+    input_ids = torch.randint(0, model_config.vocab_size, (args.prompt_len,),
+                              generator=torch.Generator().manual_seed(0))  # [prompt_len]
     config = EngineConfig(model=path, block_size=block_size, max_num_seqs=1)
-    runner = ModelRunner(config, ModelConfig.from_folder(path), num_blocks + 1, args.prompt_len + 1)
+    runner = ModelRunner(config, model_config, num_blocks + 1, args.prompt_len + 1)
     seconds: dict[str, float] = defaultdict(float)
     modules = timed_linears(runner.model, seconds)
     best_total, best = float("inf"), {}
