@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 
@@ -230,28 +231,27 @@ def git_revision() -> str:
     return done.stdout.strip()
 
 
-def run(args: argparse.Namespace) -> dict:
+def run_servers(args: argparse.Namespace, make: Callable, measure_all: Callable) -> dict:
+    """Start every server (`make(name, args, port)`), `measure_all(servers, args, read_rates)`,
+    stop them; returns the servers, with their runs, and the run's facts (config, versions, load)."""
     load_before = os.getloadavg()[0]
-    servers = [make_server(name, args, free_port()) for name in args.servers]
+    servers = [make(name, args, free_port()) for name in args.servers]
     read_rates: list[float] = []
     try:
         for server in servers:
-            server.log_path = Path(args.log_dir) / f"single-user-{server.name}.log"
+            server.log_path = Path(args.log_dir) / f"{Path(sys.argv[0]).stem}-{server.name}.log"
             start = time.monotonic()
             logger.info("starting %s: %s", server.name, shlex.join(server.command))
             server.process = launch_server(server.command, server.url, server.log_path)
             logger.info("%s up after %.1f s", server.name, time.monotonic() - start)
-        asyncio.run(measure(servers, args, read_rates))
+        asyncio.run(measure_all(servers, args, read_rates))
     finally:
         for server in servers:
             if server.process is not None:
                 stop_server(server.process, timeout_s=60)
-    results = {server.name: summarize(server) for server in servers}
-    reference = "ours-bf16" if "ours-bf16" in results else None
     return {
+        "servers": servers,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "json"},
-        "results": results,
-        "table": markdown_table(results, reference),
         "llama_server_version": llama_version(args.llama_server),
         "tokenloom_revision": git_revision(),
         "load_average_1m_before": load_before,
@@ -260,8 +260,16 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run(args: argparse.Namespace) -> dict:
+    report = run_servers(args, make_server, measure)
+    results = {server.name: summarize(server) for server in report.pop("servers")}
+    reference = "ours-bf16" if "ours-bf16" in results else None
+    return {"results": results, "table": markdown_table(results, reference), **report}
+
+
+def argument_parser(description: str) -> argparse.ArgumentParser:
+    """The flags this script and its siblings (multi_user.py) share."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--servers", default=DEFAULT_SERVERS,
                    help=f"comma-separated, from {', '.join([*LLAMA_GGUFS, *OURS_FLAGS, 'ours-extra'])} "
                         "(ours-extra is added when --ours-extra is given)")
@@ -279,7 +287,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=PROMPT_SEED, help="for the prompts' token ids")
     p.add_argument("--log-dir", default="/tmp", help="where the servers' logs go")
     p.add_argument("--json", default="results/single_user.json", metavar="PATH")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The shared flags checked (p.error on a bad one), --servers as a list."""
     require_at_least_one(p, args, ("repeats", "prompt_len", "threads"))
     if args.output_len < 2:
         p.error("--output-len must be at least 2 (decode speed needs two tokens)")
@@ -298,6 +310,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(set(args.servers)) != len(args.servers) or not args.servers:
         p.error("--servers: at least one, each once")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argument_parser(__doc__.split("\n\n")[0])
+    return check_args(p, p.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> dict:
