@@ -54,6 +54,8 @@ class LoRAPool:
         self.reading: dict[int, AdapterRead] = {}  # lora_int_id -> its read on the reader thread, until cached
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter id in each slot
         self.slot_order: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # LRU slot first
+        # Per slot, per layer: {rank block: rows written} by its adapter (what a new one must zero).
+        self.slot_rows: list[dict[tuple[int, str], dict[int, int]]] = [{} for _ in range(max_loras)]
         self.layers = self._wrap(model, device)
 
     def _wrap(self, model: nn.Module, device: torch.device) -> dict[tuple[int, str], LoRALinear]:
@@ -159,15 +161,26 @@ class LoRAPool:
 
     @torch.no_grad()
     def _fill(self, slot: int, lora_id: int, weights: LoRAWeights) -> None:
-        """Copy the adapter into `slot` of every layer (zeros where it adapts nothing)."""
-        for (layer_index, name), layer in self.layers.items():
-            layer.a[slot].zero_()
-            layer.b[slot].zero_()
-            for part in weights.layers.get((layer_index, name), ()):
-                first = part.part_index * self.max_rank
-                layer.a[slot, first : first + weights.rank].copy_(part.a)  # [rank, in]
-                rows = slice(first, first + weights.rank)
+        """Copy the adapter into `slot` of every layer (zeros where it adapts nothing).
+
+        Only the rows the slot's last adapter wrote and this one does not are zeroed, not the whole
+        slot: zeroing ~28 MiB per slot took 45-190 ms of the loop's time on a busy 2-core host, the
+        copies 15 ms. A block's rows of B are only ever written in that block's own output columns
+        (its projection's), so the columns beside them stay zero from the pool's start."""
+        written = self.slot_rows[slot]
+        for key, layer in self.layers.items():
+            now = {part.part_index: weights.rank for part in weights.layers.get(key, ())}
+            for part_index, num_rows in written.get(key, {}).items():
+                if num_rows > now.get(part_index, 0):  # the last adapter's rows past this one's
+                    first = part_index * self.max_rank
+                    rows = slice(first + now.get(part_index, 0), first + num_rows)
+                    layer.a[slot, rows].zero_()
+                    layer.b[slot, rows].zero_()
+            for part in weights.layers.get(key, ()):
+                rows = slice(part.part_index * self.max_rank, part.part_index * self.max_rank + weights.rank)
+                layer.a[slot, rows].copy_(part.a)  # [rank, in]
                 layer.b[slot, rows, part.out_start : part.out_end].copy_(part.b_t)  # [rank, out_p]
+            written[key] = now
         self.scales[slot] = weights.scale
         self.state.scales[slot] = weights.scale
         self.slot_ids[slot] = lora_id

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 
 import torch
 
@@ -27,8 +28,11 @@ def step_until_done(engine, request_ids: set[str]) -> tuple[dict[str, list[int]]
     """Each request's tokens, and the errors the steps reported, until `request_ids` have finished."""
     tokens: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
-    for _ in range(500):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         results = engine.step()
+        if not results.outputs and not engine.has_schedulable_requests():
+            time.sleep(0.005)  # only a read going on: let its thread have the GIL
         errors.update(results.errors)
         for output in results.outputs:
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
@@ -94,3 +98,21 @@ def test_a_bad_tensor_found_on_the_read_fails_that_request_alone(tmp_path):
     assert list(engine.model_runner.lora.reading) == [2]
     tokens, errors = step_until_done(engine, {"on-good"})
     assert errors == {} and len(tokens["on-good"]) == 8
+
+
+def test_a_slot_refilled_holds_exactly_the_new_adapter(tmp_path):
+    """The fill zeroes only the rows the slot's last adapter wrote and the new one does not: after a
+    rank-16 adapter on every projection, a rank-8 one on q and v leaves the slot as a fresh pool's."""
+    path, hf_model = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL)
+    wide, _ = make_peft_adapter(hf_model, tmp_path / "wide", r=16, lora_alpha=32)
+    narrow, _ = make_peft_adapter(hf_model, tmp_path / "narrow", r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    kwargs = {**ENGINE_KWARGS, "max_loras": 1}
+    reused = LLM(path, **kwargs).engine.model_runner.lora
+    fresh = LLM(path, **kwargs).engine.model_runner.lora
+    assert reused.activate([LoRARequest("wide", 1, wide)]) == {1: 0}
+    assert any(layer.b[0].count_nonzero() for layer in reused.layers.values())
+    assert reused.activate([LoRARequest("narrow", 2, narrow)]) == {2: 0}
+    assert fresh.activate([LoRARequest("narrow", 2, narrow)]) == {2: 0}
+    for key, layer in reused.layers.items():
+        assert torch.equal(layer.a, fresh.layers[key].a) and torch.equal(layer.b, fresh.layers[key].b), key
+    assert not reused.layers[(0, "gate_up_proj")].a.any()  # the wide adapter's MLP rows are gone
