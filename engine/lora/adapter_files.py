@@ -43,7 +43,7 @@ def load_adapter(path: str, model: ModelShape, max_lora_rank: int, dtype: torch.
 
 def read_adapter(spec: AdapterSpec, model: ModelShape, dtype: torch.dtype) -> LoRAWeights:
     """The checked adapter's tensors in `dtype`, B transposed (ValueError naming the file when they are bad).
-    Tens of milliseconds for a rank-16 adapter of a small model: the core runs it on its reader thread."""
+    The core runs it on its reader thread (engine/lora/adapter_reader.py), off the busy loop."""
     from safetensors import SafetensorError, safe_open
 
     matrices: dict[tuple[int, str, str | None], dict[str, torch.Tensor]] = {}

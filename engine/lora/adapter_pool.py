@@ -164,8 +164,7 @@ class LoRAPool:
         """Copy the adapter into `slot` of every layer (zeros where it adapts nothing).
 
         Only the rows the slot's last adapter wrote and this one does not are zeroed, not the whole
-        slot: zeroing ~28 MiB per slot took 45-190 ms of the loop's time on a busy 2-core host, the
-        copies 15 ms. A block's rows of B are only ever written in that block's own output columns
+        slot, which cost the loop more than the copies (docs/lora.md). A block's rows of B are only ever written in that block's own output columns
         (its projection's), so the columns beside them stay zero from the pool's start."""
         written = self.slot_rows[slot]
         for key, layer in self.layers.items():

@@ -2,9 +2,9 @@
 
 A request naming an adapter that is not in the CPU cache has its folder checked at once (header
 and config, a few milliseconds: a bad one fails `add_request` with ValueError, as before), and its
-tensors read on one reader thread (safetensors to `dtype`, B transposed: 80-200 ms for a rank-16
-adapter of the default model). The request waits in the scheduler, passed over in its place,
-while `AdapterRead.is_ready` is False; a read that fails ends it with the reason (`check`). The
+tensors read on one reader thread (safetensors to `dtype`, B transposed: docs/lora.md has its
+cost). The request waits in the scheduler, passed over in its place, while `AdapterRead.is_ready`
+is False; a read that fails ends it with the reason (`check`). The
 loop keeps only the copy into a pool slot (engine/lora/adapter_pool.py), so the other streams'
 steps go on while the file is read:
 
