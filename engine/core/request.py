@@ -74,6 +74,8 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., once computed
         # Structured outputs: the matcher that follows the accepted tokens (engine.structured_output)
         self.grammar = None
+        # LoRA: its adapter's read on the core's reader thread, None once cached (engine.lora.adapter_reader)
+        self.adapter_read = None
         # Speculative decoding (engine.spec_decode): tokens proposed for the next step, and by what
         self.spec_token_ids: list[int] = []
         self.spec_method = None  # ipc.messages.SpecMethod of spec_token_ids
@@ -140,8 +142,9 @@ class Request:
 
 
 def is_compiling(request: Request) -> bool:
-    """Its grammar is not compiled yet: the request waits, passed over, in its place."""
-    return request.grammar is not None and not request.grammar.is_ready
+    """Its grammar is not compiled yet, or its adapter not read: the request waits, passed over, in its place."""
+    return ((request.grammar is not None and not request.grammar.is_ready)
+            or (request.adapter_read is not None and not request.adapter_read.is_ready))
 
 
 def check_stop(request: Request, token_id: int, eos_token_ids: set[int], max_model_len: int) -> RequestStatus | None:

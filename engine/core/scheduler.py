@@ -72,7 +72,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is preempted first
         self.requests: dict[str, Request] = {}
-        self.compiling: dict[str, Request] = {}  # waiting requests whose grammar may still be compiling
+        self.compiling: dict[str, Request] = {}  # waiting requests whose grammar (or adapter) may not be ready
         self.num_preemptions = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.num_prefix_cache_queries = 0  # tokens looked up at admission, cumulative
@@ -88,7 +88,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        if request.grammar is not None:
+        if request.grammar is not None or request.adapter_read is not None:
             self.compiling[request.request_id] = request
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -123,11 +123,15 @@ class Scheduler:
         compile or ran out of time, each with the reason, for the client."""
         failed = StepOutputs()
         for request_id, request in list(self.compiling.items()):
-            error = request.grammar.check()
+            error = request.grammar.check() if request.grammar is not None else None
+            if error is None and request.adapter_read is not None:
+                error = request.adapter_read.check()  # its adapter's file turned out bad
             if error is not None:
                 failed.errors.append(RequestError(request_id, error))
-            if error is not None or request.grammar.is_ready:
+            if error is not None or not is_compiling(request):
                 del self.compiling[request_id]
+                if error is None:
+                    request.adapter_read = None  # read and cached: the request keeps no second hold on the tensors
         if failed.errors:
             failed.outputs = self.fail_requests([e.request_id for e in failed.errors])
         return failed

@@ -137,22 +137,23 @@ class EngineCore:
                                is_pooling=pooling_params is not None)
         if images or self.model_config.vision is not None:
             check_images(images, prompt_token_ids, self.model_config.vision)
-        if lora_request is not None:
-            self._load_adapter(lora_request)
+        adapter_read = self._load_adapter(lora_request) if lora_request is not None else None
         request = Request(request_id, prompt_token_ids, params, params.max_tokens, arrival_time, pooling_params, images,
                           lora_request)
+        request.adapter_read = adapter_read
         if params.structured_outputs is not None:
             request.grammar = RequestGrammar(self._grammar_compiler().submit(params.structured_outputs),
                                              self.config.grammar_compile_timeout_s,
                                              params.structured_outputs.reasoning_end_token_ids)
         self.scheduler.add_request(request)
 
-    def _load_adapter(self, lora_request: LoRARequest) -> None:
-        """Into the runner's CPU cache of adapters; ValueError naming the field when it cannot serve it."""
+    def _load_adapter(self, lora_request: LoRARequest):
+        """Its folder checked (ValueError naming the field) and its tensors read off the loop: the read the
+        request waits for (engine.lora.adapter_reader), or None when the adapter is cached."""
         lora = getattr(self.model_runner, "lora", None)
         if lora is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA adapters are off (enable_lora)")
-        lora.load(lora_request)
+        return lora.prefetch(lora_request)
 
     def _grammar_compiler(self) -> GrammarCompilerPool:
         if self.grammar_compiler is None:
@@ -192,6 +193,9 @@ class EngineCore:
             self.executor.shutdown()
         if self.grammar_compiler is not None:
             self.grammar_compiler.shutdown()
+        lora = getattr(self.model_runner, "lora", None)
+        if lora is not None:
+            lora.reader.shutdown()
 
     def step(self) -> StepOutputs:
         """schedule -> execute -> update: the step's outputs, and the requests it failed for their own

@@ -18,7 +18,7 @@ class AdapterPart:
     out_start: int
     out_end: int
     a: torch.Tensor  # [rank, in]
-    b: torch.Tensor  # [out_end - out_start, rank]
+    b_t: torch.Tensor  # [rank, out_end - out_start]: B transposed as the pool keeps it, made on the read
 
 
 @dataclass
@@ -32,15 +32,20 @@ class LoRAWeights:
 
     @property
     def num_bytes(self) -> int:
-        return sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size()
+        return sum(p.a.numel() * p.a.element_size() + p.b_t.numel() * p.b_t.element_size()
                    for parts in self.layers.values() for p in parts)
 
 
 def load_adapter(path: str, model: ModelShape, max_lora_rank: int, dtype: torch.dtype) -> LoRAWeights:
     """Check the adapter at `path` against `model` (ValueError naming the field), then read its tensors in `dtype`."""
+    return read_adapter(check_adapter(path, model, max_lora_rank), model, dtype)
+
+
+def read_adapter(spec: AdapterSpec, model: ModelShape, dtype: torch.dtype) -> LoRAWeights:
+    """The checked adapter's tensors in `dtype`, B transposed (ValueError naming the file when they are bad).
+    The core runs it on its reader thread (engine/lora/adapter_reader.py), off the busy loop."""
     from safetensors import SafetensorError, safe_open
 
-    spec: AdapterSpec = check_adapter(path, model, max_lora_rank)
     matrices: dict[tuple[int, str, str | None], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(spec.weights_path, framework="pt", device="cpu") as f:
@@ -53,5 +58,6 @@ def load_adapter(path: str, model: ModelShape, max_lora_rank: int, dtype: torch.
         if not (torch.isfinite(ab["A"]).all() and torch.isfinite(ab["B"]).all()):
             raise ValueError(f"adapter_model.safetensors: layer {layer_index}'s {part or module} holds inf or NaN")
         start, end = model.out_slice(module, part)
-        layers.setdefault((layer_index, module), []).append(AdapterPart(PART_INDEX[part], start, end, ab["A"], ab["B"]))
+        layers.setdefault((layer_index, module), []).append(AdapterPart(PART_INDEX[part], start, end, ab["A"],
+                                                                             ab["B"].t().contiguous()))
     return LoRAWeights(spec.path, spec.rank, spec.scale, layers)

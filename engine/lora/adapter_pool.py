@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from engine.lora.adapter_files import LoRAWeights, load_adapter
+from engine.lora.adapter_reader import AdapterRead, AdapterReader
 from engine.lora.lora_layers import NO_SLOT, LoRALinear, LoRAStepState
 from engine.lora.parallel_lora import attach_lora
-from ipc.lora_adapter import NUM_PARTS, ModelShape, check_max_lora_rank
+from ipc.lora_adapter import NUM_PARTS, ModelShape, check_adapter, check_max_lora_rank
 from ipc.messages import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,12 @@ class LoRAPool:
                                    uses_kernels=device.type == "cuda")
         self.scales = [0.0] * max_loras  # shared with every layer
         self.cache: OrderedDict[int, LoRAWeights] = OrderedDict()  # lora_int_id -> weights, LRU first
+        self.reader = AdapterReader(shape, dtype)
+        self.reading: dict[int, AdapterRead] = {}  # lora_int_id -> its read on the reader thread, until cached
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter id in each slot
         self.slot_order: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # LRU slot first
+        # Per slot, per layer: {rank block: rows written} by its adapter (what a new one must zero).
+        self.slot_rows: list[dict[tuple[int, str], dict[int, int]]] = [{} for _ in range(max_loras)]
         self.layers = self._wrap(model, device)
 
     def _wrap(self, model: nn.Module, device: torch.device) -> dict[tuple[int, str], LoRALinear]:
@@ -84,21 +89,59 @@ class LoRAPool:
     def a_itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    def prefetch(self, lora_request: LoRARequest) -> AdapterRead | None:
+        """Start reading the adapter on the reader thread (engine.lora.adapter_reader), its folder checked
+        here first (ValueError naming the field); None when it is cached already."""
+        self._collect_reads()
+        lora_id = lora_request.lora_int_id
+        known = self.cache.get(lora_id) or self.reading.get(lora_id)
+        if known is not None:
+            self._check_same_path(lora_request, known.path)
+            if lora_id in self.cache:
+                self.cache.move_to_end(lora_id)
+                return None
+            return self.reading[lora_id]
+        spec = check_adapter(lora_request.lora_path, self.shape, self.max_rank)
+        self.reading[lora_id] = read = self.reader.submit(spec)
+        return read
+
     def load(self, lora_request: LoRARequest) -> LoRAWeights:
-        """The adapter's weights, from the cache or its folder (checked: ValueError naming the field)."""
-        weights = self.cache.get(lora_request.lora_int_id)
+        """The adapter's weights: from the cache, its read (waited for if not done), or its folder (checked:
+        ValueError naming the field)."""
+        lora_id = lora_request.lora_int_id
+        weights = self.cache.get(lora_id)
         if weights is not None:
-            if weights.path != os.path.abspath(lora_request.lora_path):
-                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already the adapter at {weights.path}; "
-                                 "give each adapter its own id")
-            self.cache.move_to_end(lora_request.lora_int_id)
+            self._check_same_path(lora_request, weights.path)
+            self.cache.move_to_end(lora_id)
             return weights
-        weights = load_adapter(lora_request.lora_path, self.shape, self.max_rank, self.dtype)
-        self.cache[lora_request.lora_int_id] = weights
+        read = self.reading.pop(lora_id, None)
+        if read is not None:
+            weights = read.weights()
+        else:
+            weights = load_adapter(lora_request.lora_path, self.shape, self.max_rank, self.dtype)
+        self._cache(lora_id, weights)
+        return weights
+
+    @staticmethod
+    def _check_same_path(lora_request: LoRARequest, path: str) -> None:
+        if path != os.path.abspath(lora_request.lora_path):
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already the adapter at {path}; "
+                             "give each adapter its own id")
+
+    def _cache(self, lora_id: int, weights: LoRAWeights) -> None:
+        self.cache[lora_id] = weights
         while len(self.cache) > self.max_cpu_loras:
             evicted, _ = self.cache.popitem(last=False)  # its slot, if any, keeps its copy
             logger.info("LoRA: adapter %d left the CPU cache (max_cpu_loras %d)", evicted, self.max_cpu_loras)
-        return weights
+
+    def _collect_reads(self) -> None:
+        """Finished reads into the cache, failed ones forgotten (their requests got the error): reads of
+        aborted requests do not pile up beside the cache's bound."""
+        for lora_id, read in list(self.reading.items()):
+            if read.future.done():
+                del self.reading[lora_id]
+                if read.is_ready:
+                    self._cache(lora_id, read.future.result())
 
     def activate(self, lora_requests: list[LoRARequest | None]) -> dict[int, int]:
         """A slot for each adapter of the step (at most max_loras of them): lora_int_id -> slot."""
@@ -127,17 +170,27 @@ class LoRAPool:
 
     @torch.no_grad()
     def _fill(self, slot: int, lora_id: int, weights: LoRAWeights) -> None:
-        """Copy the adapter into `slot` of every layer (zeros where it adapts nothing)."""
+        """Copy the adapter into `slot` of every layer (zeros where it adapts nothing).
+
+        Only the rows the slot's last adapter wrote and this one does not are zeroed, not the whole
+        slot, which cost the loop more than the copies (docs/lora.md). A block's rows of B are only ever written in that block's own output columns
+        (its projection's), so the columns beside them stay zero from the pool's start."""
         if self.sharding is not None:
             weights = self.sharding.shard(weights)  # this rank's cut of the whole adapter (engine.lora.parallel_lora)
-        for (layer_index, name), layer in self.layers.items():
-            layer.a[slot].zero_()
-            layer.b[slot].zero_()
-            for part in weights.layers.get((layer_index, name), ()):
-                first = part.part_index * self.max_rank
-                layer.a[slot, first : first + weights.rank].copy_(part.a)  # [rank, in]
-                rows = slice(first, first + weights.rank)
-                layer.b[slot, rows, part.out_start : part.out_end].copy_(part.b.t())  # [rank, out_p]: B transposed
+        written = self.slot_rows[slot]
+        for key, layer in self.layers.items():
+            now = {part.part_index: weights.rank for part in weights.layers.get(key, ())}
+            for part_index, num_rows in written.get(key, {}).items():
+                if num_rows > now.get(part_index, 0):  # the last adapter's rows past this one's
+                    first = part_index * self.max_rank
+                    rows = slice(first + now.get(part_index, 0), first + num_rows)
+                    layer.a[slot, rows].zero_()
+                    layer.b[slot, rows].zero_()
+            for part in weights.layers.get(key, ()):
+                rows = slice(part.part_index * self.max_rank, part.part_index * self.max_rank + weights.rank)
+                layer.a[slot, rows].copy_(part.a)  # [rank, in]
+                layer.b[slot, rows, part.out_start : part.out_end].copy_(part.b_t)  # [rank, out_p]
+            written[key] = now
         self.scales[slot] = weights.scale
         self.state.scales[slot] = weights.scale
         self.slot_ids[slot] = lora_id

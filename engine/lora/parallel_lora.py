@@ -66,19 +66,20 @@ class AdapterSharding:
         if module in ROW_PARALLEL:  # the input is sharded: A's columns, B whole
             width = part.a.shape[1] // tp.size
             a = part.a[:, tp.rank * width : (tp.rank + 1) * width].contiguous()  # [rank, in / N]
-            return AdapterPart(part.part_index, part.out_start, part.out_end, a, part.b)
+            return AdapterPart(part.part_index, part.out_start, part.out_end, a, part.b_t)
         # Column-parallel: B's rows of each projection part it covers (one, or all of a fused
         # PEFT module's, Phi-3's), cut as the base weight's rows are and laid out as our local layer's.
         pieces, names = [], []
         for name in COLUMN_PARTS[module]:
             start, end = self.shape.out_slice(module, name)
             if part.out_start <= start and end <= part.out_end:
-                pieces.append(shard_rows(name, part.b, start - part.out_start, end - start, self.model_config, tp))
+                b = part.b_t.t()  # [out, rank]: the base weight's row layout, as shard_rows cuts it
+                pieces.append(shard_rows(name, b, start - part.out_start, end - start, self.model_config, tp))
                 names.append(name)
         local_start = self.local_shape.out_slice(module, names[0])[0]
         local_end = self.local_shape.out_slice(module, names[-1])[1]
-        b = torch.cat(pieces).contiguous()  # [local_end - local_start, rank]
-        return AdapterPart(part.part_index, local_start, local_end, part.a, b)
+        b_t = torch.cat(pieces).t().contiguous()  # [rank, local_end - local_start]
+        return AdapterPart(part.part_index, local_start, local_end, part.a, b_t)
 
 
 class RowParallelMatmul(nn.Module):

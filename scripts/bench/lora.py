@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict:
     workload = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.distribution,
                              args.seed, vocab_size=base.engine.vocab_size)
     spread = [lora_requests[i % len(lora_requests)] for i in range(len(workload))]
-    warm = workload[: min(4, len(workload))]
+    warm = workload[: min(max(4, len(lora_requests)), len(workload))]  # every adapter read before the rounds
     run_workload(base, warm, None), run_workload(lora, warm, spread[: len(warm)])
     prompt = workload[0].prompt_token_ids
     rounds = []

@@ -16,6 +16,10 @@ RequestOutput's num_cached_tokens (what vLLM logs as "Prefix cache hit rate").
 generator and flags (--num-groups, --prefix-len, --question-len, --shared-output-len), so
 both engines see identical token ids. vLLM V1 caches prefixes by default;
 `--no-enable-prefix-caching` turns that off.
+
+`--lora-path DIR` (repeated) serves those PEFT adapters with `enable_lora=True`, `--max-loras`
+and `--max-lora-rank`, the requests spread round-robin over them (as scripts/bench/lora.py does);
+the warm-up names every adapter once.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM's prefix caching off (on by default in V1)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights of the folder's config.json, and no tokenizer (token ids only)")
+    p.add_argument("--lora-path", action="append", default=[], help="a PEFT adapter folder (repeat for more)")
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--json", default=None, metavar="PATH")
     return p.parse_args(argv)
 
@@ -65,6 +72,22 @@ def _dtype_used(llm) -> str | None:
         return str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     except AttributeError:
         return None
+
+
+def lora_kwargs(args: argparse.Namespace) -> dict:
+    if not args.lora_path:
+        return {}
+    return {"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+
+
+def lora_spread(paths: list[str], num_requests: int) -> list | None:
+    """Each request's vLLM LoRARequest, round-robin over `paths` (ids from 1); None without adapters."""
+    if not paths:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    adapters = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(paths)]
+    return [adapters[i % len(adapters)] for i in range(num_requests)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -89,14 +112,17 @@ def main(argv: list[str] | None = None) -> dict:
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-              load_format=args.load_format, skip_tokenizer_init=args.load_format == "dummy")
-    llm.generate(prompts[:NUM_WARMUP_REQUESTS],
-                 SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+              load_format=args.load_format, skip_tokenizer_init=args.load_format == "dummy",
+              **lora_kwargs(args))
+    spread = lora_spread(args.lora_path, len(prompts))
+    num_warmup = max(NUM_WARMUP_REQUESTS, len(args.lora_path))
+    llm.generate(prompts[:num_warmup], SamplingParams(temperature=0.0, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True),
+                 use_tqdm=False, lora_request=spread[:num_warmup] if spread else None)
     if args.enable_prefix_caching and not llm.reset_prefix_cache():  # start the measured run cold
         raise RuntimeError("vLLM refused to reset its prefix cache after the warm-up")
     steal_before = cpu_steal_s()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=spread)
     elapsed = time.perf_counter() - start
     stolen = steal_share(steal_before, cpu_steal_s(), elapsed)
 
@@ -120,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prefix_cache_hit_rate": num_cached / num_prompt,  # cached prompt tokens / prompt tokens
         "num_prefix_cache_hit_tokens": num_cached,
         "steal_share": stolen,
+        "num_lora_adapters": len(args.lora_path),
     }
     print(f"vllm {vllm.__version__} {args.dtype}: {len(workload)} requests, {num_prompt} prompt + {num_output} "
           f"output tokens in {elapsed:.2f} s: {summary['requests_per_s']:.2f} req/s, "

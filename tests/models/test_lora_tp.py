@@ -44,10 +44,10 @@ def test_each_rank_holds_the_shard_its_base_layer_would_and_they_add_up(tmp_path
         x = torch.randn(3, in_features)  # [n, in]
         want = torch.zeros(3, shape.out_slice(module, None)[1])
         for part in parts:
-            want[:, part.out_start : part.out_end] += (x @ part.a.t()) @ part.b.t()
+            want[:, part.out_start : part.out_end] += (x @ part.a.t()) @ part.b_t
         if module in ("o_proj", "down_proj"):  # row-parallel: each rank's input slice, the partial products summed
             width = in_features // 2
-            got = sum((x[:, r * width : (r + 1) * width] @ p.a.t()) @ p.b.t()
+            got = sum((x[:, r * width : (r + 1) * width] @ p.a.t()) @ p.b_t
                       for r, rank_parts in enumerate(s.layers[key] for s in shards) for p in rank_parts)
             assert torch.allclose(got, want, atol=1e-5), key
             continue
@@ -56,7 +56,7 @@ def test_each_rank_holds_the_shard_its_base_layer_would_and_they_add_up(tmp_path
             got = torch.zeros(3, local.out_slice(module, None)[1])
             for whole_part, p in zip(parts, shard.layers[key], strict=True):
                 assert torch.equal(p.a, whole_part.a)  # A whole
-                got[:, p.out_start : p.out_end] += (x @ p.a.t()) @ p.b.t()
+                got[:, p.out_start : p.out_end] += (x @ p.a.t()) @ p.b_t
             names = ("q", "k", "v") if module == "qkv_proj" else ("gate", "up")
             for name in names:
                 start, end = shape.out_slice(module, name)

@@ -6,6 +6,7 @@ the field, and the core's pid stays the same."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import requests
@@ -107,6 +108,17 @@ def test_bad_inputs_get_4xx_naming_the_field_and_the_core_lives_on(lora_server, 
     for response, status, message in cases:
         assert response.status_code == status, response.text
         assert message in response.json()["error"]["message"], response.text
+    # A NaN in the data passes the header's check: the core's read (off its loop) finds it, and fails the request.
+    from safetensors.torch import load_file, save_file
+
+    nan = tmp_path / "nan"
+    shutil.copytree(made["sql"], nan)
+    tensors = load_file(str(nan / "adapter_model.safetensors"))
+    tensors[next(k for k in sorted(tensors) if "lora_B" in k)][0, 0] = float("nan")
+    save_file(tensors, str(nan / "adapter_model.safetensors"))
+    assert load({"lora_name": "nan", "lora_path": str(nan)}).status_code == 200
+    response = complete(url, "nan")
+    assert response.status_code == 400 and "holds inf or NaN" in response.json()["error"]["message"], response.text
     assert complete(url, "sql").status_code == 200
     assert lora_server.child_pids() == core_pids
 
