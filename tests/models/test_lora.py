@@ -37,15 +37,15 @@ def adapters(tmp_path, hf_model, modules, count: int = 3):
     return made
 
 
-@pytest.mark.parametrize("architecture, modules", [("LlamaForCausalLM", LLAMA_MODULES),
-                                                   ("Phi3ForCausalLM", PHI3_MODULES)])
-def test_greedy_tokens_equal_peft_for_each_adapter_and_mixed(tmp_path, architecture, modules):
-    path, hf_model = make_tiny_model(tmp_path, architecture, **SMALL)
-    made = adapters(tmp_path, hf_model, modules)
-    llm = LLM(path, **ENGINE_KWARGS)
+def check_each_then_mixed(llm, hf_model, made, check_base: bool = False) -> tuple[list, list, list]:
+    """Each prompt under each adapter alone equals transformers + peft; then all of them at once (the base
+    and the adapters over the engine's slots, chunked prefill and decodes mixed) give the same tokens.
+    Returns the batch (prompts, lora requests, expected tokens)."""
     batch_prompts, batch_loras, expected = [], [], []
     for prompt in prompts():
         base = hf_greedy(hf_model, prompt, NUM_NEW_TOKENS)
+        if check_base:
+            assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == base
         batch_prompts.append(prompt), batch_loras.append(None), expected.append(base)
         for lora_request, peft_model in made:
             want = hf_greedy(peft_model, prompt, NUM_NEW_TOKENS)
@@ -53,9 +53,18 @@ def test_greedy_tokens_equal_peft_for_each_adapter_and_mixed(tmp_path, architect
             got = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora_request)[0].token_ids
             assert got == want, (lora_request.lora_name, len(prompt))
             batch_prompts.append(prompt), batch_loras.append(lora_request), expected.append(want)
-    # All of them at once: the base and three adapters, two slots, chunked prefill and decodes mixed.
     outputs = llm.generate(batch_prompts, GREEDY, use_tqdm=False, lora_request=batch_loras)
     assert [o.token_ids for o in outputs] == expected
+    return batch_prompts, batch_loras, expected
+
+
+@pytest.mark.parametrize("architecture, modules", [("LlamaForCausalLM", LLAMA_MODULES),
+                                                   ("Phi3ForCausalLM", PHI3_MODULES)])
+def test_greedy_tokens_equal_peft_for_each_adapter_and_mixed(tmp_path, architecture, modules):
+    path, hf_model = make_tiny_model(tmp_path, architecture, **SMALL)
+    made = adapters(tmp_path, hf_model, modules)
+    llm = LLM(path, **ENGINE_KWARGS)
+    batch_prompts, batch_loras, expected = check_each_then_mixed(llm, hf_model, made)
     # ngram speculative decoding verifies under each row's adapter: the same tokens.
     speculative = LLM(path, **ENGINE_KWARGS, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     outputs = speculative.generate(batch_prompts, GREEDY, use_tqdm=False, lora_request=batch_loras)

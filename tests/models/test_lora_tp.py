@@ -17,10 +17,9 @@ from engine.models.config import ModelConfig
 from engine.parallel.parallel_state import TensorParallelGroup
 from ipc.engine_config import EngineConfig
 from ipc.lora_adapter import ModelShape
-from scripts.lib.greedy_drift import hf_greedy
 from tests.helpers.lora import LLAMA_MODULES, PHI3_MODULES, make_peft_adapter
 from tests.helpers.models import make_tiny_model
-from tests.models.test_lora import ENGINE_KWARGS, GREEDY, NUM_NEW_TOKENS, SMALL, adapters, prompts
+from tests.models.test_lora import ENGINE_KWARGS, GREEDY, SMALL, adapters, check_each_then_mixed
 
 TP_KWARGS = {**ENGINE_KWARGS, "tensor_parallel_size": 2, "device": "cpu"}
 CASES = {
@@ -75,21 +74,8 @@ def test_tp2_greedy_tokens_equal_peft_for_each_adapter_and_mixed(tmp_path, archi
     path, hf_model = make_tiny_model(tmp_path, architecture, **{**SMALL, **overrides})
     made = adapters(tmp_path, hf_model, modules)
     llm = LLM(path, **TP_KWARGS)
-    try:
-        batch_prompts, batch_loras, expected = [], [], []
-        for prompt in prompts():
-            base = hf_greedy(hf_model, prompt, NUM_NEW_TOKENS)
-            assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == base
-            batch_prompts.append(prompt), batch_loras.append(None), expected.append(base)
-            for lora_request, peft_model in made:
-                want = hf_greedy(peft_model, prompt, NUM_NEW_TOKENS)
-                assert want != base  # the adapter changes the answer: the test can fail
-                got = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora_request)[0].token_ids
-                assert got == want, (lora_request.lora_name, len(prompt))
-                batch_prompts.append(prompt), batch_loras.append(lora_request), expected.append(want)
-        # The base and three adapters at once over two slots: slots refilled, on both ranks alike.
-        outputs = llm.generate(batch_prompts, GREEDY, use_tqdm=False, lora_request=batch_loras)
-        assert [o.token_ids for o in outputs] == expected
+    try:  # the base and three adapters alone, then at once over two slots: slots refilled, on both ranks alike
+        batch_prompts, batch_loras, expected = check_each_then_mixed(llm, hf_model, made, check_base=True)
     finally:
         llm.shutdown()
     # ngram speculative decoding verifies under each row's adapter on both ranks: the same tokens.
