@@ -6,6 +6,8 @@ and one expand matmul per group (S-LoRA's and Punica's SGMV, in torch):
     groups:  slot 1 -> rows [0, 2]   slot 0 -> rows [3, 4]
     y[rows] += ((x[rows] @ A[s].T) @ B[s]) * scale[s]              # [n, P*R] then [n, out]
 
+In the eager layers a run of 16 or more rows of one slot (a prefill chunk) is added through a view
+of those rows of y instead (`split_runs`), and only the rest are gathered and scattered.
 (B kept transposed, [P*R, out], as the CPU decode stack's expand reads it.) A fused layer
 (qkv_proj, gate_up_proj) keeps P rank blocks in A, one per projection (q, k, v; gate, up), and
 B's output features of each projection use only that block's rows (zeros elsewhere), so
@@ -25,7 +27,9 @@ import torch
 from torch import nn
 
 NO_SLOT = -1  # a row of the base model: no adapter added
+MIN_RUN_ROWS = 16  # a run of one slot's rows this long adds through a view of y; shorter ones are gathered
 Groups = list[tuple[int, "torch.Tensor | None"]]  # (slot, the rows; None: every row)
+Runs = list[tuple[int, int, int]]  # (slot, first row, end row): contiguous rows of one slot
 
 
 @dataclass
@@ -38,6 +42,9 @@ class LoRAStepState:
     uses_kernels: bool = False
     token_groups: Groups = field(default_factory=list)
     output_groups: Groups | None = None  # None: the last layer runs on every token too
+    # The eager layers' split of the same rows: long runs (a prefill chunk) through views, the rest gathered.
+    token_runs: tuple[Runs, Groups] = ([], [])
+    output_runs: tuple[Runs, Groups] | None = None
     token_plan: Any = None  # engine.kernels.lora_sgmv.SegmentPlan; None: no row has an adapter
     output_plan: Any = None
     selects_output: bool = False  # whether the last layer runs on the output rows alone
@@ -54,6 +61,8 @@ class LoRAStepState:
         else:
             self.token_groups = group_rows(token_slots, device) if token_slots else []
             self.output_groups = group_rows(output_slots, device) if self.selects_output else None
+            self.token_runs = split_runs(token_slots, device)
+            self.output_runs = split_runs(output_slots, device) if self.selects_output else None
 
 
 def group_rows(slots: list[int], device: torch.device) -> Groups:
@@ -67,6 +76,25 @@ def group_rows(slots: list[int], device: torch.device) -> Groups:
         if slot != NO_SLOT:
             rows.setdefault(slot, []).append(row)
     return [(slot, torch.tensor(r, dtype=torch.int64, device=device)) for slot, r in sorted(rows.items())]
+
+
+def split_runs(slots: list[int], device: torch.device) -> tuple[Runs, Groups]:
+    """The runs of MIN_RUN_ROWS or more rows of one slot (a prefill chunk), and the other adapted rows
+    grouped by slot (decodes, short chunks): a run needs no gather of x and no scatter into y."""
+    runs: Runs = []
+    rest: dict[int, list[int]] = {}
+    start = 0
+    for end in range(1, len(slots) + 1):
+        if end < len(slots) and slots[end] == slots[start]:
+            continue
+        slot = slots[start]
+        if slot != NO_SLOT:
+            if end - start >= MIN_RUN_ROWS:
+                runs.append((slot, start, end))
+            else:
+                rest.setdefault(slot, []).extend(range(start, end))
+        start = end
+    return runs, [(slot, torch.tensor(r, dtype=torch.int64, device=device)) for slot, r in sorted(rest.items())]
 
 
 class LoRALinear(nn.Module):
@@ -92,13 +120,14 @@ class LoRALinear(nn.Module):
             plan = state.output_plan if self.is_output_layer and state.selects_output else state.token_plan
             # B is [slots, P*R, out] in memory; the kernel takes it as [slots, out, P*R] at any strides.
             return add_lora(y, x, self.a, self.b.transpose(1, 2), state.scales, plan)
-        groups = state.output_groups if self.is_output_layer and state.output_groups is not None else state.token_groups
-        # In place: y is the base layer's fresh output; a copy of it per group (out of place) cost a
-        # prefill step of 8 adapters 8 passes over [n, out] per layer. The sums are the same.
+        runs, groups = state.output_runs if self.is_output_layer and state.output_runs is not None else state.token_runs
+        # In place, y being the base layer's fresh output, and scaled inside the expand's matmul (alpha):
+        # no copy of y per group, no [n, out] temporary; a long run (a prefill chunk) is a view of y's
+        # rows, with no gather of x or scatter into y. The sums are the same.
+        for slot, start, end in runs:
+            shrunk = x[start:end] @ self.a[slot].t()  # [end - start, P*R]
+            y[start:end].addmm_(shrunk, self.b[slot], alpha=self.scales[slot])  # += [end - start, out]
         for slot, rows in groups:
-            a, b, scale = self.a[slot], self.b[slot], self.scales[slot]
-            if rows is None:
-                y += (x @ a.t()) @ b * scale  # [n, P*R] -> [n, out]
-            else:
-                y.index_add_(0, rows, (x[rows] @ a.t()) @ b * scale)  # [len(rows), out] into y's rows
+            expanded = (x[rows] @ self.a[slot].t()) @ self.b[slot]  # [len(rows), out]
+            y.index_add_(0, rows, expanded, alpha=self.scales[slot])
         return y
