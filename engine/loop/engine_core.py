@@ -150,7 +150,7 @@ class EngineCore:
     def _load_adapter(self, lora_request: LoRARequest):
         """Its folder checked (ValueError naming the field) and its tensors read off the loop: the read the
         request waits for (engine.lora.adapter_reader), or None when the adapter is cached."""
-        lora = getattr(getattr(self, "model_runner", None), "lora", None)  # None too when __init__ failed before it
+        lora = getattr(self.model_runner, "lora", None)
         if lora is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA adapters are off (enable_lora)")
         return lora.prefetch(lora_request)
