@@ -173,8 +173,9 @@ class LoRAPool:
         """Copy the adapter into `slot` of every layer (zeros where it adapts nothing).
 
         Only the rows the slot's last adapter wrote and this one does not are zeroed, not the whole
-        slot, which cost the loop more than the copies (docs/lora.md). A block's rows of B are only ever written in that block's own output columns
-        (its projection's), so the columns beside them stay zero from the pool's start."""
+        slot, which cost the loop more than the copies (docs/lora.md). A block's rows of B are only
+        ever written in that block's own output columns (its projection's, or the whole fused module's
+        for every adapter of a fused model), so the columns beside them stay zero from the pool's start."""
         if self.sharding is not None:
             weights = self.sharding.shard(weights)  # this rank's cut of the whole adapter (engine.lora.parallel_lora)
         written = self.slot_rows[slot]
