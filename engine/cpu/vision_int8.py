@@ -21,7 +21,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-VISION_QUANTIZATIONS = ("int8",)
 # The attribute a vision-language model keeps its tower in: Idefics3's SigLIP, Qwen2.5-VL's ViT.
 VISION_TOWERS = ("vision_model", "visual")
 
@@ -54,9 +53,7 @@ class DynamicInt8Linear(nn.Module):
 
 
 def check_vision_quantization_supported(scheme: str, device_type: str) -> None:
-    """ValueError naming the flag unless this torch and device can run it."""
-    if scheme not in VISION_QUANTIZATIONS:
-        raise ValueError(f"vision_quantization must be one of {VISION_QUANTIZATIONS}, got {scheme!r}")
+    """ValueError naming the flag unless this torch and device can run it (EngineConfig has checked the name)."""
     if device_type != "cpu":
         raise ValueError(f"vision_quantization={scheme!r} runs on the CPU only (fbgemm's int8 matmuls)")
     if "fbgemm" not in torch.backends.quantized.supported_engines:

@@ -34,17 +34,17 @@ Runs = list[tuple[int, int, int]]  # (slot, first row, end row): contiguous rows
 
 @dataclass
 class LoRAStepState:
-    """One step's rows grouped by slot: over the step's tokens, and over the rows the last layer keeps
-    (the sampled then pooled rows, when the model runs its last layer on those alone). With
-    `uses_kernels` (the GPU), Triton segment plans of the same rows instead of the groups."""
+    """One step's rows by slot: the decode stack's groups over the step's tokens, and the eager layers'
+    runs over the tokens and over the rows the last layer keeps (the sampled then pooled rows, when
+    the model runs its last layer on those alone). With `uses_kernels` (the GPU), Triton segment
+    plans of the same rows instead."""
 
     scales: torch.Tensor | None = None  # [max_loras] fp32 on the device, for the kernels (the pool fills it)
     uses_kernels: bool = False
-    token_groups: Groups = field(default_factory=list)
-    output_groups: Groups | None = None  # None: the last layer runs on every token too
-    # The eager layers' split of the same rows: long runs (a prefill chunk) through views, the rest gathered.
+    token_groups: Groups = field(default_factory=list)  # the CPU decode stack's (engine/cpu/decode_stack.py)
+    # The eager layers' split: long runs (a prefill chunk) through views, the rest gathered by slot.
     token_runs: tuple[Runs, Groups] = ([], [])
-    output_runs: tuple[Runs, Groups] | None = None
+    output_runs: tuple[Runs, Groups] | None = None  # None: the last layer runs on every token too
     token_plan: Any = None  # engine.kernels.lora_sgmv.SegmentPlan; None: no row has an adapter
     output_plan: Any = None
     selects_output: bool = False  # whether the last layer runs on the output rows alone
@@ -60,7 +60,6 @@ class LoRAStepState:
             self.output_plan = make_segment_plan(output_slots, device) if self.selects_output else None
         else:
             self.token_groups = group_rows(token_slots, device) if token_slots else []
-            self.output_groups = group_rows(output_slots, device) if self.selects_output else None
             self.token_runs = split_runs(token_slots, device)
             self.output_runs = split_runs(output_slots, device) if self.selects_output else None
 
