@@ -44,7 +44,10 @@ MAX_HOLD_S = 3.2  # ... and at most, after threads were taken again and again
 FLAP_S = 5.0  # threads taken again within this of their return: the hold doubles
 HIGH_OTHER_CORES = 0.7  # others' CPU use (in cores) that, with our threads stalled, takes threads away
 LOW_OTHER_CORES = 0.3  # ... and below which, for the hold, they come back
-STALLED_SHARE = 0.6  # our CPU time over (window x threads) below this: our threads waited for a core
+# Our CPU time over (window x threads) below this: our threads waited for a core. They spin at
+# the pool's barriers, so a rival taking X cores of 2 leaves them busy about 1 - X / 2: at 0.6 it
+# had to take 0.8 of a core, and one at 0.7-0.75 ran five steps at 2-3x their time first (issue #58).
+STALLED_SHARE = 0.7
 USER_HZ = os.sysconf("SC_CLK_TCK")
 
 

@@ -92,6 +92,16 @@ def test_abuse_that_comes_and_goes_doubles_the_hold_and_a_calm_spell_resets_it()
     assert governor.num_threads == 1 and governor.hold_s == MIN_HOLD_S
 
 
+def test_a_rival_at_three_quarters_of_a_core_takes_a_thread_in_one_window():
+    """Seen in a served round (issue #58): something else took 0.7-0.75 of a core for 4 s; our two
+    threads, spinning at the barriers through the rest, read 61-66% busy, and five steps ran at 2-3x
+    their time on two threads before one went."""
+    readings = Readings()
+    governor, calls = make_governor(readings)
+    assert run_windows(governor, readings, WINDOW_S, others=0.75, own=1.25) == 1
+    assert calls == [1]
+
+
 def test_a_burst_of_frontend_work_that_leaves_our_threads_busy_costs_no_thread():
     readings = Readings()
     governor, calls = make_governor(readings)
