@@ -53,6 +53,9 @@ class GrammarBitmask:
         self._batch_matcher = None
         self._started: tuple[list[int], list, Future] | None = None  # (rows, grammars, the fill's future)
         self.times = FillTimes()
+        # False: start_fill waits for its fill, so nothing runs beside the forward (for A/B probes:
+        # scripts/bench/probes/grammar_forward.py)
+        self.is_overlapping = True
 
     def start_fill(self, rows: list[int], grammars: list, vocab_size: int) -> None:
         """Fill bitmask row rows[i] from grammars[i] (RequestGrammar) on the fill thread; `apply` waits for it."""
@@ -70,6 +73,8 @@ class GrammarBitmask:
         bitmask = self._rows(max(rows) + 1, vocab_size)
         matchers = [g.matcher for g in grammars]
         self._started = (list(rows), list(grammars), self._executor.submit(self._fill, matchers, bitmask, list(rows)))
+        if not self.is_overlapping:
+            self._started[2].exception()  # done before the forward; its error, if any, raised in apply
 
     def _fill(self, matchers: list, bitmask: torch.Tensor, rows: list[int]) -> None:
         self.times.start = time.perf_counter()

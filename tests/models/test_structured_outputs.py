@@ -144,6 +144,29 @@ def test_the_fill_runs_beside_the_forward_and_the_fused_kernel_masks(llm, tmp_pa
     assert all(s["t0"] <= s["fwd0"] <= s["fwd1"] <= s["t1"] for s in grammar_steps)
 
 
+def test_a_fill_waited_for_before_the_forward_gives_the_same_answer(llm):
+    """`is_overlapping = False` (the A/B probe's serial arm) finishes the fill inside start_fill and
+    changes no token."""
+    bitmask = llm.engine.model_runner.logits_state.grammar_bitmask
+    params = greedy(40, structured_outputs=StructuredOutputsParams(json=PERSON))
+    overlapped = llm.chat(QUESTION, params, use_tqdm=False)[0]
+    done_at_start = []
+    start_fill = bitmask.start_fill
+
+    def watched(*args):
+        start_fill(*args)
+        done_at_start.append(bitmask._started is None or bitmask._started[2].done())
+
+    bitmask.is_overlapping, bitmask.start_fill = False, watched
+    try:
+        serial = llm.chat(QUESTION, params, use_tqdm=False)[0]
+    finally:
+        bitmask.is_overlapping = True
+        del bitmask.start_fill
+    assert serial.token_ids == overlapped.token_ids
+    assert len(done_at_start) >= 5 and all(done_at_start)
+
+
 def test_the_matcher_follows_the_tokens_across_preemption(default_model_path, llm):
     prompt = llm.apply_chat_template(QUESTION)
     params = greedy(100, structured_outputs=StructuredOutputsParams(json=PERSON))

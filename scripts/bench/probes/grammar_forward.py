@@ -10,7 +10,9 @@ free and constrained (one json_schema for all; order F G, G F, ... so drift hits
 it gives the forward's median time over the steps where every request decodes, and per pair the
 constrained forward over the free one. The fill runs on its thread beside each constrained forward
 (engine/structured_output/bitmask.py), so a ratio near 1.0 says that thread costs the forward
-nothing, and a served round whose forward is slower has met something else.
+nothing, and a served round whose forward is slower has met something else. --with-serial adds a
+third arm whose fill is waited for before the forward starts (each arm leads in turn): if it varies
+as much, the variation is not the fill's thread beside the forward.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=6, help="pairs of one free and one constrained round")
     parser.add_argument("--max-tokens", type=int, default=60)
+    parser.add_argument("--with-serial", action="store_true",
+                        help="a third arm: constrained, the fill waited for before the forward (nothing beside it)")
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
@@ -71,23 +75,26 @@ def run(args: argparse.Namespace) -> dict:
     grammar = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                              structured_outputs=StructuredOutputsParams(json=PERSON_SCHEMA))
     llm.chat(conversations[:2], grammar, use_tqdm=False)  # the schema's compile, outside the rounds
+    bitmask = llm.engine.model_runner.logits_state.grammar_bitmask
+    arms = [("free", free), ("grammar", grammar)] + ([("grammar_serial", grammar)] if args.with_serial else [])
     rounds, pairs = [], []
     for pair in range(args.rounds):
-        arms = [("free", free), ("grammar", grammar)]
         medians = {}
-        for arm, params in arms if pair % 2 == 0 else arms[::-1]:
+        for arm, params in arms[pair % len(arms):] + arms[:pair % len(arms)]:  # each arm first in turn
+            bitmask.is_overlapping = arm != "grammar_serial"
             times.steps.clear()
             start = time.perf_counter()
             llm.chat(conversations, params, use_tqdm=False)
             full = [(forward, fill) for rows, forward, fill in times.steps if rows == args.num_requests]
             medians[arm] = statistics.median(f for f, _ in full) * 1e3
             rounds.append({"pair": pair, "arm": arm, "num_full_steps": len(full), "forward_ms": round(medians[arm], 2),
-                           "fill_ms": round(statistics.median(f for _, f in full) * 1e3, 3) if arm == "grammar" else None,
+                           "fill_ms": round(statistics.median(f for _, f in full) * 1e3, 3) if arm != "free" else None,
                            "seconds": round(time.perf_counter() - start, 2)})
             logger.info("pair %d %s: %s", pair, arm, rounds[-1])
-        pairs.append(round(medians["grammar"] / medians["free"], 4))
+        pairs.append({arm: round(medians[arm] / medians["free"], 4) for arm in medians if arm != "free"})
     return {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "rounds": rounds,
-            "forward_ratio_by_pair": pairs, "forward_ratio_median": statistics.median(pairs),
+            "forward_ratio_by_pair": pairs,
+            "forward_ratio_median": {arm: statistics.median(p[arm] for p in pairs) for arm in pairs[0]},
             "machine": machine_info()}
 
 
