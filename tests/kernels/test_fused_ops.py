@@ -77,6 +77,21 @@ def test_silu_and_mul_matches_torch_bitwise(ops, dtype, num_tokens, intermediate
     assert torch.equal(out, silu_and_mul(gate_up))
 
 
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_silu_and_mul_kernel_gives_torch_fp32_bits_on_vector_cpus(ops, num_tokens):
+    """On AVX2 (and AVX-512) hosts the kernel's own fp32 SiLU, SLEEF's expf at ATen's width, is
+    torch's bit for bit, so fp32 rows run the kernel, not torch's op in its place (the test can
+    fail: before the AVX2 branch no width matched on an AVX2 host, and the scalar expf cost a
+    1B model's one-token step 0.5 ms)."""
+    from engine.cpu.host import cpu_flags
+
+    if not {"avx2", "avx512f"} & cpu_flags():
+        pytest.skip("no AVX2 or AVX-512: the kernel's SiLU is glibc's scalar expf")
+    assert ops.is_silu_exact
+    gate_up = random(num_tokens, 2 * 1544, dtype=torch.float32, scale=4, seed=9)  # 1544 = 48 * 32 + 8: a tail
+    assert torch.equal(ops.kernels.silu_and_mul(gate_up, ops.silu_lanes), silu_and_mul(gate_up))
+
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_BLOCKS, BLOCK_SIZE = 9, 3, 64, 40, 16
 
 

@@ -2,7 +2,8 @@
 // threads at 1, 2, 4 and 8 tokens, beside a plain read of the same bytes (stream) in the same
 // run, each layer-sized pass timed alone (fast decile): the kernel without the op's Python and
 // hand-out around it. With -DWITH_OLD it also runs an older copy of the headers, renamed to
-// namespace old_gguf, in passes of at most 4 tokens as that kernel did (docs/cpu-kernels.md):
+// namespace old_gguf, in passes of at most 4 tokens as that kernel did (docs/cpu-kernels.md; an
+// old copy from after the tokens' interleaved words, whose dot_q4_k_x8 takes them as `xw`):
 //   mkdir -p /tmp/old && for f in gguf_dot.h gguf_dot_x8.h; do git show REV:engine/cpu/csrc/gguf/$f \
 //     | sed 's/tokenloom_gguf/old_gguf/g; s/"gguf_dot.h"/"old_gguf_dot.h"/' > /tmp/old/old_$f; done
 //   g++ -O3 -march=native -fopenmp -DWITH_OLD -I engine/cpu/csrc/gguf -I /tmp/old \
@@ -50,8 +51,8 @@ int main(int argc, char** argv) {
       for (int t0 = 0; t0 < T; t0 += 4) {
         const int n = std::min(4, T - t0);
         const old_gguf::ActK k{oa.q + t0 * nsb * 256, oa.d + t0 * nsb, oa.sums16 + t0 * nsb * 16, oa.sums32 + t0 * nsb * 8, nsb};
-        switch (n) { case 1: old_gguf::dot_q4_k_x8<1>(g, k, nsb, out); break; case 2: old_gguf::dot_q4_k_x8<2>(g, k, nsb, out); break;
-                     case 3: old_gguf::dot_q4_k_x8<3>(g, k, nsb, out); break; default: old_gguf::dot_q4_k_x8<4>(g, k, nsb, out); }
+        switch (n) { case 1: old_gguf::dot_q4_k_x8<1>(g, k, nsb, xw[n].data(), out); break; case 2: old_gguf::dot_q4_k_x8<2>(g, k, nsb, xw[n].data(), out); break;
+                     case 3: old_gguf::dot_q4_k_x8<3>(g, k, nsb, xw[n].data(), out); break; default: old_gguf::dot_q4_k_x8<4>(g, k, nsb, xw[n].data(), out); }
       }
       return;
     }
