@@ -95,10 +95,24 @@ def _q6_k_bits(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ql.astype(np.uint8), qh.reshape(*codes.shape[:-1], 64).astype(np.uint8)
 
 
+PACK_CHUNK_GROUPS = 512  # groups repacked at a time: the temporaries stay a few MB, whatever the tensor
+
+
 def pack_q6_k_x8(rows: torch.Tensor) -> torch.Tensor:
-    """uint8 [8 g, bytes per row] Q6_K rows -> [g, 8 x bytes per row], the kernel's groups."""
+    """uint8 [8 g, bytes per row] Q6_K rows -> [g, 8 x bytes per row], the kernel's groups. In
+    chunks of groups, so that an LM head's repack (a Q4_K_M file's biggest tensor) holds the
+    output and a few MB beside it, not several copies of the tensor."""
     num_rows, row_bytes = rows.shape
     assert num_rows % GROUP_ROWS == 0 and row_bytes % Q6_K_BLOCK_BYTES == 0
+    out = torch.empty(num_rows // GROUP_ROWS, GROUP_ROWS * row_bytes, dtype=torch.uint8)
+    step = PACK_CHUNK_GROUPS * GROUP_ROWS
+    for start in range(0, num_rows, step):
+        out[start // GROUP_ROWS:(start + step) // GROUP_ROWS] = _pack_q6_k_x8(rows[start:start + step])
+    return out
+
+
+def _pack_q6_k_x8(rows: torch.Tensor) -> torch.Tensor:
+    num_rows, row_bytes = rows.shape
     groups, blocks = num_rows // GROUP_ROWS, row_bytes // Q6_K_BLOCK_BYTES
     b = rows.numpy().reshape(groups, GROUP_ROWS, blocks, Q6_K_BLOCK_BYTES).transpose(0, 2, 1, 3)  # [g, nb, 8, 210]
     out = np.empty((groups, blocks, GROUP_ROWS * Q6_K_BLOCK_BYTES), dtype=np.uint8)

@@ -184,14 +184,17 @@ def test_q4_k_groups_hold_the_file_bits_exactly():
     assert groups.shape == (3, 8 * 3 * 144) and torch.equal(unpack_q4_k_x8(groups), rows)
 
 
-def test_q6_k_groups_hold_the_file_bits_exactly():
+def test_q6_k_groups_hold_the_file_bits_exactly(monkeypatch):
     """As Q4_K's: random bytes (every bit pattern) come back, and the groups are the same bytes
-    moved (a permutation: the same multiset of set bits per group)."""
-    rows = torch.from_numpy(np.random.default_rng(6).integers(0, 256, (16, 2 * 210), dtype=np.uint8))
+    moved (a permutation: the same multiset of set bits per group). Packed a chunk of groups at
+    a time, the bytes are the same as in one go."""
+    rows = torch.from_numpy(np.random.default_rng(6).integers(0, 256, (24, 2 * 210), dtype=np.uint8))
     groups = pack_q6_k_x8(rows)
-    assert groups.shape == (2, 8 * 2 * 210) and torch.equal(unpack_q6_k_x8(groups), rows)
-    bits = np.unpackbits(rows.numpy().reshape(2, -1), axis=1).sum(axis=1)
+    assert groups.shape == (3, 8 * 2 * 210) and torch.equal(unpack_q6_k_x8(groups), rows)
+    bits = np.unpackbits(rows.numpy().reshape(3, -1), axis=1).sum(axis=1)
     assert np.array_equal(np.unpackbits(groups.numpy(), axis=1).sum(axis=1), bits)
+    monkeypatch.setattr("engine.cpu.gguf_repack.PACK_CHUNK_GROUPS", 2)  # chunks of 2 groups, then 1
+    assert torch.equal(pack_q6_k_x8(rows), groups)
 
 
 @pytest.mark.parametrize("num_tokens", [*range(1, 10), 16, 17, 64, 65])
