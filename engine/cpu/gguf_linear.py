@@ -1,9 +1,9 @@
 """A GGUF file's quantized linears, run in the file's own blocks (engine/cpu/csrc/gguf/).
 
 `GgufLinear` holds each part's rows exactly as the file stores them (uint8 [rows, bytes per
-row]; a slice of the memory-mapped file is kept as it is, not copied), but for Q4_K, whose
-rows are repacked eight to a group (gguf_repack.py; only bits move, and the file's rows are
-not kept beside them). Every weight dequantizes bit for bit to the file's value: `dequantize()`
+row]; a slice of the memory-mapped file is kept as it is, not copied), but for Q4_K and Q6_K,
+whose rows are repacked eight to a group (gguf_repack.py; only bits move, and the file's rows
+are not kept beside them). Every weight dequantizes bit for bit to the file's value: `dequantize()`
 is `gguf.quants.dequantize` of the file's bytes (unpacked where repacked). A merged projection
 (q, k and v in one matmul) may stack parts of different types along its outputs, each kept in
 its own.
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.cpu.gguf_repack import GROUP_ROWS, pack_q4_k_x8, unpack_q4_k_x8
+from engine.cpu.gguf_repack import GROUP_ROWS, GROUPED
 from engine.cpu.huge_pages import move_onto_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -101,9 +101,10 @@ class GgufLinear(nn.Module):
                     or part.shape[1] != in_features // block_inputs * block_bytes:
                 raise ValueError(f"a {type_name} part of {in_features} inputs is uint8 [rows, "
                                  f"{in_features // block_inputs * block_bytes}], not {part.dtype} {list(part.shape)}")
-            num_grouped = part.shape[0] // GROUP_ROWS * GROUP_ROWS if type_name == "Q4_K" else 0
+            num_grouped = part.shape[0] // GROUP_ROWS * GROUP_ROWS if type_name in GROUPED else 0
             if num_grouped:  # repacked into a copy: the file's rows are not kept beside it
-                kernel_parts.append((type_name, _kernels().q4_k_x8_type(), pack_q4_k_x8(part[:num_grouped]), True))
+                pack, _, type_id = GROUPED[type_name]
+                kernel_parts.append((type_name, getattr(_kernels(), type_id)(), pack(part[:num_grouped]), True))
             if num_grouped < part.shape[0]:
                 rest = part[num_grouped:]
                 # A row slice of the file is already row-major: kept as it is. Anything else is copied once.
@@ -137,16 +138,17 @@ class GgufLinear(nn.Module):
         for type_name, part in parts:
             block_inputs, block_bytes = gguf.GGML_QUANT_SIZES[_type(type_name)]
             row_bytes = in_features // block_inputs * block_bytes
-            num_grouped = part.shape[0] // GROUP_ROWS * GROUP_ROWS if type_name == "Q4_K" else 0
+            num_grouped = part.shape[0] // GROUP_ROWS * GROUP_ROWS if type_name in GROUPED else 0
             if num_grouped:
-                yield type_name, _kernels().q4_k_x8_type(), num_grouped // GROUP_ROWS, GROUP_ROWS * row_bytes
+                yield type_name, getattr(_kernels(), GROUPED[type_name][2])(), num_grouped // GROUP_ROWS, \
+                    GROUP_ROWS * row_bytes
             if num_grouped < part.shape[0]:
                 yield type_name, int(_type(type_name)), part.shape[0] - num_grouped, row_bytes
 
     @property
     def parts(self) -> list[torch.Tensor]:
-        """The kernel's parts in row order, views of `blocks`, the only copy of the weight (a Q4_K
-        part's groups of 8 rows repacked, gguf_repack.py; its last rows and other types the file's rows)."""
+        """The kernel's parts in row order, views of `blocks`, the only copy of the weight (a Q4_K or
+        Q6_K part's groups of 8 rows repacked, gguf_repack.py; its last rows and other types the file's rows)."""
         return [self.blocks[offset:offset + n * line].view(n, line) for offset, n, line in self._shapes]
 
     def _num_rows(self, i: int) -> int:
@@ -155,7 +157,7 @@ class GgufLinear(nn.Module):
     def file_rows(self, i: int) -> torch.Tensor:
         """Kernel part i as the file's rows (uint8 [rows, bytes per row]), the grouped ones unpacked."""
         part = self.parts[i]
-        return unpack_q4_k_x8(part) if self.is_grouped[i] else part
+        return GROUPED[self.type_names[i]][1](part) if self.is_grouped[i] else part
 
     @property
     def num_weight_bytes(self) -> int:

@@ -1,9 +1,9 @@
-"""Q4_K rows repacked eight to a group for the kernel (engine/cpu/csrc/gguf/gguf_dot_x8.h has
-the layout and why), and back.
+"""Q4_K and Q6_K rows repacked eight to a group for the kernels (engine/cpu/csrc/gguf/
+gguf_dot_x8.h and gguf_dot_q6_k_x8.h have the layouts and why), and back.
 
 The repacking only moves bits: each group holds the very bits of its eight rows (the d and
-dmin bytes, the 6-bit scales and mins, the nibbles), so `unpack_q4_k_x8` gives the file's
-bytes back exactly and dequantizing those is the file's values bit for bit.
+dmin bytes, the scales and mins, the codes' bits), so `unpack_q4_k_x8` and `unpack_q6_k_x8`
+give the file's bytes back exactly and dequantizing those is the file's values bit for bit.
 """
 
 from __future__ import annotations
@@ -71,3 +71,79 @@ def unpack_q4_k_x8(groups: torch.Tensor) -> torch.Tensor:
     codes = g[..., 128:].reshape(num_groups, blocks, 4, 8, GROUP_ROWS, 4)  # [g, nb, j, l, r, c]
     b[..., 16:] = codes.transpose(0, 1, 4, 2, 3, 5).reshape(num_groups, blocks, GROUP_ROWS, 128)
     return torch.from_numpy(b.transpose(0, 2, 1, 3).reshape(num_groups * GROUP_ROWS, blocks * BLOCK_BYTES))
+
+
+Q6_K_BLOCK_BYTES = 210  # a Q6_K super-block: 128 bytes ql, 64 qh, 16 int8 scales, fp16 d
+
+
+def _q6_k_codes(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """[..., 128] ql and [..., 64] qh -> [..., 256] the 6-bit codes q + 32, input order (gguf's Q6_K):
+    input 128 h + 32 k + l: ql[64 h + 32 (k % 2) + l]'s low (k < 2) or high nibble, qh[32 h + l]'s bits 2 k."""
+    ql4 = ql.reshape(*ql.shape[:-1], 2, 2, 32)  # [h][k % 2][l]
+    low = np.concatenate([ql4 & 0x0F, ql4 >> 4], axis=-2)  # [h][k][l]
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    top = (qh.reshape(*qh.shape[:-1], 2, 1, 32) >> shifts) & 0x03  # [h][k][l]
+    return (low | (top << 4)).reshape(*ql.shape[:-1], 256)
+
+
+def _q6_k_bits(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of _q6_k_codes: [..., 256] codes -> ([..., 128] ql, [..., 64] qh)."""
+    c = codes.reshape(*codes.shape[:-1], 2, 4, 32)  # [h][k][l]
+    low, top = c & 0x0F, c >> 4
+    ql = (low[..., 0:2, :] | (low[..., 2:4, :] << 4)).reshape(*codes.shape[:-1], 128)
+    qh = (top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6))
+    return ql.astype(np.uint8), qh.reshape(*codes.shape[:-1], 64).astype(np.uint8)
+
+
+PACK_CHUNK_GROUPS = 512  # groups repacked at a time: the temporaries stay a few MB, whatever the tensor
+
+
+def pack_q6_k_x8(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [8 g, bytes per row] Q6_K rows -> [g, 8 x bytes per row], the kernel's groups. In
+    chunks of groups, so that an LM head's repack (a Q4_K_M file's biggest tensor) holds the
+    output and a few MB beside it, not several copies of the tensor."""
+    num_rows, row_bytes = rows.shape
+    assert num_rows % GROUP_ROWS == 0 and row_bytes % Q6_K_BLOCK_BYTES == 0
+    out = torch.empty(num_rows // GROUP_ROWS, GROUP_ROWS * row_bytes, dtype=torch.uint8)
+    step = PACK_CHUNK_GROUPS * GROUP_ROWS
+    for start in range(0, num_rows, step):
+        out[start // GROUP_ROWS:(start + step) // GROUP_ROWS] = _pack_q6_k_x8(rows[start:start + step])
+    return out
+
+
+def _pack_q6_k_x8(rows: torch.Tensor) -> torch.Tensor:
+    num_rows, row_bytes = rows.shape
+    groups, blocks = num_rows // GROUP_ROWS, row_bytes // Q6_K_BLOCK_BYTES
+    b = rows.numpy().reshape(groups, GROUP_ROWS, blocks, Q6_K_BLOCK_BYTES).transpose(0, 2, 1, 3)  # [g, nb, 8, 210]
+    out = np.empty((groups, blocks, GROUP_ROWS * Q6_K_BLOCK_BYTES), dtype=np.uint8)
+    out[..., 0:16] = b[..., 208:210].reshape(groups, blocks, 16)  # the rows' d
+    scales = b[..., 192:208].reshape(groups, blocks, GROUP_ROWS, 8, 2)  # [g, nb, r, p, e]
+    out[..., 16:144] = scales.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, 128)  # [p][r][e]
+    codes = _q6_k_codes(b[..., 0:128], b[..., 128:192]).reshape(groups, blocks, GROUP_ROWS, 16, 4, 4)
+    c = codes.transpose(0, 1, 3, 4, 2, 5)  # [g, nb, s, k, r, c]: word 4 s + k, byte 4 r + c
+    # load k < 3: word k's codes, and two bits of word 3's above each
+    loads = [c[:, :, :, k] | (((c[:, :, :, 3] >> (2 * k)) & 0x03) << 6) for k in range(3)]
+    out[..., 144:] = np.stack(loads, axis=3).reshape(groups, blocks, 16 * 96)  # [s][k][r][c]
+    return torch.from_numpy(out.reshape(groups, blocks * GROUP_ROWS * Q6_K_BLOCK_BYTES))
+
+
+def unpack_q6_k_x8(groups: torch.Tensor) -> torch.Tensor:
+    """The kernel's groups [g, 8 x bytes per row] -> the file's Q6_K rows [8 g, bytes per row]."""
+    num_groups = groups.shape[0]
+    blocks = groups.shape[1] // (GROUP_ROWS * Q6_K_BLOCK_BYTES)
+    g = groups.contiguous().numpy().reshape(num_groups, blocks, GROUP_ROWS * Q6_K_BLOCK_BYTES)
+    b = np.empty((num_groups, blocks, GROUP_ROWS, Q6_K_BLOCK_BYTES), dtype=np.uint8)
+    b[..., 208:210] = g[..., 0:16].reshape(num_groups, blocks, GROUP_ROWS, 2)
+    b[..., 192:208] = g[..., 16:144].reshape(num_groups, blocks, 8, GROUP_ROWS, 2).transpose(0, 1, 3, 2, 4) \
+        .reshape(num_groups, blocks, GROUP_ROWS, 16)
+    loads = g[..., 144:].reshape(num_groups, blocks, 16, 3, GROUP_ROWS, 4)  # [s][k][r][c]
+    word3 = (loads[:, :, :, 0] >> 6) | ((loads[:, :, :, 1] >> 6) << 2) | ((loads[:, :, :, 2] >> 6) << 4)
+    c = np.concatenate([loads & 0x3F, word3[:, :, :, None]], axis=3)  # [g, nb, s, k, r, c]
+    codes = c.transpose(0, 1, 4, 2, 3, 5).reshape(num_groups, blocks, GROUP_ROWS, 256)
+    b[..., 0:128], b[..., 128:192] = _q6_k_bits(codes)
+    return torch.from_numpy(b.transpose(0, 2, 1, 3).reshape(num_groups * GROUP_ROWS, blocks * Q6_K_BLOCK_BYTES))
+
+
+# The types whose rows the kernels take eight to a group: (pack, unpack, the kernels' type id's name).
+GROUPED = {"Q4_K": (pack_q4_k_x8, unpack_q4_k_x8, "q4_k_x8_type"),
+           "Q6_K": (pack_q6_k_x8, unpack_q6_k_x8, "q6_k_x8_type")}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.cpu.gguf_linear import KERNEL_TYPE_NAMES, GgufLinear, kernel_types
-from engine.cpu.gguf_repack import pack_q4_k_x8, unpack_q4_k_x8
+from engine.cpu.gguf_repack import GROUPED, pack_q4_k_x8, pack_q6_k_x8, unpack_q4_k_x8, unpack_q6_k_x8
 
 # This CPU (AVX2) must build and run them: a build failure fails here rather than skipping.
 assert kernel_types() == frozenset(KERNEL_TYPE_NAMES)
@@ -122,7 +122,7 @@ def test_dequantize_is_gguf_bit_for_bit(type_name):
     with pytest.raises(RuntimeError, match="outside the weight"):
         linear.dequantize_rows(torch.tensor([13]))
     assert linear.num_weight_bytes == blocks.numel()  # held once, at the file's size
-    if type_name == "Q4_K":  # 8 rows repacked into one group, the last 5 the file's rows as they are
+    if type_name in GROUPED:  # 8 rows repacked into one group, the last 5 the file's rows as they are
         assert linear.is_grouped == [True, False]
         assert torch.equal(torch.cat([linear.file_rows(0), linear.file_rows(1)]), blocks)
     else:
@@ -182,6 +182,56 @@ def test_q4_k_groups_hold_the_file_bits_exactly():
     rows = torch.from_numpy(np.random.default_rng(5).integers(0, 256, (24, 3 * 144), dtype=np.uint8))
     groups = pack_q4_k_x8(rows)
     assert groups.shape == (3, 8 * 3 * 144) and torch.equal(unpack_q4_k_x8(groups), rows)
+
+
+def test_q6_k_groups_hold_the_file_bits_exactly(monkeypatch):
+    """As Q4_K's: random bytes (every bit pattern) come back, and the groups are the same bytes
+    moved (a permutation: the same multiset of set bits per group). Packed a chunk of groups at
+    a time, the bytes are the same as in one go."""
+    rows = torch.from_numpy(np.random.default_rng(6).integers(0, 256, (24, 2 * 210), dtype=np.uint8))
+    groups = pack_q6_k_x8(rows)
+    assert groups.shape == (3, 8 * 2 * 210) and torch.equal(unpack_q6_k_x8(groups), rows)
+    bits = np.unpackbits(rows.numpy().reshape(3, -1), axis=1).sum(axis=1)
+    assert np.array_equal(np.unpackbits(groups.numpy(), axis=1).sum(axis=1), bits)
+    monkeypatch.setattr("engine.cpu.gguf_repack.PACK_CHUNK_GROUPS", 2)  # chunks of 2 groups, then 1
+    assert torch.equal(pack_q6_k_x8(rows), groups)
+
+
+@pytest.mark.parametrize("num_tokens", [*range(1, 10), 16, 17, 64, 65])
+def test_q6_k_groups_match_for_every_token_count(num_tokens):
+    """Q6_K's groups (gguf_dot_q6_k_x8.h) for 1..8 tokens a pass, several passes, a 64-token tile
+    and past it; 21 rows: two groups and a tail of 5 rows taken row by row. Signed scales, codes
+    at both ends (0 and 63) and full-scale activations test the int16 sums' headroom."""
+    blocks = make_blocks("Q6_K", 21, 512, seed=40 + num_tokens)
+    blocks.view(21, 2, 210)[0, 0, :192] = 0xFF  # row 0, block 0: every code 63
+    blocks.view(21, 2, 210)[1, 0, :192] = 0  # row 1: every code 0 (q = -32)
+    blocks.view(21, 2, 210)[2, 1, 192:208] = torch.tensor([-128, 127] * 8, dtype=torch.int8).view(torch.uint8)
+    linear = GgufLinear([("Q6_K", blocks)], 512)
+    assert linear.is_grouped == [True, False] and linear.type_names == ["Q6_K", "Q6_K"]
+    x = torch.randn(num_tokens, 512, generator=torch.Generator().manual_seed(num_tokens))
+    x[0, :256] = torch.where(torch.arange(256) % 2 == 0, 1.0, -1.0)  # every input at +-127 after quantizing
+    y = linear(x)
+    check_matmul(linear, x, y)
+    for t in (0, num_tokens - 1):  # a token alone gives its row of the batch, bit for bit
+        assert torch.equal(linear(x[t:t + 1]), y[t:t + 1])
+    y16 = linear(x.bfloat16())  # bf16 in: the same sums on its fp32 values, the result rounded once
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, linear(x.bfloat16().float()).bfloat16())
+
+
+def test_q6_k_groups_in_a_merged_projection():
+    """A merged qkv as a Q4_K_M file holds it: Q4_K rows for q and k, Q6_K rows for v (9: a group
+    and one row), each part in its own layout; the tied-embedding reader crosses them all."""
+    parts = [("Q4_K", make_blocks("Q4_K", 16, 256, 7)), ("Q6_K", make_blocks("Q6_K", 9, 256, 8)),
+             ("Q8_0", make_blocks("Q8_0", 3, 256, 9))]
+    linear = GgufLinear(parts, 256, torch.randn(28))
+    assert linear.type_names == ["Q4_K", "Q6_K", "Q6_K", "Q8_0"] and linear.is_grouped == [True, True, False, False]
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(11))
+    check_matmul(linear, x, linear(x))
+    expected = torch.cat([torch.from_numpy(gguf.quants.dequantize(p.numpy(), gguf.GGMLQuantizationType[n]))
+                          for n, p in parts])
+    assert torch.equal(linear.dequantize(), expected)
+    rows = torch.tensor([27, 16, 23, 24, 25, 0, 17, 15])
+    assert np.array_equal(linear.dequantize_rows(rows).numpy().view(np.uint32), expected[rows].numpy().view(np.uint32))
 
 
 def test_refuses_what_it_cannot_run():

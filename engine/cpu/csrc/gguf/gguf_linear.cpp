@@ -8,8 +8,9 @@
 // vpmaddubsw, 32 multiply-adds an instruction, where fp32 activations would need each code
 // widened to fp32 and one FMA per 8 (docs/cpu-kernels.md has the measurements).
 //
-// Q4_K parts come repacked eight rows to a group where they have eight rows (gguf_dot_x8.h
-// says why); their last rows, and every other type, are rows as the file stores them.
+// Q4_K and Q6_K parts come repacked eight rows to a group where they have eight rows
+// (gguf_dot_x8.h and gguf_dot_q6_k_x8.h say why); their last rows, and every other type, are
+// rows as the file stores them.
 //
 // Threads share out the output rows eight at a time (share_out.h: torch's threads, or a
 // decode step's work pool); each row is read from memory once and used for every token,
@@ -17,6 +18,7 @@
 // stays in L1 across the passes).
 #include "gguf_dot.h"
 #include "gguf_dot_x8.h"
+#include "gguf_dot_q6_k_x8.h"
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 
 #include <torch/extension.h>
@@ -44,7 +46,7 @@ struct TypeInfo {
 constexpr TypeInfo kTypes[] = {{kQ4_0, 32, 18, false}, {kQ4_1, 32, 20, false}, {kQ5_0, 32, 22, false},
                                {kQ5_1, 32, 24, false}, {kQ8_0, 32, 34, false},
                                {kQ4_K, 256, 144, true}, {kQ5_K, 256, 176, true}, {kQ6_K, 256, 210, true},
-                               {kQ4_Kx8, 256, 144, true}};  // bytes per row: a group's over 8
+                               {kQ4_Kx8, 256, 144, true}, {kQ6_Kx8, 256, 210, true}};  // bytes per row: a group's over 8
 
 const TypeInfo& type_info(int64_t id) {
   for (const TypeInfo& info : kTypes) {
@@ -200,6 +202,17 @@ using DotGroupFn = void (*)(const uint8_t*, const ActK&, const int32_t*, int64_t
 constexpr DotGroupFn kDotGroup[kGroupTokens] = {dot_group<1>, dot_group<2>, dot_group<3>, dot_group<4>,
                                                 dot_group<5>, dot_group<6>, dot_group<7>, dot_group<8>};
 
+// ... one group of 8 repacked Q6_K rows (gguf_dot_q6_k_x8.h).
+template <int kTokens>
+void dot_q6_group(const uint8_t* group, const ActK& xk, const int32_t* words, int64_t t0, float* out) {
+  const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
+               xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
+  dot_q6_k_x8<kTokens>(group, k, k.num_blocks, words + t0 * xk.num_blocks * (kQK / 4), out);
+}
+
+constexpr DotGroupFn kDotQ6Group[kGroupTokens] = {dot_q6_group<1>, dot_q6_group<2>, dot_q6_group<3>, dot_q6_group<4>,
+                                                  dot_q6_group<5>, dot_q6_group<6>, dot_q6_group<7>, dot_q6_group<8>};
+
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }  // nearest even, as torch's cast
 
@@ -223,11 +236,12 @@ template <typename out_t>
 void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const int32_t* words, const Act32& x32,
               int64_t t0, int64_t t1, int64_t out_features, const float* bias, out_t* out) {
   const uint8_t* rows = part.bytes + (r0 - part.first_row) * part.row_bytes;
-  if (part.type == kQ4_Kx8) {
+  if (part.type == kQ4_Kx8 || part.type == kQ6_Kx8) {
+    const DotGroupFn* dot_group_fn = part.type == kQ4_Kx8 ? kDotGroup : kDotQ6Group;
     for (int64_t t = t0; t < t1; t += kGroupTokens) {
       const int64_t num = std::min<int64_t>(kGroupTokens, t1 - t);
       float y[kGroupTokens * kGroupRows];
-      kDotGroup[num - 1](rows, xk, words, t, y);
+      dot_group_fn[num - 1](rows, xk, words, t, y);
       for (int64_t i = 0; i < num; ++i) {
         for (int64_t j = 0; j < kGroupRows; ++j) store_row(out, out_features, t + i, r0 + j, y[i * kGroupRows + j], bias);
       }
@@ -267,7 +281,7 @@ void run_rows(const std::vector<Part>& parts, const ActK& xk, const int32_t* wor
 
 // x: [num_tokens, in_features] fp32 or bf16; blocks: uint8, contiguous, every part's bytes;
 // layout: int64 [num_parts, 3], a part's (type, byte offset in blocks, rows), the parts stacked
-// along the outputs (a part's rows row-major, or for kQ4_Kx8 its groups of 8); bias: fp32
+// along the outputs (a part's rows row-major, or for kQ4_Kx8 and kQ6_Kx8 its groups of 8); bias: fp32
 // [out_features] or empty. Returns [num_tokens, out_features] in x's dtype, or fp32 (logits).
 // The schema of the quantized linears' ops (engine/cpu/decode_stack.py calls them alike).
 torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks, const torch::Tensor& layout,
@@ -292,10 +306,10 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
     TORCH_CHECK(in_features % info.block_inputs == 0, in_features, " inputs are not whole blocks of type ", type);
     const int64_t row_bytes = in_features / info.block_inputs * info.block_bytes;
     TORCH_CHECK(rows > 0 && offset >= 0 && offset + rows * row_bytes <= blocks.numel() &&
-                    (type != kQ4_Kx8 || rows % kGroupRows == 0),
+                    ((type != kQ4_Kx8 && type != kQ6_Kx8) || rows % kGroupRows == 0),
                 "part ", i, ": ", rows, " rows of type ", type, " at byte ", offset, " are not inside the blocks");
     (info.is_k ? need_k : need_32) = true;
-    need_words = need_words || type == kQ4_Kx8;
+    need_words = need_words || type == kQ4_Kx8 || type == kQ6_Kx8;
     const int64_t first_item =
         spans.empty() ? 0 : spans.back().first_item + (spans.back().num_rows + kGroupRows - 1) / kGroupRows;
     spans.push_back({blocks.data_ptr<uint8_t>() + offset, type, row_bytes, num_rows, rows, first_item});
@@ -376,6 +390,7 @@ TORCH_LIBRARY_IMPL(tokenloom_gguf, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_work_pool", &use_work_pool, "share out on the decode steps' work pool at this address (work_pool.h)");
   m.def("q4_k_x8_type", [] { return tokenloom_gguf::kQ4_Kx8; }, "our type id of Q4_K rows repacked 8 to a group");
+  m.def("q6_k_x8_type", [] { return tokenloom_gguf::kQ6_Kx8; }, "our type id of Q6_K rows repacked 8 to a group");
   m.def("has_gguf_kernels", &has_gguf_kernels, "whether this CPU runs the gguf kernels (AVX2, FMA, F16C)");
   m.def("stream_read", &stream_read, "read a buffer once on the matmuls' threads (the benchmark's stream rate)");
   m.def("gguf_rows", &tokenloom_gguf::gguf_rows, "rows of the blocks as fp32, gguf's dequantized values bit for bit");

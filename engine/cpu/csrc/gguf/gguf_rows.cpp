@@ -5,6 +5,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include "gguf_dot_x8.h"
+#include "gguf_dot_q6_k_x8.h"
 
 #include <torch/extension.h>
 
@@ -124,6 +125,25 @@ void group_row_values(const uint8_t* group, int r, int64_t in_features, float* o
   }
 }
 
+// Row r (0..7) of a group of 8 repacked Q6_K rows (gguf_dot_q6_k_x8.h's layout).
+void q6_group_row_values(const uint8_t* group, int r, int64_t in_features, float* out) {
+  for (int64_t b = 0; b < in_features / kQK; ++b) {
+    const uint8_t* blk = group + b * kQ6GroupBlockBytes;
+    const float d = half_at(blk + 2 * r);
+    for (int s = 0; s < 16; ++s) {
+      const float ds = d * static_cast<float>(static_cast<int8_t>(blk[16 + 16 * (s / 2) + 2 * r + s % 2]));
+      const uint8_t* codes = blk + 144 + 96 * s;
+      for (int j = 0; j < 16; ++j) {
+        const int k = j / 4, at = 4 * r + j % 4;  // word 4 s + k of the sub-block, byte at in its loads
+        const int code = k < 3 ? (codes[32 * k + at] & 0x3f)
+                               : (codes[at] >> 6) | ((codes[32 + at] >> 6) << 2) | ((codes[64 + at] >> 6) << 4);
+        const int q = code - 32;
+        out[b * kQK + 16 * s + j] = ds * static_cast<float>(q);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // blocks and layout as gguf_linear takes them; rows: int64 [n] -> fp32 [n, in_features].
@@ -143,17 +163,19 @@ torch::Tensor gguf_rows(const torch::Tensor& blocks, const torch::Tensor& layout
     while (p < num_parts && row >= first + entries[3 * p + 2]) first += entries[3 * p + 2], ++p;
     TORCH_CHECK(row >= 0 && p < num_parts, "row ", row, " is outside the weight");
     const int64_t type = entries[3 * p], offset = entries[3 * p + 1], local = row - first;
-    const bool grouped = type == kQ4_Kx8;
+    const bool grouped = type == kQ4_Kx8 || type == kQ6_Kx8;
     const bool is_q32 = type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0;
     const int64_t block_inputs = is_q32 ? kQ32 : kQK;
-    const int64_t block_bytes = is_q32 ? q32_block_bytes(type) : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 144;
+    const int64_t block_bytes =
+        is_q32 ? q32_block_bytes(type) : type == kQ5_K ? 176 : (type == kQ6_K || type == kQ6_Kx8) ? 210 : 144;
     const int64_t row_bytes = in_features / block_inputs * block_bytes;
     TORCH_CHECK(offset + (local + 1) * row_bytes <= blocks.numel(), "the layout runs past the blocks");
     float* y = out.data_ptr<float>() + i * in_features;
     const uint8_t* base = blocks.data_ptr<uint8_t>() + offset;
     if (grouped) {
-      group_row_values(base + (local / kGroupRows) * kGroupRows * row_bytes, static_cast<int>(local % kGroupRows),
-                       in_features, y);
+      const uint8_t* group = base + (local / kGroupRows) * kGroupRows * row_bytes;
+      (type == kQ6_Kx8 ? q6_group_row_values : group_row_values)(group, static_cast<int>(local % kGroupRows),
+                                                                  in_features, y);
     } else {
       row_values(type, base + local * row_bytes, in_features, y);
     }
