@@ -93,12 +93,7 @@ inline void dot_q6_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, c
       q6_sub_block<kTokens>(codes, xb + 8 * kTokens * p, pick(pair, kDupScale[0]), sums);
       q6_sub_block<kTokens>(codes + 96, xb + (8 * p + 4) * kTokens, pick(pair, kDupScale[1]), sums);
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-#pragma GCC unroll 8
-    for (int t = 0; t < kTokens; ++t) {
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[t * x_stride + b])), _mm256_cvtepi32_ps(sums[t]),
-                               acc[t]);
-    }
+    add_super_block<kTokens>(blk, x, x_stride, b, sums, acc);
   }
 #pragma GCC unroll 8
   for (int t = 0; t < kTokens; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);

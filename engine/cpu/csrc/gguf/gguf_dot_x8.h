@@ -70,6 +70,19 @@ inline T* in_memory_past_4(T* p) {
   return p;
 }
 
+// acc[t] += d_r * d_t * sums[t] per row lane: super-block b's int32 sums into the fp32
+// accumulators, d_r the eight rows' fp16 scales at `d_halves`, d_t token t's activation scale.
+template <int kTokens>
+inline void add_super_block(const uint8_t* d_halves, const ActK& x, int64_t x_stride, int64_t b, const __m256i* sums,
+                            __m256* acc) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_halves)));
+#pragma GCC unroll 8
+  for (int t = 0; t < kTokens; ++t) {
+    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[t * x_stride + b])), _mm256_cvtepi32_ps(sums[t]),
+                             acc[t]);
+  }
+}
+
 // out[t * 8 + r] = row r . x_t for t < kTokens (up to 8). The tokens' int8 activations come
 // interleaved by 4-byte words too (xw: word w of token t at xw[w * kTokens + t], four inputs
 // each), so every broadcast's address is one pointer plus a constant: with a row pointer per
@@ -152,12 +165,7 @@ inline void dot_q4_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, c
         sub_block<kTokens, 1>(codes + 256 * j, xb + 16 * kTokens * j, scales_at[2 * j + 1], sums);
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-#pragma GCC unroll 8
-    for (int t = 0; t < kTokens; ++t) {
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[t * x_stride + b])), _mm256_cvtepi32_ps(sums[t]),
-                               acc[t]);
-    }
+    add_super_block<kTokens>(blk, x, x_stride, b, sums, acc);
   }
 #pragma GCC unroll 8
   for (int t = 0; t < kTokens; ++t) _mm256_storeu_ps(out + 8 * t, acc[t]);
