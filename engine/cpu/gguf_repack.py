@@ -30,12 +30,48 @@ def _pack_scales_mins(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
                            (scales[..., 4:] & 0x0F) | ((mins[..., 4:] & 0x0F) << 4)], axis=-1).astype(np.uint8)
 
 
+PACK_CHUNK_GROUPS = 512  # groups repacked at a time: the temporaries stay a few MB, whatever the tensor
+
+
+def _pack_in_chunks(pack_chunk, rows: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """uint8 [8 g, bytes per row] rows -> [g, 8 x bytes per row], `pack_chunk` run on PACK_CHUNK_GROUPS
+    groups at a time, so that an LM head's repack (a Q4_K_M file's biggest tensor) holds the output
+    and a few MB beside it, not several copies of the tensor."""
+    num_rows, row_bytes = rows.shape
+    assert num_rows % GROUP_ROWS == 0 and row_bytes % block_bytes == 0
+    out = torch.empty(num_rows // GROUP_ROWS, GROUP_ROWS * row_bytes, dtype=torch.uint8)
+    step = PACK_CHUNK_GROUPS * GROUP_ROWS
+    for start in range(0, num_rows, step):
+        out[start // GROUP_ROWS:(start + step) // GROUP_ROWS] = pack_chunk(rows[start:start + step])
+    return out
+
+
+def _row_blocks(rows: torch.Tensor, block_bytes: int) -> np.ndarray:
+    """uint8 [8 g, bytes per row] -> a view [g, blocks, 8 rows, block_bytes]: each super-block's eight rows."""
+    num_rows, row_bytes = rows.shape
+    return rows.numpy().reshape(num_rows // GROUP_ROWS, GROUP_ROWS, row_bytes // block_bytes, block_bytes) \
+        .transpose(0, 2, 1, 3)
+
+
+def _group_blocks(groups: torch.Tensor, block_bytes: int) -> np.ndarray:
+    """The kernel's groups [g, 8 x bytes per row] -> [g, blocks, 8 x block_bytes]: each super-block's group."""
+    return groups.contiguous().numpy().reshape(groups.shape[0], -1, GROUP_ROWS * block_bytes)
+
+
+def _file_rows(b: np.ndarray) -> torch.Tensor:
+    """[g, blocks, 8 rows, block_bytes] -> the file's rows, uint8 [8 g, bytes per row]."""
+    num_groups, blocks, _, block_bytes = b.shape
+    return torch.from_numpy(b.transpose(0, 2, 1, 3).reshape(num_groups * GROUP_ROWS, blocks * block_bytes))
+
+
 def pack_q4_k_x8(rows: torch.Tensor) -> torch.Tensor:
     """uint8 [8 g, bytes per row] Q4_K rows -> [g, 8 x bytes per row], the kernel's groups."""
-    num_rows, row_bytes = rows.shape
-    assert num_rows % GROUP_ROWS == 0 and row_bytes % BLOCK_BYTES == 0
-    groups, blocks = num_rows // GROUP_ROWS, row_bytes // BLOCK_BYTES
-    b = rows.numpy().reshape(groups, GROUP_ROWS, blocks, BLOCK_BYTES).transpose(0, 2, 1, 3)  # [g, nb, 8, 144]
+    return _pack_in_chunks(_pack_q4_k_x8, rows, BLOCK_BYTES)
+
+
+def _pack_q4_k_x8(rows: torch.Tensor) -> torch.Tensor:
+    b = _row_blocks(rows, BLOCK_BYTES)  # [g, nb, 8, 144]
+    groups, blocks = b.shape[:2]
     out = np.empty((groups, blocks, GROUP_ROWS * BLOCK_BYTES), dtype=np.uint8)
     out[..., 0:16] = b[..., 0:2].reshape(groups, blocks, 16)  # the rows' d
     out[..., 16:32] = b[..., 2:4].reshape(groups, blocks, 16)  # their dmin
@@ -53,9 +89,8 @@ def pack_q4_k_x8(rows: torch.Tensor) -> torch.Tensor:
 
 def unpack_q4_k_x8(groups: torch.Tensor) -> torch.Tensor:
     """The kernel's groups [g, 8 x bytes per row] -> the file's Q4_K rows [8 g, bytes per row]."""
-    num_groups = groups.shape[0]
-    blocks = groups.shape[1] // (GROUP_ROWS * BLOCK_BYTES)
-    g = groups.contiguous().numpy().reshape(num_groups, blocks, GROUP_ROWS * BLOCK_BYTES)
+    g = _group_blocks(groups, BLOCK_BYTES)
+    num_groups, blocks = g.shape[:2]
     b = np.empty((num_groups, blocks, GROUP_ROWS, BLOCK_BYTES), dtype=np.uint8)
     b[..., 0:2] = g[..., 0:16].reshape(num_groups, blocks, GROUP_ROWS, 2)
     b[..., 2:4] = g[..., 16:32].reshape(num_groups, blocks, GROUP_ROWS, 2)
@@ -70,7 +105,7 @@ def unpack_q4_k_x8(groups: torch.Tensor) -> torch.Tensor:
     b[..., 4:16] = _pack_scales_mins(scales, mins)
     codes = g[..., 128:].reshape(num_groups, blocks, 4, 8, GROUP_ROWS, 4)  # [g, nb, j, l, r, c]
     b[..., 16:] = codes.transpose(0, 1, 4, 2, 3, 5).reshape(num_groups, blocks, GROUP_ROWS, 128)
-    return torch.from_numpy(b.transpose(0, 2, 1, 3).reshape(num_groups * GROUP_ROWS, blocks * BLOCK_BYTES))
+    return _file_rows(b)
 
 
 Q6_K_BLOCK_BYTES = 210  # a Q6_K super-block: 128 bytes ql, 64 qh, 16 int8 scales, fp16 d
@@ -95,26 +130,14 @@ def _q6_k_bits(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ql.astype(np.uint8), qh.reshape(*codes.shape[:-1], 64).astype(np.uint8)
 
 
-PACK_CHUNK_GROUPS = 512  # groups repacked at a time: the temporaries stay a few MB, whatever the tensor
-
-
 def pack_q6_k_x8(rows: torch.Tensor) -> torch.Tensor:
-    """uint8 [8 g, bytes per row] Q6_K rows -> [g, 8 x bytes per row], the kernel's groups. In
-    chunks of groups, so that an LM head's repack (a Q4_K_M file's biggest tensor) holds the
-    output and a few MB beside it, not several copies of the tensor."""
-    num_rows, row_bytes = rows.shape
-    assert num_rows % GROUP_ROWS == 0 and row_bytes % Q6_K_BLOCK_BYTES == 0
-    out = torch.empty(num_rows // GROUP_ROWS, GROUP_ROWS * row_bytes, dtype=torch.uint8)
-    step = PACK_CHUNK_GROUPS * GROUP_ROWS
-    for start in range(0, num_rows, step):
-        out[start // GROUP_ROWS:(start + step) // GROUP_ROWS] = _pack_q6_k_x8(rows[start:start + step])
-    return out
+    """uint8 [8 g, bytes per row] Q6_K rows -> [g, 8 x bytes per row], the kernel's groups."""
+    return _pack_in_chunks(_pack_q6_k_x8, rows, Q6_K_BLOCK_BYTES)
 
 
 def _pack_q6_k_x8(rows: torch.Tensor) -> torch.Tensor:
-    num_rows, row_bytes = rows.shape
-    groups, blocks = num_rows // GROUP_ROWS, row_bytes // Q6_K_BLOCK_BYTES
-    b = rows.numpy().reshape(groups, GROUP_ROWS, blocks, Q6_K_BLOCK_BYTES).transpose(0, 2, 1, 3)  # [g, nb, 8, 210]
+    b = _row_blocks(rows, Q6_K_BLOCK_BYTES)  # [g, nb, 8, 210]
+    groups, blocks = b.shape[:2]
     out = np.empty((groups, blocks, GROUP_ROWS * Q6_K_BLOCK_BYTES), dtype=np.uint8)
     out[..., 0:16] = b[..., 208:210].reshape(groups, blocks, 16)  # the rows' d
     scales = b[..., 192:208].reshape(groups, blocks, GROUP_ROWS, 8, 2)  # [g, nb, r, p, e]
@@ -129,9 +152,8 @@ def _pack_q6_k_x8(rows: torch.Tensor) -> torch.Tensor:
 
 def unpack_q6_k_x8(groups: torch.Tensor) -> torch.Tensor:
     """The kernel's groups [g, 8 x bytes per row] -> the file's Q6_K rows [8 g, bytes per row]."""
-    num_groups = groups.shape[0]
-    blocks = groups.shape[1] // (GROUP_ROWS * Q6_K_BLOCK_BYTES)
-    g = groups.contiguous().numpy().reshape(num_groups, blocks, GROUP_ROWS * Q6_K_BLOCK_BYTES)
+    g = _group_blocks(groups, Q6_K_BLOCK_BYTES)
+    num_groups, blocks = g.shape[:2]
     b = np.empty((num_groups, blocks, GROUP_ROWS, Q6_K_BLOCK_BYTES), dtype=np.uint8)
     b[..., 208:210] = g[..., 0:16].reshape(num_groups, blocks, GROUP_ROWS, 2)
     b[..., 192:208] = g[..., 16:144].reshape(num_groups, blocks, 8, GROUP_ROWS, 2).transpose(0, 1, 3, 2, 4) \
@@ -141,7 +163,7 @@ def unpack_q6_k_x8(groups: torch.Tensor) -> torch.Tensor:
     c = np.concatenate([loads & 0x3F, word3[:, :, :, None]], axis=3)  # [g, nb, s, k, r, c]
     codes = c.transpose(0, 1, 4, 2, 3, 5).reshape(num_groups, blocks, GROUP_ROWS, 256)
     b[..., 0:128], b[..., 128:192] = _q6_k_bits(codes)
-    return torch.from_numpy(b.transpose(0, 2, 1, 3).reshape(num_groups * GROUP_ROWS, blocks * Q6_K_BLOCK_BYTES))
+    return _file_rows(b)
 
 
 # The types whose rows the kernels take eight to a group: (pack, unpack, the kernels' type id's name).

@@ -177,11 +177,14 @@ def test_a_slice_is_kept_in_place_and_bf16_goes_through():
     check_matmul(linear, x.view(6, 256), y32.view(6, 20))
 
 
-def test_q4_k_groups_hold_the_file_bits_exactly():
-    """Repacking moves bits only: random bytes (every bit pattern, not just valid blocks) come back."""
+def test_q4_k_groups_hold_the_file_bits_exactly(monkeypatch):
+    """Repacking moves bits only: random bytes (every bit pattern, not just valid blocks) come back;
+    packed a chunk of groups at a time, the bytes are the same as in one go."""
     rows = torch.from_numpy(np.random.default_rng(5).integers(0, 256, (24, 3 * 144), dtype=np.uint8))
     groups = pack_q4_k_x8(rows)
     assert groups.shape == (3, 8 * 3 * 144) and torch.equal(unpack_q4_k_x8(groups), rows)
+    monkeypatch.setattr("engine.cpu.gguf_repack.PACK_CHUNK_GROUPS", 2)  # chunks of 2 groups, then 1
+    assert torch.equal(pack_q4_k_x8(rows), groups)
 
 
 def test_q6_k_groups_hold_the_file_bits_exactly(monkeypatch):
