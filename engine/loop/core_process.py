@@ -136,8 +136,7 @@ class EngineCoreProcess:
         try:
             start = time.perf_counter()
             results = self.engine.step()
-            if self.step_trace is not None:
-                self.step_trace.record(self.engine, start, self.thread_governor)
+            end = time.perf_counter()
         except StepError as e:
             self._on_step_failed(e)
             return
@@ -146,6 +145,8 @@ class EngineCoreProcess:
             self._send(EngineError(message, request_id=request_id, engine_id=self.engine_id, is_request_error=True))
         if results.outputs or self.engine.has_schedulable_requests():  # not while only grammars compile
             self._send_outputs(results.outputs, results.step_counts)
+        if self.step_trace is not None:  # after the send, so the trace holds its time too
+            self.step_trace.record(self.engine, start, self.thread_governor, end=end)
 
     def _on_step_failed(self, error: StepError) -> None:
         # The detail is in this process's log; the clients get a plain message.

@@ -8,7 +8,7 @@ inside the forward), the wait for it and the mask, and the torch threads the ste
 with (the thread governor may lower them). Unset, nothing is timed or written.
 `scripts/bench/probes/grammar_timeline.py` reads it beside the threads' CPU times.
 
-    {"t0": .., "t1": .., "fwd0": .., "fwd1": .., "fill0": .., "fill1": .., "fill_overlap": 1.0,
+    {"t0": .., "t1": .., "sent": .., "prep0": .., "fwd0": .., "fwd1": .., "sampled": .., "fwd1": .., "fill0": .., "fill1": .., "fill_overlap": 1.0,
      "wait_ms": 0.0, "apply_ms": 0.1, "rows": 32, "grammar_rows": 32, "fused": true, "threads": 2,
      "others": 0.4, "busy": 0.9}
 """
@@ -31,13 +31,19 @@ class StepTrace:
         path = os.environ.get(TRACE_ENV)
         return cls(path) if path else None
 
-    def record(self, engine, start: float, governor=None) -> None:
-        """After a step that began at `start` (time.perf_counter()); `governor`: the core's ThreadGovernor or None."""
+    def record(self, engine, start: float, governor=None, end: float | None = None) -> None:
+        """After a step that began at `start` and ended at `end` (time.perf_counter(); None: now), and
+        after its outputs were sent (`sent`, now); `governor`: the core's ThreadGovernor or None."""
+        now = time.perf_counter()
         runner = engine.model_runner
         fwd0, fwd1 = getattr(runner, "forward_times", (None, None))
         if fwd1 is None or fwd0 < start:  # no forward this step
             fwd0 = fwd1 = None
-        record = {"t0": start, "t1": time.perf_counter(), "fwd0": fwd0, "fwd1": fwd1, "rows": len(engine.scheduler.running)}
+        record = {"t0": start, "t1": end or now, "sent": now, "fwd0": fwd0, "fwd1": fwd1,
+                  "rows": len(engine.scheduler.running)}
+        prepare0, sampled = getattr(runner, "execute_times", None) or (None, None)
+        if fwd0 is not None and prepare0 is not None and prepare0 >= start:  # the execute's ends: schedule before, update after
+            record.update(prep0=prepare0, sampled=sampled)
         if governor is not None:  # its threads, and the last window's readings that chose them
             record.update(threads=governor.num_threads, others=round(governor.other_cores, 2),
                           busy=round(governor.busy_share, 2))

@@ -106,6 +106,7 @@ class ModelRunner:
             self.decode_stack.use_lora(self.lora.layers, self.lora.state, self.lora.scales)
         self.sampler = self._make_sampler()
         self.forward_times: tuple[float, float | None] = (0.0, None)  # the last step's forward (perf_counter)
+        self.execute_times: tuple[float, float] | None = None  # the last execute's start and end
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_logprobs = PromptLogprobsCollector()
         self.pooler = Pooler()
@@ -182,13 +183,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the model on the step's flat batch; return a new token for each request that reached its end."""
+        prepare0 = time.perf_counter()
         step = self.prepare_step(scheduler_output)
         self.forward_times = (time.perf_counter(), None)
         if any(request.grammar is not None for request in step.sampled_requests):
             self.logits_state.start_grammar_fill(step.sampled_requests)  # hidden behind the forward
         logits = self.run_step(step)
         self.forward_times = (self.forward_times[0], time.perf_counter())
-        return self.sample_step(scheduler_output, step, logits)
+        sampled = self.sample_step(scheduler_output, step, logits)
+        self.execute_times = (prepare0, time.perf_counter())  # the step trace's (engine/loop/step_trace.py)
+        return sampled
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The step's inputs as lists, and which logits rows go where (engine.worker.step_inputs)."""

@@ -142,6 +142,9 @@ def test_the_fill_runs_beside_the_forward_and_the_fused_kernel_masks(llm, tmp_pa
     assert all(s["overlapped"] and s["fused"] for s in grammar_steps)
     assert all(s["fwd0"] <= s["fill1"] and s["fill0"] <= s["fwd1"] for s in grammar_steps)  # the spans meet
     assert all(s["t0"] <= s["fwd0"] <= s["fwd1"] <= s["t1"] for s in grammar_steps)
+    # the execute's ends (scripts/bench/probes/serve_path.py splits a step by them), in order
+    assert all(s["t0"] <= s["prep0"] <= s["fwd0"] and s["fwd1"] <= s["sampled"] <= s["t1"] <= s["sent"]
+               for s in grammar_steps)
 
 
 def test_a_fill_waited_for_before_the_forward_gives_the_same_answer(llm):
