@@ -50,7 +50,8 @@ from engine.worker.device_and_dtype import (
 )
 from engine.worker.pooler import Pooler
 from engine.worker.step_executors import make_step_executor
-from engine.worker.step_inputs import PreparedStep, StepInputs, make_sampling_batch, prepare_step, token_lora_slots
+from engine.worker.step_inputs import (PreparedStep, StepInputs, is_plain_greedy, make_sampling_batch, prepare_step,
+                                       token_lora_slots)
 from ipc.lora_adapter import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -233,6 +234,8 @@ class ModelRunner:
         drafts = [s.spec_token_ids for s in scheduler_output.scheduled if s.is_sampling]
         if any(drafts):
             tokens = self._verify(logits, sampled_requests, drafts)
+        elif all(map(is_plain_greedy, sampled_requests)):
+            tokens = self.sampler.sample_greedy(logits)
         else:
             tokens = self.sampler.sample(logits, self._prepare_sampling(sampled_requests))
         for request, token in zip(sampled_requests, tokens):

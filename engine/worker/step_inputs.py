@@ -258,6 +258,15 @@ def to_row_tensors(inputs: StepInputs, device: torch.device):
     )
 
 
+def is_plain_greedy(request: Request) -> bool:
+    """Whether the request's next token is its logits' argmax and nothing more: no log-probs, no
+    logits pipeline (bans, biases, grammar, penalties), no EOS ban for min_tokens. A step of such
+    rows skips the SamplingBatch (Sampler.sample_greedy)."""
+    params = request.sampling_params
+    return (params.is_greedy and params.logprobs is None and not params.needs_logits_processing
+            and request.num_output_tokens >= params.min_tokens)
+
+
 def make_sampling_batch(requests: list[Request], model_config: ModelConfig, device: torch.device,
                         generators: dict[str, torch.Generator], logits_state: LogitsProcessingState) -> SamplingBatch:
     """One row per request (or per position to verify); `generators` keeps each seeded request's across steps."""

@@ -153,6 +153,45 @@ def test_greedy_rows_and_banned_tokens(kernels):
     assert counts[0] == 0 and counts[1] > counts[2] > counts[3]
 
 
+def test_sample_greedy_takes_the_same_tokens_as_a_greedy_batch(kernels):
+    """The plain-greedy step's path (no SamplingBatch) gives sample()'s tokens: ties to the first,
+    a -inf stretch, bf16 logits, one row and several."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randint(0, 40, (7, 1001), generator=generator).float()  # [7, 1001], ties everywhere
+    logits[:, :300] = float("-inf")
+    sampler = Sampler(torch.Generator().manual_seed(0), kernels)
+    for rows in (logits[:1], logits, logits.bfloat16()):
+        expected = sampler.sample(rows.clone(), make_sampling_batch(rows.shape[0], rows.shape[1], temperature=0.0))
+        tokens = sampler.sample_greedy(rows.clone())
+        assert [t.token_id for t in tokens] == [t.token_id for t in expected]
+        assert [t.token_id for t in tokens] == rows.float().argmax(dim=-1).tolist()
+        assert all(t.logprobs is None for t in tokens)
+
+
+def test_only_plain_greedy_requests_skip_the_sampling_batch():
+    """is_plain_greedy: greedy and nothing else; log-probs, a bias, a pending min_tokens or a
+    temperature send the step through the SamplingBatch."""
+    from engine.core.request import Request
+    from engine.worker.step_inputs import is_plain_greedy
+
+    def request(**params):
+        sampling = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **params})
+        return Request("r", [1, 2, 3], sampling, sampling.max_tokens)
+
+    assert is_plain_greedy(request())
+    assert is_plain_greedy(request(ignore_eos=True, stop=["x"]))  # stop strings are the frontend's
+    assert not is_plain_greedy(request(temperature=0.7))
+    assert not is_plain_greedy(request(logprobs=2))
+    assert not is_plain_greedy(request(logit_bias={5: 1.0}))
+    assert not is_plain_greedy(request(repetition_penalty=1.2))
+    pending = request(min_tokens=2)
+    assert not is_plain_greedy(pending)  # EOS is banned until two tokens are out
+    pending.append_token(7)
+    assert not is_plain_greedy(pending)
+    pending.append_token(8)
+    assert is_plain_greedy(pending)
+
+
 def test_a_seeded_row_draws_the_same_in_any_batch(kernels):
     probs = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(3)), 0).tolist()
     logits = torch.tensor(probs).log()
