@@ -4,6 +4,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 
 import msgpack
 import pytest
@@ -297,6 +298,35 @@ def test_router_dealer_exchange():
         assert router.poll(5000)
         with pytest.raises(DecodeError):
             sockets.recv_routed_message(router)
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def test_drain_messages_takes_everything_queued_and_returns_at_once_when_nothing_is():
+    """The core's per-step drain: 0 without blocking on an empty socket (its EVENTS check, not a
+    raised zmq.Again), every queued message dispatched in order, a malformed one to on_malformed."""
+    ctx = zmq.Context()
+    address = sockets.new_ipc_address("drain")
+    router = sockets.bind_router(ctx, address)
+    dealer = sockets.connect_dealer(ctx, address)
+    seen, malformed = [], []
+    handlers = {Hello: lambda identity, m: seen.append(m), Shutdown: lambda identity, m: seen.append(m)}
+    try:
+        assert sockets.drain_messages(router, handlers) == 0
+        sockets.send_message(dealer, Hello("fe-1"))
+        sockets.send_message(dealer, Shutdown("bye"))
+        dealer.send(b"\xc1")
+        sockets.send_message(dealer, Hello("fe-2"))
+        assert router.poll(5000)
+        deadline = time.monotonic() + 5
+        num = 0
+        while num < 4 and time.monotonic() < deadline:  # the four may land over more than one look
+            num += sockets.drain_messages(router, handlers, lambda i, p, e: malformed.append(e))
+        assert num == 4
+        assert seen == [Hello("fe-1"), Shutdown("bye"), Hello("fe-2")] and len(malformed) == 1
+        assert sockets.drain_messages(router, handlers) == 0
     finally:
         dealer.close()
         router.close()
