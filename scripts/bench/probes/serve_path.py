@@ -7,7 +7,9 @@ completions of --output-len tokens (greedy, EOS ignored), one at a time, and per
 each decode step of the core into: schedule (step start -> execute), prepare (-> forward), forward,
 sample (-> execute's end), update (-> step's end), send (-> outputs sent) and the loop's gap to the
 next step (drain the inbox, the thread governor); beside that the client's interval between text
-chunks, and the CPU time each process (frontend, engine core, this client) spent per token.
+chunks, the CPU time each process (frontend, engine core, this client) spent per token, and how
+long its threads waited for a core per token (schedstat's run delay: a compute thread that waited
+lost its core to another thread, the frontend's or a neighbour's).
 The medians, in ms, show what the server adds to the forward; `--server-args` passes flags on.
 """
 
@@ -55,6 +57,22 @@ def median_parts(steps: list[dict]) -> dict[str, float]:
     return result
 
 
+def run_delay_by_thread(tree: dict[int, str]) -> dict[str, float]:
+    """Seconds each group of the server's threads waited on a run queue so far (schedstat's second
+    field): the engine core's first thread, its other threads (the OpenMP helper, ZeroMQ's I/O
+    thread) and the frontend's. A compute thread's wait is a core another thread took from it."""
+    waits: dict[str, float] = {}
+    for pid, role in tree.items():
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                delay_ns = int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # it ended meanwhile
+            group = f"{role}-first" if int(task.name) == pid and role == "engine-core" else role
+            waits[group] = waits.get(group, 0.0) + delay_ns * 1e-9
+    return waits
+
+
 def cpu_by_role(tree: dict[int, str]) -> dict[str, float]:
     seconds: dict[str, float] = {}
     for pid, role in tree.items():
@@ -83,9 +101,9 @@ async def measure(url: str, args, trace: Path, tree_root: int) -> list[dict]:
         for index in range(args.repeats):
             prompt = [1000 + 7 * index + i for i in range(args.prompt_len)]
             tree = process_tree(tree_root)
-            cpu_before = cpu_by_role(tree)
+            cpu_before, waits_before = cpu_by_role(tree), run_delay_by_thread(tree)
             times, start, end = await one_request(session, url, model, args.output_len, prompt)
-            cpu_after = cpu_by_role(tree)
+            cpu_after, waits_after = cpu_by_role(tree), run_delay_by_thread(tree)
             steps = [json.loads(line) for line in trace.read_text().splitlines()]
             steps = [s for s in steps if times[0] <= s["t0"] <= times[-1]]  # the decode steps: one clock
             intervals = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
@@ -97,6 +115,9 @@ async def measure(url: str, args, trace: Path, tree_root: int) -> list[dict]:
                 "cpu_ms_per_token": {role: round((cpu_after[role] - cpu_before.get(role, 0.0)) * 1e3 / num_tokens, 3)
                                      for role in cpu_after},
                 "wall_ms_per_token": round((end - start) * 1e3 / num_tokens, 3),
+                # engine-core-first: the core's first thread; engine-core: its other threads, summed
+                "run_delay_ms_per_token": {group: round((waits_after[group] - waits_before.get(group, 0.0)) * 1e3
+                                                        / num_tokens, 3) for group in waits_after},
             })
             print(json.dumps(runs[-1]), flush=True)
     return runs
