@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from engine.cpu.extension import CSRC, extension_loader
 
-SOURCES = [CSRC / "gguf" / name for name in ("gguf_linear.cpp", "gguf_rows.cpp")]
+SOURCES = [CSRC / "gguf" / name for name in ("gguf_linear.cpp", "gguf_rows.cpp", "gguf_repack.cpp")]
 HEADERS = [CSRC / "share_out.h",  # shared with the bf16 slabs and the int8/int4 panels
            CSRC / "work_pool.h",  # ... and the decode steps' work pool
            CSRC / "gguf" / "gguf_dot.h", CSRC / "gguf" / "gguf_dot_x8.h",

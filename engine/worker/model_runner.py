@@ -29,6 +29,7 @@ from engine.lora.adapter_pool import LoRAPool
 from engine.lora.parallel_lora import AdapterSharding, step_adapters, use_step_adapters
 from engine.loader.gguf_blocks import blocks_for_model
 from engine.loader.gguf_model import load_gguf_model
+from engine.loader.load_heap import frees_returned_while_loading
 from engine.loader.model_files import gguf_file_of
 from engine.models import load_model
 from engine.models.config import ModelConfig
@@ -94,12 +95,14 @@ class ModelRunner:
         self.cpu_plan = CpuExecutionPlan.make(config, model_config.path, self.device, self.dtype, cpu, backend_name,
                                               self.is_compiled, is_tensor_parallel=self.tp is not None,
                                               read_gguf_blocks=blocks_for_model)
-        self.model = self._load_model(num_kv_blocks)
-        if self.kv_dtype != self.dtype:
-            self.model.set_attention_dtype(self.kv_dtype)
-        self.backend = self._make_backend(backend_name, self.cpu_plan.attention_kernels)
-        self.kv_caches = self._make_kv_pool(num_kv_blocks)
-        self.decode_stack = self.cpu_plan.prepare(self.model, self.backend, self.kv_caches, self.num_weight_bytes)
+        with frees_returned_while_loading():  # the peak: the model and one tensor, not its freed buffers too
+            self.model = self._load_model(num_kv_blocks)
+            if self.kv_dtype != self.dtype:
+                self.model.set_attention_dtype(self.kv_dtype)
+            self.backend = self._make_backend(backend_name, self.cpu_plan.attention_kernels)
+            self.kv_caches = self._make_kv_pool(num_kv_blocks)
+            self.decode_stack = self.cpu_plan.prepare(self.model, self.backend, self.kv_caches,
+                                                      self.num_weight_bytes)
         # Around the prepared layers (the fused and quantized ones are its base layers); the decode stack
         # keeps the base's weights and adds the adapters from the pool's own tensors.
         self.lora = make_lora_pool(config, model_config, self.model, self.dtype, self.device, self.tp)

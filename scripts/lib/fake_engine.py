@@ -261,7 +261,11 @@ class FrontendServer:
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"tokenloom-frontend-{self.port}.log"
         self.process = None
 
-    def start(self, timeout_s: float = 60.0) -> "FrontendServer":
+    def start(self, timeout_s: float = 300.0) -> "FrontendServer":
+        """Starts the frontend and waits until it answers /health. The wait is long because a real
+        engine's start (a GGUF's config and tokenizer read, the kernels loaded, the model built)
+        took 50 s of a 60 s limit on a host busy with other builds; a frontend that exits ends the
+        wait at once, so only a hung start waits it out."""
         import subprocess
 
         from scripts.lib.local_server import wait_healthy

@@ -177,27 +177,37 @@ def test_a_slice_is_kept_in_place_and_bf16_goes_through():
     check_matmul(linear, x.view(6, 256), y32.view(6, 20))
 
 
-def test_q4_k_groups_hold_the_file_bits_exactly(monkeypatch):
-    """Repacking moves bits only: random bytes (every bit pattern, not just valid blocks) come back;
-    packed a chunk of groups at a time, the bytes are the same as in one go."""
+def test_q4_k_groups_hold_the_file_bits_exactly():
+    """Repacking moves bits only: random bytes (every bit pattern, not just valid blocks) come back
+    through numpy's unpack from the C++ pack, each group's set bits the same in number. A strided
+    view packs as its contiguous copy; anything but whole groups of whole super-blocks is refused."""
     rows = torch.from_numpy(np.random.default_rng(5).integers(0, 256, (24, 3 * 144), dtype=np.uint8))
     groups = pack_q4_k_x8(rows)
     assert groups.shape == (3, 8 * 3 * 144) and torch.equal(unpack_q4_k_x8(groups), rows)
-    monkeypatch.setattr("engine.cpu.gguf_repack.PACK_CHUNK_GROUPS", 2)  # chunks of 2 groups, then 1
-    assert torch.equal(pack_q4_k_x8(rows), groups)
+    bits = np.unpackbits(rows.numpy().reshape(3, -1), axis=1).sum(axis=1)
+    assert np.array_equal(np.unpackbits(groups.numpy(), axis=1).sum(axis=1), bits)
+    wide = torch.cat([rows, rows.flip(0)], dim=1)  # its left half is a strided view
+    assert torch.equal(pack_q4_k_x8(wide[:, :432]), groups)
+    for bad in (rows[:16 + 4], rows[:, :400], rows.view(torch.int8)):
+        with pytest.raises(RuntimeError, match="rows"):
+            pack_q4_k_x8(bad)
 
 
-def test_q6_k_groups_hold_the_file_bits_exactly(monkeypatch):
-    """As Q4_K's: random bytes (every bit pattern) come back, and the groups are the same bytes
-    moved (a permutation: the same multiset of set bits per group). Packed a chunk of groups at
-    a time, the bytes are the same as in one go."""
+def test_q6_k_groups_hold_the_file_bits_exactly():
+    """As Q4_K's: random bytes (every bit pattern) come back through numpy's unpack from the C++
+    pack, and the groups are the same bytes moved (a permutation: the same multiset of set bits per
+    group). A strided view packs as its contiguous copy; anything but whole groups of whole
+    super-blocks is refused."""
     rows = torch.from_numpy(np.random.default_rng(6).integers(0, 256, (24, 2 * 210), dtype=np.uint8))
     groups = pack_q6_k_x8(rows)
     assert groups.shape == (3, 8 * 2 * 210) and torch.equal(unpack_q6_k_x8(groups), rows)
     bits = np.unpackbits(rows.numpy().reshape(3, -1), axis=1).sum(axis=1)
     assert np.array_equal(np.unpackbits(groups.numpy(), axis=1).sum(axis=1), bits)
-    monkeypatch.setattr("engine.cpu.gguf_repack.PACK_CHUNK_GROUPS", 2)  # chunks of 2 groups, then 1
-    assert torch.equal(pack_q6_k_x8(rows), groups)
+    wide = torch.cat([rows, rows.flip(0)], dim=1)  # [24, 840]: its left half is a strided view
+    assert torch.equal(pack_q6_k_x8(wide[:, :420]), groups)
+    for bad in (rows[:20], rows[:, :400], rows.view(torch.int8)):
+        with pytest.raises(RuntimeError, match="rows"):
+            pack_q6_k_x8(bad)
 
 
 @pytest.mark.parametrize("num_tokens", [*range(1, 10), 16, 17, 64, 65])

@@ -344,6 +344,8 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
 namespace tokenloom_gguf {
 torch::Tensor gguf_rows(const torch::Tensor& blocks, const torch::Tensor& layout, const torch::Tensor& rows,
                         int64_t in_features);  // gguf_rows.cpp
+torch::Tensor pack_q4_k_x8(const torch::Tensor& rows);  // gguf_repack.cpp
+torch::Tensor pack_q6_k_x8(const torch::Tensor& rows);
 }  // namespace tokenloom_gguf
 
 namespace {
@@ -394,5 +396,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_gguf_kernels", &has_gguf_kernels, "whether this CPU runs the gguf kernels (AVX2, FMA, F16C)");
   m.def("stream_read", &stream_read, "read a buffer once on the matmuls' threads (the benchmark's stream rate)");
   m.def("gguf_rows", &tokenloom_gguf::gguf_rows, "rows of the blocks as fp32, gguf's dequantized values bit for bit");
+  m.def("pack_q4_k_x8", &tokenloom_gguf::pack_q4_k_x8, "Q4_K rows repacked eight to a group (gguf_repack.cpp)");
+  m.def("pack_q6_k_x8", &tokenloom_gguf::pack_q6_k_x8, "Q6_K rows repacked eight to a group (gguf_repack.cpp)");
   m.def("gguf_linear", &tokenloom_gguf::gguf_linear, "y = x @ W^T (+ bias), W in GGUF blocks, parts stacked (CPU)");
 }
