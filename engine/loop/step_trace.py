@@ -8,8 +8,8 @@ inside the forward), the wait for it and the mask, and the torch threads the ste
 with (the thread governor may lower them). Unset, nothing is timed or written.
 `scripts/bench/probes/grammar_timeline.py` reads it beside the threads' CPU times.
 
-    {"t0": .., "t1": .., "sent": .., "prep0": .., "fwd0": .., "fwd1": .., "sampled": .., "fwd1": .., "fill0": .., "fill1": .., "fill_overlap": 1.0,
-     "wait_ms": 0.0, "apply_ms": 0.1, "rows": 32, "grammar_rows": 32, "fused": true, "threads": 2,
+    {"t0": .., "t1": .., "sent": .., "prep0": .., "fwd0": .., "fwd1": .., "sampled": .., "fill0": .., "fill1": ..,
+     "fill_overlap": 1.0, "wait_ms": 0.0, "apply_ms": 0.1, "rows": 32, "grammar_rows": 32, "fused": true, "threads": 2,
      "others": 0.4, "busy": 0.9}
 """
 
