@@ -9,6 +9,7 @@
 //   g++ -O3 -march=native -fopenmp -DWITH_OLD -I engine/cpu/csrc/gguf -I /tmp/old \
 //     -o /tmp/gguf_q4k_groups scripts/bench/probes/gguf_q4k_groups.cpp
 //   flock /tmp/bench.lock /tmp/gguf_q4k_groups 2048 8192   # inputs, outputs (a layer's shape)
+//   flock /tmp/bench.lock /tmp/gguf_q4k_groups 2048 256 0.5 # cycle 0.5 MB (L2: the kernel's compute rate)
 #include "gguf_dot_x8.h"
 #ifdef WITH_OLD
 #include "old_gguf_dot_x8.h"
@@ -24,7 +25,8 @@ static double now(){return std::chrono::duration<double>(std::chrono::steady_clo
 int main(int argc, char** argv) {
   const int64_t in = argc > 1 ? atoi(argv[1]) : 2048, out_rows = argc > 2 ? atoi(argv[2]) : 8192;
   const int64_t nsb = in / 256, group_bytes = nsb * 1152, layer_groups = out_rows / 8;
-  const int64_t num_layers = std::max<int64_t>(2, (320ll << 20) / (layer_groups * group_bytes));
+  const double cycle_mb = argc > 3 ? atof(argv[3]) : 320.0;  // MB the passes cycle through
+  const int64_t num_layers = std::max<int64_t>(argc > 3 ? 1 : 2, static_cast<int64_t>(cycle_mb * (1 << 20)) / (layer_groups * group_bytes));
   std::mt19937 rng(0);
   std::vector<uint8_t> w(num_layers * layer_groups * group_bytes + 65536);
   for (size_t i = 0; i < w.size(); i += 4) { uint32_t r = rng(); memcpy(&w[i], &r, 4); }
@@ -70,7 +72,7 @@ int main(int argc, char** argv) {
   for (int threads = 1; threads <= 2; ++threads) {
     for (int T : {1, 2, 4, 8}) {
       std::vector<double> times[3];
-      for (int round = 0; round < 3; ++round)
+      for (int64_t round = 0; round < std::max<int64_t>(3, 60 / num_layers); ++round)
         for (int k = 0; k < num_kinds; ++k)
           for (int64_t layer = 0; layer < num_layers; ++layer) {
             double s = 0;
@@ -92,7 +94,7 @@ int main(int argc, char** argv) {
       printf("in %lld out %lld threads %d tokens %d:", (long long)in, (long long)out_rows, threads, T);
       for (int k = 0; k < num_kinds; ++k) { auto& v = times[k]; std::sort(v.begin(), v.end());
         printf("  %s %.1f GB/s", names[num_kinds == 2 && k == 1 ? 2 : k], layer_groups * group_bytes / v[v.size() / 10] / 1e9); }
-      printf("   (fast decile of %lld layers x 3)\n", (long long)num_layers);
+      printf("   (fast decile of %zu passes)\n", times[0].size());
     }
   }
 }
