@@ -11,9 +11,10 @@ is num_seqs x context x KV heads x head_dim x 2 (K and V) x the element size; GB
 over the median call time, GFLOP/s the two products' multiply-adds (q.k and p.v) over it.
 At the defaults one layer's K and V (12.6 MB in bf16) fit in a large L3, so the figure is then
 the kernel's own rate, not the memory's; `--num-layers 30` cycles through that many distinct
-caches, as a decode step's layers do. `--evict-mb N` writes an N MB buffer before every call
+caches, as a decode step's layers do. `--evict-mb N` reads an N MB buffer before every call
 (outside the timed part), so each call reads its K and V from memory, as in a decode step
-where the layer's weights have just gone through the cache. Several --context values run one
+where the layer's weights have just gone through the cache. The caches lie on transparent huge
+pages as the engine's KV pool does (`--pages 4k`: not). Several --context values run one
 after the other in one process, each a row of the report.
 """
 
@@ -26,30 +27,44 @@ import time
 import torch
 
 from engine.cpu.extension import load_cpu_kernels
+from engine.cpu.huge_pages import empty_on_huge_pages
 from scripts.lib.bench_report import write_report
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+POOL_BYTES = 16 << 20  # each cache at least this large, so its blocks lie on several huge pages
+
+
+def on_pages(t: torch.Tensor, pages: str) -> torch.Tensor:
+    """t itself (4 KB pages), or a copy on transparent huge pages, as the engine's KV pool lies."""
+    if pages == "4k":
+        return t
+    out = empty_on_huge_pages(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
 
 
 def measure(kernels, args: argparse.Namespace, context: int) -> dict:
     """One context's row: the median over repeats of the mean call time."""
     dtype = DTYPES[args.dtype]
     blocks_per_seq = -(-context // args.block_size)
-    num_blocks = args.num_seqs * blocks_per_seq
+    num_used = args.num_seqs * blocks_per_seq
+    block_bytes = args.num_kv_heads * args.block_size * args.head_dim * dtype.itemsize
+    num_blocks = max(num_used, POOL_BYTES // block_bytes)  # the used blocks spread over a pool of huge pages
     shape = (num_blocks, args.num_kv_heads, args.block_size, args.head_dim)
-    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(args.num_layers)]
-    block_tables = torch.randperm(num_blocks).int().view(args.num_seqs, blocks_per_seq).contiguous()
+    caches = [(on_pages(torch.randn(shape).to(dtype), args.pages), on_pages(torch.randn(shape).to(dtype), args.pages))
+              for _ in range(args.num_layers)]
+    block_tables = torch.randperm(num_blocks)[:num_used].int().view(args.num_seqs, blocks_per_seq).contiguous()
     seq_lens = torch.full((args.num_seqs,), context, dtype=torch.int32)
     query = torch.randn(args.num_seqs, args.num_heads, args.head_dim).to(dtype)
     scale = args.head_dim ** -0.5
-    evict = torch.empty(args.evict_mb * 2**18, dtype=torch.float32) if args.evict_mb else None
+    evict = torch.ones(args.evict_mb * 2**18, dtype=torch.float32) if args.evict_mb else None  # touched: real pages
 
     def run(num_calls: int) -> float:
         total = 0.0
         for i in range(num_calls):
             k_cache, v_cache = caches[i % len(caches)]
             if evict is not None:
-                evict.add_(1.0)  # every line of the buffer written: the caches' lines go out
+                evict.sum()  # read, as a step's weights are: clean lines, no write-backs during the call
             start = time.perf_counter()
             kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, 0)
             total += time.perf_counter() - start
@@ -77,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-layers", type=int, default=1, help="distinct caches cycled through, one per call")
-    p.add_argument("--evict-mb", type=int, default=0, help="MB written before each call (0: none, the KV stays cached)")
+    p.add_argument("--evict-mb", type=int, default=0, help="MB read before each call (0: none, the KV stays cached)")
+    p.add_argument("--pages", choices=["huge", "4k"], default="huge",
+                   help="the caches on transparent huge pages where Linux gives them (the engine's pool), or not")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--calls", type=int, default=300, help="calls a repeat (a tenth of them with --evict-mb)")
     p.add_argument("--repeats", type=int, default=7)
