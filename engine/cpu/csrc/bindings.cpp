@@ -7,6 +7,7 @@
 torch::Tensor paged_decode_attention(
     torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
     torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window);
+std::string paged_decode_attention_path();
 
 // paged_prefill_attention.cpp
 void paged_prefill_attention(
@@ -47,6 +48,8 @@ void bind_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention_path", &paged_decode_attention_path,
+        "the vector passes paged_decode_attention was built with: avx512_bf16, avx512, avx2_x8 or default");
   m.def("paged_prefill_attention", &paged_prefill_attention, "paged causal attention for query chunks, into out (CPU)");
   m.def("paged_shared_decode_attention", &paged_shared_decode_attention,
         "decodes of sequences sharing their first blocks, one tile per group, into out (CPU)");

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace {
@@ -64,6 +65,12 @@ inline Vec load_float(const scalar_t* ptr) {
 // hardware prefetcher cannot guess them). Into L2, not L1: a 2 KB block is 32 lines, more
 // than the L1's miss buffers hold, and the prefetch instructions then stall the loop.
 constexpr int64_t kPrefetchBlocks = 2;
+// ... and at least this many bytes ahead: a bf16 block of 64-dim rows is 2 KB, two of them too
+// close for a run of blocks that each start on a page of their own.
+#ifndef TL_PREFETCH_BYTES
+#define TL_PREFETCH_BYTES 8192
+#endif
+constexpr int64_t kPrefetchBytes = TL_PREFETCH_BYTES;
 
 // The blocks of one (sequence, KV head) in one cache, for prefetching: block i's rows
 // start at base + table[i] * the block stride.
@@ -101,8 +108,9 @@ inline void for_each_block(const scalar_t* cache, const int32_t* block_table, in
   const int64_t stride_bytes = s.block_stride * sizeof(scalar_t);
   const BlockRun run = block_run(cache, block_table, seq_len, s);
   const int64_t first_block = s.first_pos / s.block_size;
+  const int64_t distance = std::max(kPrefetchBlocks, (kPrefetchBytes + block_bytes - 1) / block_bytes);
   for (int64_t i = 0; i < run.num_blocks; ++i) {
-    const int64_t ahead = i + kPrefetchBlocks;
+    const int64_t ahead = i + distance;
     if (ahead < run.num_blocks) {
       prefetch_rows<2>(run.base + run.table[ahead] * stride_bytes, block_bytes);
     } else if (ahead - run.num_blocks < s.after.num_blocks) {
@@ -323,6 +331,13 @@ void exp_rows(float* scores, int64_t group, int64_t width, float* inv_sums) {
   }
 }
 
+#include "decode_attention_x8.h"  // kHasX8, and the AVX2 passes where the build has AVX2
+
+// The AVX2 passes take fp32 caches only: a bf16 block's K rows converted into scratch first
+// made bf16 caches 5-15% slower in cache (docs/cpu-kernels.md, "Decode attention on AVX2").
+template <typename scalar_t>
+constexpr bool kUsesX8 = kHasX8 && std::is_same_v<scalar_t, float>;
+
 // Calls fn with std::integral_constant<int, group> for group in 1..kMaxGroup.
 template <typename Fn>
 void with_group(int64_t group, Fn fn) {
@@ -347,6 +362,7 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
                  float* scores,  // [group, num_keys] scratch
                  float* acc,     // [group, head_dim] scratch
                  float* inv_sums,  // [group] scratch: 1 / each score row's sum of exps
+                 float* k_buf,     // [block_size, head_dim] scratch: a block's K rows in fp32 (AVX2)
                  scalar_t* out) {  // [group, head_dim]
   const int64_t num_values = shape.group * shape.head_dim;
   for (int64_t i = 0; i < num_values; ++i) q_buf[i] = static_cast<float>(query[i]) * scale;
@@ -368,11 +384,17 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
           } else {
             score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
           }
+        } else if constexpr (kUsesX8<scalar_t>) {
+          score_rows_x8<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores, k_buf);
         } else {
           score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
         }
         exp_rows(scores, shape.group, num_keys(seq_len, shape), inv_sums);
-        weigh<scalar_t, group()>(scores, v_cache, block_table, seq_len, shape, acc);
+        if constexpr (kUsesX8<scalar_t>) {
+          weigh_rows_x8<scalar_t, group()>(scores, v_cache, block_table, seq_len, shape, acc);
+        } else {
+          weigh<scalar_t, group()>(scores, v_cache, block_table, seq_len, shape, acc);
+        }
       });
     } else {
       score_and_weigh_scalar(q_buf, k_cache, v_cache, block_table, seq_len, shape, scores, acc, false);
@@ -453,7 +475,8 @@ torch::Tensor paged_decode_attention(
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     tokenloom_cpu::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys), inv_sums(group);
+      std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys), inv_sums(group),
+          k_buf(kUsesX8<scalar_t> ? block_size * head_dim : 0);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task_seq(task), kv_head = task_head(task);
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
@@ -466,9 +489,25 @@ torch::Tensor paged_decode_attention(
         }
         decode_task<scalar_t>(q + offset, k, v, tables + seq * max_num_blocks, lens[seq], shape,
                               static_cast<float>(scale), q_buf.data(), scores.data(), acc.data(), inv_sums.data(),
-                              o + offset);
+                              k_buf.data(), o + offset);
       }
     });
   });
   return out;
+}
+
+
+// Which passes paged_decode_attention's vector path was built with, for the tests and the
+// logs: "avx512_bf16" (bf16 K scored with the bf16 dot product, else as "avx512"), "avx512"
+// (one key at a time, 16-lane horizontal sums), "avx2_x8" (fp32 caches eight keys at a time,
+// decode_attention_x8.h; bf16 caches one key at a time) or "default" (ATen's vectors, one key
+// at a time).
+std::string paged_decode_attention_path() {
+  if (kHasBf16Dot) return "avx512_bf16";
+  if (kHasX8) return "avx2_x8";
+#if defined(CPU_CAPABILITY_AVX512)
+  return "avx512";
+#else
+  return "default";
+#endif
 }

@@ -31,6 +31,19 @@ inline float reduce_max(const Vec& x) {
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// The 8 horizontal sums of v[0..7] in one vector (lane i = the sum of v[i]'s lanes): pairs
+// added within 128-bit lanes twice, then the two 128-bit halves across. 9 instructions for
+// 8 sums, against about 5 for each sum done alone (reduce_add).
+inline __m256 sum_each_of_8(const __m256* v) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  // b0's lane 4h + j: v[j]'s sum over 128-bit half h (j < 4); b1 the same for v[4..7]
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#endif
+
 // The largest of x[0 .. n), by vectors; NaN if any is (torch's max), -inf for n = 0.
 inline float row_max(const float* x, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
