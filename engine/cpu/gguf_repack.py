@@ -18,9 +18,17 @@ GROUP_ROWS = 8
 BLOCK_BYTES = 144  # a Q4_K super-block: d, dmin, 12 scale bytes, 128 code bytes
 
 
-def _pack_scales_mins(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
-    """[..., 8] 6-bit scales and mins -> the 12 scale bytes of gguf's Q4_K (the inverse of its
-    get_scale_min): every bit of the 12 bytes is a bit of a scale or a min."""
+def q4_k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., 12] Q4_K (and Q5_K) scale bytes -> (scales, mins) [..., 8] uint8, 6 bits each (gguf's
+    Q4_K.get_scale_min). scripts/lib/gguf_writer.py centres its random blocks with the pair."""
+    d, m, m_d = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scales, mins
+
+
+def pack_q4_k_scales_mins(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """The inverse of q4_k_scales_mins: every bit of the 12 bytes is a bit of a scale or a min."""
     return np.concatenate([(scales[..., :4] & 0x3F) | ((scales[..., 4:] >> 4) << 6),
                            (mins[..., :4] & 0x3F) | ((mins[..., 4:] >> 4) << 6),
                            (scales[..., 4:] & 0x0F) | ((mins[..., 4:] & 0x0F) << 4)], axis=-1).astype(np.uint8)
@@ -63,7 +71,7 @@ def unpack_q4_k_x8(groups: torch.Tensor) -> torch.Tensor:
     scales = u[..., :64].reshape(num_groups, blocks, 8, GROUP_ROWS).transpose(0, 1, 3, 2)  # [g, nb, r, s]
     mins = u[..., 64:].reshape(num_groups, blocks, 4, GROUP_ROWS, 2).transpose(0, 1, 3, 2, 4) \
         .reshape(num_groups, blocks, GROUP_ROWS, 8)
-    b[..., 4:16] = _pack_scales_mins(scales, mins)
+    b[..., 4:16] = pack_q4_k_scales_mins(scales, mins)
     codes = g[..., 128:].reshape(num_groups, blocks, 4, 8, GROUP_ROWS, 4)  # [g, nb, j, l, r, c]
     b[..., 16:] = codes.transpose(0, 1, 4, 2, 3, 5).reshape(num_groups, blocks, GROUP_ROWS, 128)
     return _file_rows(b)

@@ -156,10 +156,10 @@ def random_blocks(shape: tuple[int, int], type_name: str, rng: np.random.Generat
     num_blocks = columns // block_size
     blocks = rng.integers(0, 256, size=(rows, num_blocks, type_size), dtype=np.uint8)
     if centred and type_name in ("Q4_K", "Q5_K"):  # 12 bytes of 6-bit scales and mins at 4..16
-        from engine.cpu.gguf_repack import _pack_scales_mins, _scales_mins
+        from engine.cpu.gguf_repack import pack_q4_k_scales_mins, q4_k_scales_mins
 
-        scales, _ = _scales_mins(blocks[..., 4:16])
-        blocks[..., 4:16] = _pack_scales_mins(scales, scales)
+        scales, _ = q4_k_scales_mins(blocks[..., 4:16])
+        blocks[..., 4:16] = pack_q4_k_scales_mins(scales, scales)
     if centred and type_name == "Q4_0":  # d (q - 8): code 0 (-8) made 8 (0), so -7..7 evenly, no mean of -d/2
         codes = blocks[..., 2:]
         low, high = codes & 0x0F, codes >> 4
