@@ -4,8 +4,8 @@ gguf_dot_x8.h and gguf_dot_q6_k_x8.h have the layouts and why), and back.
 The repacking only moves bits: each group holds the very bits of its eight rows (the d and
 dmin bytes, the scales and mins, the codes' bits), so `unpack_q4_k_x8` and `unpack_q6_k_x8`
 give the file's bytes back exactly and dequantizing those is the file's values bit for bit.
-The packs run at load, in C++ (csrc/gguf/gguf_repack.cpp: ~1 GB/s, where numpy's took ~3 s of
-a 1B file's load); the unpacks, here in numpy, read a model's groups back (a tied embedding's
+The packs run at load, in C++ (csrc/gguf/gguf_repack.cpp; numpy's were a tenth of its rate,
+docs/cpu-kernels.md); the unpacks, here in numpy, read a model's groups back (a tied embedding's
 rows, `dequantize()`) and are the tests' independent reader of the C++ layout.
 """
 

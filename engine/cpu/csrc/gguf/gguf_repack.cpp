@@ -1,7 +1,7 @@
 // Q4_K and Q6_K rows repacked eight to a group for gguf_dot_x8.h and gguf_dot_q6_k_x8.h (their
 // headers have the layouts and why), at load. It only moves bits, as engine/cpu/gguf_repack.py's
-// unpack_q4_k_x8 and unpack_q6_k_x8 read them back. In numpy Q6_K's ran at ~78 MB/s (~3 s of a 1B
-// file's load for its tied head alone) and Q4_K's at ~240.
+// unpack_q4_k_x8 and unpack_q6_k_x8 read them back. In numpy the packs were most of a 1B file's
+// load (docs/cpu-kernels.md has the rates).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
