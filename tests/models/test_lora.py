@@ -6,10 +6,13 @@ decode stack's steps; the prefix cache keeps adapters apart."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
+from engine.core.request import is_compiling
 from scripts.lib.greedy_drift import hf_greedy
 from tests.helpers.lora import LLAMA_MODULES, PHI3_MODULES, make_peft_adapter
 from tests.helpers.models import make_tiny_model
@@ -118,6 +121,13 @@ def test_the_scheduler_holds_at_most_max_loras_adapters_first_come_first_served(
     engine = llm.engine
     for i, (lora, _) in enumerate([made[0], made[1], made[0]]):
         engine.add_request(str(i), prompts()[1], GREEDY, lora_request=lora)
+    # Adapters are read off the step, and a request whose read is still going is passed over in
+    # its place: if adapter 2's read ended after adapter 1's (a busy host), request 2 passed
+    # request 1. Both read first, so admission alone decides the order asserted below.
+    deadline = time.monotonic() + 300
+    while any(map(is_compiling, engine.scheduler.waiting)):
+        assert time.monotonic() < deadline, "the adapters were not read in 300 s"
+        time.sleep(0.01)
     seen = []
     while engine.has_unfinished_requests():
         running = {r.lora_request.lora_int_id for r in engine.scheduler.running}
