@@ -5,8 +5,8 @@
 // instructions beside a 64-dim head's eight FMAs), and its group's four dot chains leave the
 // two FMA pipes half idle on FMA latency. Here one query head meets eight keys at a time:
 // eight independent accumulators, one per key, then sum_each_of_8 turns them into the eight
-// scores in one vector. The query chunk is loaded once for the eight keys. bf16 rows are
-// converted to fp32 once per block into scratch, not once per query head.
+// scores in one vector. The query chunk is loaded once for the eight keys. The passes take
+// fp32 caches only: converting a bf16 block's K rows first cost more than the passes gained.
 //
 // Values: weigh_rows' per-chunk loop kept one accumulator per query head (four chains at
 // GQA 4, again FMA latency); here a tile of kG heads by kC vectors (kG * kC = 8 chains, 14
@@ -33,21 +33,14 @@ inline void score_8_keys(const float* q_buf, const float* k, int64_t head_dim, i
   }
 }
 
-// score_rows with eight keys at a time; a block's last (up to 7) keys one by one.
-// k_buf: [block_size, head_dim] fp32 scratch, for a bf16/fp16 cache's converted rows.
-template <typename scalar_t, int kGroup>
-void score_rows_x8(const float* q_buf, const scalar_t* k_cache, const int32_t* block_table, int64_t seq_len,
-                   const TaskShape& s, float* scores, float* k_buf) {
+// score_rows with eight keys at a time, on an fp32 cache (kUsesX8 in paged_decode_attention.cpp);
+// a block's last (up to 7) keys one by one.
+template <int kGroup>
+void score_rows_x8(const float* q_buf, const float* k_cache, const int32_t* block_table, int64_t seq_len,
+                   const TaskShape& s, float* scores) {
   const int64_t n = num_keys(seq_len, s);
   const int64_t hd = s.head_dim;
-  for_each_block(k_cache, block_table, seq_len, s, [&](const scalar_t* block, int64_t start, int64_t num_tokens) {
-    const float* rows;  // [num_tokens, head_dim] fp32
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      rows = block;
-    } else {
-      for (int64_t i = 0; i < num_tokens * hd; i += Vec::size()) load_float(block + i).store(k_buf + i);
-      rows = k_buf;
-    }
+  for_each_block(k_cache, block_table, seq_len, s, [&](const float* rows, int64_t start, int64_t num_tokens) {
     int64_t t = 0;
     for (; t + 8 <= num_tokens; t += 8) score_8_keys<kGroup>(q_buf, rows + t * hd, hd, n, scores + start + t);
     for (; t < num_tokens; ++t) {

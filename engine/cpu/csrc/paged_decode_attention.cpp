@@ -362,7 +362,6 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
                  float* scores,  // [group, num_keys] scratch
                  float* acc,     // [group, head_dim] scratch
                  float* inv_sums,  // [group] scratch: 1 / each score row's sum of exps
-                 float* k_buf,     // [block_size, head_dim] scratch: a block's K rows in fp32 (AVX2)
                  scalar_t* out) {  // [group, head_dim]
   const int64_t num_values = shape.group * shape.head_dim;
   for (int64_t i = 0; i < num_values; ++i) q_buf[i] = static_cast<float>(query[i]) * scale;
@@ -385,7 +384,7 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
             score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
           }
         } else if constexpr (kUsesX8<scalar_t>) {
-          score_rows_x8<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores, k_buf);
+          score_rows_x8<group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
         } else {
           score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
         }
@@ -475,8 +474,7 @@ torch::Tensor paged_decode_attention(
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     tokenloom_cpu::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys), inv_sums(group),
-          k_buf(kUsesX8<scalar_t> ? block_size * head_dim : 0);
+      std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys), inv_sums(group);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task_seq(task), kv_head = task_head(task);
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
@@ -489,7 +487,7 @@ torch::Tensor paged_decode_attention(
         }
         decode_task<scalar_t>(q + offset, k, v, tables + seq * max_num_blocks, lens[seq], shape,
                               static_cast<float>(scale), q_buf.data(), scores.data(), acc.data(), inv_sums.data(),
-                              k_buf.data(), o + offset);
+                              o + offset);
       }
     });
   });
