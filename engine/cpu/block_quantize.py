@@ -5,6 +5,8 @@ int4 takes Q4_1, the format the VNNI path's panels hold (w = d q + m per block o
 as llama.cpp's quantize_row_q4_1_ref), so both paths serve the same weights; int8 takes Q8_0
 (symmetric, an fp16 scale per block of 32). The quantizer is gguf-py's (`gguf.quants.quantize`,
 llama.cpp's reference rounding), so a weight here is the weight `llama-quantize` would write.
+GgufLinear repacks Q4_1 rows eight to a group for its x8 kernel (engine/cpu/gguf_repack.py):
+the same bits, moved.
 A GGUF's own blocks (engine/loader/gguf_blocks.py: Q4_0 as Q4_1 with m = -8 d, Q4_1, Q8_0) are
 written back into the type's bytes as they are, with no second rounding.
 

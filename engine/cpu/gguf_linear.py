@@ -1,7 +1,7 @@
 """A GGUF file's quantized linears, run in the file's own blocks (engine/cpu/csrc/gguf/).
 
 `GgufLinear` holds each part's rows exactly as the file stores them (uint8 [rows, bytes per
-row]; a slice of the memory-mapped file is kept as it is, not copied), but for Q4_K and Q6_K,
+row]; a slice of the memory-mapped file is kept as it is, not copied), but for Q4_K, Q6_K and Q4_1,
 whose rows are repacked eight to a group (gguf_repack.py; only bits move, and the file's rows
 are not kept beside them). Every weight dequantizes bit for bit to the file's value: `dequantize()`
 is `gguf.quants.dequantize` of the file's bytes (unpacked where repacked). A merged projection
@@ -147,8 +147,8 @@ class GgufLinear(nn.Module):
 
     @property
     def parts(self) -> list[torch.Tensor]:
-        """The kernel's parts in row order, views of `blocks`, the only copy of the weight (a Q4_K or
-        Q6_K part's groups of 8 rows repacked, gguf_repack.py; its last rows and other types the file's rows)."""
+        """The kernel's parts in row order, views of `blocks`, the only copy of the weight (a Q4_K, Q6_K or
+        Q4_1 part's groups of 8 rows repacked, gguf_repack.py; its last rows and other types the file's rows)."""
         return [self.blocks[offset:offset + n * line].view(n, line) for offset, n, line in self._shapes]
 
     def _num_rows(self, i: int) -> int:

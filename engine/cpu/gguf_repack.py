@@ -1,9 +1,9 @@
-"""Q4_K and Q6_K rows repacked eight to a group for the kernels (engine/cpu/csrc/gguf/
-gguf_dot_x8.h and gguf_dot_q6_k_x8.h have the layouts and why), and back.
+"""Q4_K, Q6_K and Q4_1 rows repacked eight to a group for the kernels (engine/cpu/csrc/gguf/
+gguf_dot_x8.h, gguf_dot_q6_k_x8.h and gguf_dot_q4_1_x8.h have the layouts and why), and back.
 
 The repacking only moves bits: each group holds the very bits of its eight rows (the d and
-dmin bytes, the scales and mins, the codes' bits), so `unpack_q4_k_x8` and `unpack_q6_k_x8`
-give the file's bytes back exactly and dequantizing those is the file's values bit for bit.
+dmin or m bytes, the scales and mins, the codes' bits), so the unpacks (`unpack_q4_k_x8`,
+`unpack_q6_k_x8`, `unpack_q4_1_x8`) give the file's bytes back exactly and dequantizing those is the file's values bit for bit.
 The packs run at load, in C++ (csrc/gguf/gguf_repack.cpp; numpy's were a tenth of its rate,
 docs/cpu-kernels.md); the unpacks, here in numpy, read a model's groups back (a tied embedding's
 rows, `dequantize()`) and are the tests' independent reader of the C++ layout.
@@ -111,6 +111,27 @@ def unpack_q6_k_x8(groups: torch.Tensor) -> torch.Tensor:
     return _file_rows(b)
 
 
+Q4_1_BLOCK_BYTES = 20  # a Q4_1 block of 32: fp16 d, fp16 m, 16 bytes of nibbles
+
+
+def pack_q4_1_x8(rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [8 g, bytes per row] Q4_1 rows -> [g, 8 x bytes per row], the kernel's groups."""
+    return _kernels().pack_q4_1_x8(rows)
+
+
+def unpack_q4_1_x8(groups: torch.Tensor) -> torch.Tensor:
+    """The kernel's groups [g, 8 x bytes per row] -> the file's Q4_1 rows [8 g, bytes per row]."""
+    g = _group_blocks(groups, Q4_1_BLOCK_BYTES)
+    num_groups, blocks = g.shape[:2]
+    b = np.empty((num_groups, blocks, GROUP_ROWS, Q4_1_BLOCK_BYTES), dtype=np.uint8)
+    b[..., 0:2] = g[..., 0:16].reshape(num_groups, blocks, GROUP_ROWS, 2)
+    b[..., 2:4] = g[..., 16:32].reshape(num_groups, blocks, GROUP_ROWS, 2)
+    codes = g[..., 32:].reshape(num_groups, blocks, 4, GROUP_ROWS, 4)  # [g, nb, l, r, c]: qs[4 l + c]
+    b[..., 4:] = codes.transpose(0, 1, 3, 2, 4).reshape(num_groups, blocks, GROUP_ROWS, 16)
+    return _file_rows(b)
+
+
 # The types whose rows the kernels take eight to a group: (pack, unpack, the kernels' type id's name).
 GROUPED = {"Q4_K": (pack_q4_k_x8, unpack_q4_k_x8, "q4_k_x8_type"),
-           "Q6_K": (pack_q6_k_x8, unpack_q6_k_x8, "q6_k_x8_type")}
+           "Q6_K": (pack_q6_k_x8, unpack_q6_k_x8, "q6_k_x8_type"),
+           "Q4_1": (pack_q4_1_x8, unpack_q4_1_x8, "q4_1_x8_type")}

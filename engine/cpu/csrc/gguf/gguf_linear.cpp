@@ -8,9 +8,9 @@
 // vpmaddubsw, 32 multiply-adds an instruction, where fp32 activations would need each code
 // widened to fp32 and one FMA per 8 (docs/cpu-kernels.md has the measurements).
 //
-// Q4_K and Q6_K parts come repacked eight rows to a group where they have eight rows
-// (gguf_dot_x8.h and gguf_dot_q6_k_x8.h say why); their last rows, and every other type, are
-// rows as the file stores them.
+// Q4_K, Q6_K and Q4_1 parts come repacked eight rows to a group where they have eight rows
+// (gguf_dot_x8.h, gguf_dot_q6_k_x8.h and gguf_dot_q4_1_x8.h say why); their last rows, and every
+// other type, are rows as the file stores them.
 //
 // Threads share out the output rows eight at a time (share_out.h: torch's threads, or a
 // decode step's work pool); each row is read from memory once and used for every token,
@@ -19,6 +19,7 @@
 #include "gguf_dot.h"
 #include "gguf_dot_x8.h"
 #include "gguf_dot_q6_k_x8.h"
+#include "gguf_dot_q4_1_x8.h"
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 
 #include <torch/extension.h>
@@ -46,7 +47,8 @@ struct TypeInfo {
 constexpr TypeInfo kTypes[] = {{kQ4_0, 32, 18, false}, {kQ4_1, 32, 20, false}, {kQ5_0, 32, 22, false},
                                {kQ5_1, 32, 24, false}, {kQ8_0, 32, 34, false},
                                {kQ4_K, 256, 144, true}, {kQ5_K, 256, 176, true}, {kQ6_K, 256, 210, true},
-                               {kQ4_Kx8, 256, 144, true}, {kQ6_Kx8, 256, 210, true}};  // bytes per row: a group's over 8
+                               {kQ4_Kx8, 256, 144, true}, {kQ6_Kx8, 256, 210, true},
+                               {kQ4_1x8, 32, 20, false}};  // bytes per row: a group's over 8
 
 const TypeInfo& type_info(int64_t id) {
   for (const TypeInfo& info : kTypes) {
@@ -117,6 +119,7 @@ void quantize_token(const in_t* x, int64_t in_features, int64_t block, int8_t* q
 // A call's quantized activations, in memory the calling thread keeps from call to call.
 struct Scratch {
   std::vector<int32_t> qk_words;  // qk for the Q4_K groups: tokens interleaved by words (interleave_words)
+  std::vector<int32_t> q32_words;  // q32 for the Q4_1 groups, alike
   std::vector<int8_t> qk, q32;
   std::vector<float> dk, d32, ds32;
   std::vector<int16_t> sums16, sums32;
@@ -139,7 +142,7 @@ void interleave_words(const int8_t* q, int64_t num_tokens, int64_t in_features, 
 
 template <typename in_t>
 void quantize_all(const in_t* x, int64_t num_tokens, int64_t in_features, bool need_k, bool need_32,
-                  bool need_words, Scratch& s) {
+                  bool need_words, bool need_words32, Scratch& s) {
   if (need_k) {
     s.qk.resize(num_tokens * in_features), s.dk.resize(num_tokens * in_features / kQK);
     s.sums16.resize(num_tokens * in_features / 16), s.sums32.resize(num_tokens * in_features / kQ32);
@@ -164,6 +167,10 @@ void quantize_all(const in_t* x, int64_t num_tokens, int64_t in_features, bool n
   if (need_words) {  // a copy of in_features bytes a token: quick beside the matmul
     s.qk_words.resize(num_tokens * in_features / 4);
     interleave_words(s.qk.data(), num_tokens, in_features, s.qk_words.data());
+  }
+  if (need_words32) {
+    s.q32_words.resize(num_tokens * in_features / 4);
+    interleave_words(s.q32.data(), num_tokens, in_features, s.q32_words.data());
   }
 }
 
@@ -213,6 +220,19 @@ void dot_q6_group(const uint8_t* group, const ActK& xk, const int32_t* words, in
 constexpr DotGroupFn kDotQ6Group[kGroupTokens] = {dot_q6_group<1>, dot_q6_group<2>, dot_q6_group<3>, dot_q6_group<4>,
                                                   dot_q6_group<5>, dot_q6_group<6>, dot_q6_group<7>, dot_q6_group<8>};
 
+// ... one group of 8 repacked Q4_1 rows (gguf_dot_q4_1_x8.h), on the Q8_0 activations; words: q32's.
+template <int kTokens>
+void dot_q4_1_group(const uint8_t* group, const Act32& x32, const int32_t* words, int64_t t0, float* out) {
+  const Act32 s{x32.q + t0 * x32.num_blocks * kQ32, x32.d + t0 * x32.num_blocks, x32.ds + t0 * x32.num_blocks,
+                x32.num_blocks};
+  dot_q4_1_x8<kTokens>(group, s, s.num_blocks, words + t0 * x32.num_blocks * (kQ32 / 4), out);
+}
+
+using DotGroup32Fn = void (*)(const uint8_t*, const Act32&, const int32_t*, int64_t, float*);
+constexpr DotGroup32Fn kDotQ4_1Group[kGroupTokens] = {dot_q4_1_group<1>, dot_q4_1_group<2>, dot_q4_1_group<3>,
+                                                      dot_q4_1_group<4>, dot_q4_1_group<5>, dot_q4_1_group<6>,
+                                                      dot_q4_1_group<7>, dot_q4_1_group<8>};
+
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }  // nearest even, as torch's cast
 
@@ -246,8 +266,18 @@ inline void store_group(at::BFloat16* out, const float* y, const float* bias, in
 // Rows [r0, r0 + n) of one part (n <= 8) for tokens [t0, t1).
 template <typename out_t>
 void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const int32_t* words, const Act32& x32,
-              int64_t t0, int64_t t1, int64_t out_features, const float* bias, out_t* out) {
+              int64_t t0, int64_t t1, int64_t out_features, const float* bias, out_t* out,
+              const int32_t* words32) {
   const uint8_t* rows = part.bytes + (r0 - part.first_row) * part.row_bytes;
+  if (part.type == kQ4_1x8) {
+    for (int64_t t = t0; t < t1; t += kGroupTokens) {
+      const int64_t num = std::min<int64_t>(kGroupTokens, t1 - t);
+      float y[kGroupTokens * kGroupRows];
+      kDotQ4_1Group[num - 1](rows, x32, words32, t, y);
+      for (int64_t i = 0; i < num; ++i) store_group(out + (t + i) * out_features + r0, y + i * kGroupRows, bias, r0);
+    }
+    return;
+  }
   if (part.type == kQ4_Kx8 || part.type == kQ6_Kx8) {
     const DotGroupFn* dot_group_fn = part.type == kQ4_Kx8 ? kDotGroup : kDotQ6Group;
     for (int64_t t = t0; t < t1; t += kGroupTokens) {
@@ -270,7 +300,7 @@ void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const int
 
 template <typename out_t>
 void run_rows(const std::vector<Part>& parts, const ActK& xk, const int32_t* words, const Act32& x32,
-              int64_t num_tokens, int64_t out_features, const float* bias, out_t* out) {
+              int64_t num_tokens, int64_t out_features, const float* bias, out_t* out, const int32_t* words32) {
   const int64_t num_items = parts.back().first_item + (parts.back().num_rows + kGroupRows - 1) / kGroupRows;
   tokenloom_cpu::share_out_ranges<kChunksPerThread>(num_items, 0, [](int64_t) {}, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
@@ -281,7 +311,7 @@ void run_rows(const std::vector<Part>& parts, const ActK& xk, const int32_t* wor
         const Part& part = parts[p];
         const int64_t r0 = part.first_row + (i - part.first_item) * kGroupRows;
         const int64_t n = std::min(kGroupRows, part.first_row + part.num_rows - r0);
-        run_item(part, r0, n, xk, words, x32, t0, t1, out_features, bias, out);
+        run_item(part, r0, n, xk, words, x32, t0, t1, out_features, bias, out, words32);
       }
     }
   });
@@ -291,7 +321,7 @@ void run_rows(const std::vector<Part>& parts, const ActK& xk, const int32_t* wor
 
 // x: [num_tokens, in_features] fp32 or bf16; blocks: uint8, contiguous, every part's bytes;
 // layout: int64 [num_parts, 3], a part's (type, byte offset in blocks, rows), the parts stacked
-// along the outputs (a part's rows row-major, or for kQ4_Kx8 and kQ6_Kx8 its groups of 8); bias: fp32
+// along the outputs (a part's rows row-major, or for kQ4_Kx8, kQ6_Kx8 and kQ4_1x8 its groups of 8); bias: fp32
 // [out_features] or empty. Returns [num_tokens, out_features] in x's dtype, or fp32 (logits).
 // The schema of the quantized linears' ops (engine/cpu/decode_stack.py calls them alike).
 torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks, const torch::Tensor& layout,
@@ -308,7 +338,7 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
   const int64_t num_tokens = x.size(0), in_features = x.size(1);
   const int64_t* entries = layout.data_ptr<int64_t>();
   std::vector<Part> spans;
-  bool need_k = false, need_32 = false, need_words = false;
+  bool need_k = false, need_32 = false, need_words = false, need_words32 = false;
   int64_t num_rows = 0;
   for (int64_t i = 0; i < layout.size(0); ++i) {
     const int64_t type = entries[3 * i], offset = entries[3 * i + 1], rows = entries[3 * i + 2];
@@ -316,10 +346,11 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
     TORCH_CHECK(in_features % info.block_inputs == 0, in_features, " inputs are not whole blocks of type ", type);
     const int64_t row_bytes = in_features / info.block_inputs * info.block_bytes;
     TORCH_CHECK(rows > 0 && offset >= 0 && offset + rows * row_bytes <= blocks.numel() &&
-                    ((type != kQ4_Kx8 && type != kQ6_Kx8) || rows % kGroupRows == 0),
+                    ((type != kQ4_Kx8 && type != kQ6_Kx8 && type != kQ4_1x8) || rows % kGroupRows == 0),
                 "part ", i, ": ", rows, " rows of type ", type, " at byte ", offset, " are not inside the blocks");
     (info.is_k ? need_k : need_32) = true;
     need_words = need_words || type == kQ4_Kx8 || type == kQ6_Kx8;
+    need_words32 = need_words32 || type == kQ4_1x8;
     const int64_t first_item =
         spans.empty() ? 0 : spans.back().first_item + (spans.back().num_rows + kGroupRows - 1) / kGroupRows;
     spans.push_back({blocks.data_ptr<uint8_t>() + offset, type, row_bytes, num_rows, rows, first_item});
@@ -334,17 +365,19 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
 
   thread_local Scratch scratch;
   if (x.scalar_type() == at::kFloat) {
-    quantize_all(x.data_ptr<float>(), num_tokens, in_features, need_k, need_32, need_words, scratch);
+    quantize_all(x.data_ptr<float>(), num_tokens, in_features, need_k, need_32, need_words, need_words32, scratch);
   } else {
-    quantize_all(x.data_ptr<at::BFloat16>(), num_tokens, in_features, need_k, need_32, need_words, scratch);
+    quantize_all(x.data_ptr<at::BFloat16>(), num_tokens, in_features, need_k, need_32, need_words, need_words32, scratch);
   }
   const ActK xk{scratch.qk.data(), scratch.dk.data(), scratch.sums16.data(), scratch.sums32.data(), in_features / kQK};
   const Act32 x32{scratch.q32.data(), scratch.d32.data(), scratch.ds32.data(), in_features / kQ32};
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
   if (out.scalar_type() == at::kFloat) {
-    run_rows(spans, xk, scratch.qk_words.data(), x32, num_tokens, out_features, b, out.data_ptr<float>());
+    run_rows(spans, xk, scratch.qk_words.data(), x32, num_tokens, out_features, b, out.data_ptr<float>(),
+             scratch.q32_words.data());
   } else {
-    run_rows(spans, xk, scratch.qk_words.data(), x32, num_tokens, out_features, b, out.data_ptr<at::BFloat16>());
+    run_rows(spans, xk, scratch.qk_words.data(), x32, num_tokens, out_features, b, out.data_ptr<at::BFloat16>(),
+             scratch.q32_words.data());
   }
   return out;
 }
@@ -356,6 +389,7 @@ torch::Tensor gguf_rows(const torch::Tensor& blocks, const torch::Tensor& layout
                         int64_t in_features);  // gguf_rows.cpp
 torch::Tensor pack_q4_k_x8(const torch::Tensor& rows);  // gguf_repack.cpp
 torch::Tensor pack_q6_k_x8(const torch::Tensor& rows);
+torch::Tensor pack_q4_1_x8(const torch::Tensor& rows);
 }  // namespace tokenloom_gguf
 
 namespace {
@@ -403,10 +437,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_work_pool", &use_work_pool, "share out on the decode steps' work pool at this address (work_pool.h)");
   m.def("q4_k_x8_type", [] { return tokenloom_gguf::kQ4_Kx8; }, "our type id of Q4_K rows repacked 8 to a group");
   m.def("q6_k_x8_type", [] { return tokenloom_gguf::kQ6_Kx8; }, "our type id of Q6_K rows repacked 8 to a group");
+  m.def("q4_1_x8_type", [] { return tokenloom_gguf::kQ4_1x8; }, "our type id of Q4_1 rows repacked 8 to a group");
   m.def("has_gguf_kernels", &has_gguf_kernels, "whether this CPU runs the gguf kernels (AVX2, FMA, F16C)");
   m.def("stream_read", &stream_read, "read a buffer once on the matmuls' threads (the benchmark's stream rate)");
   m.def("gguf_rows", &tokenloom_gguf::gguf_rows, "rows of the blocks as fp32, gguf's dequantized values bit for bit");
   m.def("pack_q4_k_x8", &tokenloom_gguf::pack_q4_k_x8, "Q4_K rows repacked eight to a group (gguf_repack.cpp)");
   m.def("pack_q6_k_x8", &tokenloom_gguf::pack_q6_k_x8, "Q6_K rows repacked eight to a group (gguf_repack.cpp)");
+  m.def("pack_q4_1_x8", &tokenloom_gguf::pack_q4_1_x8, "Q4_1 rows repacked eight to a group (gguf_repack.cpp)");
   m.def("gguf_linear", &tokenloom_gguf::gguf_linear, "y = x @ W^T (+ bias), W in GGUF blocks, parts stacked (CPU)");
 }

@@ -1,7 +1,7 @@
-// Q4_K and Q6_K rows repacked eight to a group for gguf_dot_x8.h and gguf_dot_q6_k_x8.h (their
-// headers have the layouts and why), at load. It only moves bits, as engine/cpu/gguf_repack.py's
-// unpack_q4_k_x8 and unpack_q6_k_x8 read them back. In numpy the packs were most of a 1B file's
-// load (docs/cpu-kernels.md has the rates).
+// Q4_K, Q6_K and Q4_1 rows repacked eight to a group for gguf_dot_x8.h, gguf_dot_q6_k_x8.h and
+// gguf_dot_q4_1_x8.h (their headers have the layouts and why), at load. It only moves bits, as
+// engine/cpu/gguf_repack.py's unpack_q4_k_x8, unpack_q6_k_x8 and unpack_q4_1_x8 read them back.
+// In numpy the packs were most of a 1B file's load (docs/cpu-kernels.md has the rates).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -14,6 +14,7 @@ namespace {
 constexpr int kRows = 8;  // rows in a group
 constexpr int64_t kQ4Bytes = 144;  // a Q4_K super-block: fp16 d and dmin, 12 scale bytes, 128 code bytes
 constexpr int64_t kQ6Bytes = 210;  // a Q6_K super-block: 128 bytes ql, 64 qh, 16 int8 scales, fp16 d
+constexpr int64_t kQ4_1Bytes = 20;  // a Q4_1 block of 32: fp16 d, fp16 m, 16 bytes of nibbles
 
 // gguf's Q4_K.get_scale_min: sub-block j's 6-bit scale and min from the 12 scale bytes.
 inline uint8_t q4k_scale(const uint8_t* s, int j) {
@@ -82,6 +83,17 @@ void pack_q6_k_group_block(const uint8_t* const* blocks, uint8_t* out) {
         }
 }
 
+// The eight rows' block of 32 `blocks[r]` -> the group's 8 x 20 bytes: the rows' d [r][2], their m
+// [r][2], then the codes as four loads [l][r][c]: row r's qs[4 l + c] (inputs 4 l + c, 16 + 4 l + c).
+void pack_q4_1_group_block(const uint8_t* const* blocks, uint8_t* out) {
+  for (int r = 0; r < kRows; ++r) {
+    const uint8_t* b = blocks[r];
+    for (int e = 0; e < 2; ++e) out[2 * r + e] = b[e], out[16 + 2 * r + e] = b[2 + e];
+    for (int l = 0; l < 4; ++l)
+      for (int c = 0; c < 4; ++c) out[32 + 32 * l + 4 * r + c] = b[4 + 4 * l + c];
+  }
+}
+
 // uint8 [8 g, bytes per row] rows -> [g, 8 x bytes per row], each group's super-blocks in turn,
 // written straight into the output on every thread (no temporaries beside it).
 torch::Tensor pack_x8(const torch::Tensor& rows, int64_t block_bytes,
@@ -109,5 +121,6 @@ torch::Tensor pack_x8(const torch::Tensor& rows, int64_t block_bytes,
 
 torch::Tensor pack_q4_k_x8(const torch::Tensor& rows) { return pack_x8(rows, kQ4Bytes, pack_q4_k_group_block); }
 torch::Tensor pack_q6_k_x8(const torch::Tensor& rows) { return pack_x8(rows, kQ6Bytes, pack_q6_k_group_block); }
+torch::Tensor pack_q4_1_x8(const torch::Tensor& rows) { return pack_x8(rows, kQ4_1Bytes, pack_q4_1_group_block); }
 
 }  // namespace tokenloom_gguf

@@ -6,6 +6,7 @@
 
 #include "gguf_dot_x8.h"
 #include "gguf_dot_q6_k_x8.h"
+#include "gguf_dot_q4_1_x8.h"
 
 #include <torch/extension.h>
 
@@ -144,6 +145,20 @@ void q6_group_row_values(const uint8_t* group, int r, int64_t in_features, float
   }
 }
 
+// Row r (0..7) of a group of 8 repacked Q4_1 rows (gguf_dot_q4_1_x8.h's layout).
+void q4_1_group_row_values(const uint8_t* group, int r, int64_t in_features, float* out) {
+  for (int64_t b = 0; b < in_features / kQ32; ++b) {
+    const uint8_t* blk = group + b * kQ4_1GroupBlockBytes;
+    const float d = half_at(blk + 2 * r), m = half_at(blk + 16 + 2 * r);
+    float* y = out + b * kQ32;
+    for (int l = 0; l < 16; ++l) {
+      const uint8_t byte = blk[32 + 32 * (l / 4) + 4 * r + l % 4];  // the file's qs[l]
+      y[l] = d * static_cast<float>(byte & 0x0f) + m;
+      y[l + 16] = d * static_cast<float>(byte >> 4) + m;
+    }
+  }
+}
+
 }  // namespace
 
 // blocks and layout as gguf_linear takes them; rows: int64 [n] -> fp32 [n, in_features].
@@ -163,19 +178,21 @@ torch::Tensor gguf_rows(const torch::Tensor& blocks, const torch::Tensor& layout
     while (p < num_parts && row >= first + entries[3 * p + 2]) first += entries[3 * p + 2], ++p;
     TORCH_CHECK(row >= 0 && p < num_parts, "row ", row, " is outside the weight");
     const int64_t type = entries[3 * p], offset = entries[3 * p + 1], local = row - first;
-    const bool grouped = type == kQ4_Kx8 || type == kQ6_Kx8;
+    const bool grouped = type == kQ4_Kx8 || type == kQ6_Kx8 || type == kQ4_1x8;
     const bool is_q32 = type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0;
-    const int64_t block_inputs = is_q32 ? kQ32 : kQK;
-    const int64_t block_bytes =
-        is_q32 ? q32_block_bytes(type) : type == kQ5_K ? 176 : (type == kQ6_K || type == kQ6_Kx8) ? 210 : 144;
+    const int64_t block_inputs = is_q32 || type == kQ4_1x8 ? kQ32 : kQK;
+    const int64_t block_bytes = is_q32 ? q32_block_bytes(type)
+                                : type == kQ4_1x8 ? 20
+                                : type == kQ5_K ? 176
+                                : (type == kQ6_K || type == kQ6_Kx8) ? 210 : 144;
     const int64_t row_bytes = in_features / block_inputs * block_bytes;
     TORCH_CHECK(offset + (local + 1) * row_bytes <= blocks.numel(), "the layout runs past the blocks");
     float* y = out.data_ptr<float>() + i * in_features;
     const uint8_t* base = blocks.data_ptr<uint8_t>() + offset;
     if (grouped) {
       const uint8_t* group = base + (local / kGroupRows) * kGroupRows * row_bytes;
-      (type == kQ6_Kx8 ? q6_group_row_values : group_row_values)(group, static_cast<int>(local % kGroupRows),
-                                                                  in_features, y);
+      (type == kQ6_Kx8 ? q6_group_row_values : type == kQ4_1x8 ? q4_1_group_row_values : group_row_values)(
+          group, static_cast<int>(local % kGroupRows), in_features, y);
     } else {
       row_values(type, base + local * row_bytes, in_features, y);
     }
