@@ -72,11 +72,12 @@ inline void sub_block(const uint8_t* codes, const int32_t* xw, __m256i scales, _
 
 // A group kernel's software prefetch, for calls of at most kPrefetchTokens tokens: each stretch
 // of kStretch bytes of a super-block, as the kernel reaches it, fetches the same stretch of the
-// next super-block (kBlockBytes on; the next group's first past a group's last). Spread so, one
-// super-block ahead, one token read Q6_K's groups from memory at 0.97-0.98 of the plain read
-// where all of a super-block's lines fetched 4.5 KB ahead at its start (prefetch_ahead, as the
-// rows do) read 0.73-0.76, and Q4_K's at 0.93 against 0.80-0.85 (docs/cpu-kernels.md): a burst
-// of 18-27 prefetches at once held up the kernel's own loads.
+// next super-block (kBlockBytes on; the next group's first past a group's last). All of a
+// super-block's lines fetched 4.5 KB ahead at its start (prefetch_ahead, as the rows still do),
+// a burst of 18 to 27 prefetches, held up the kernel's own loads: one token read Q6_K's groups
+// from memory at three quarters of the plain read, where spread so it reads as fast as the
+// plain read, and Q4_K's gained less (docs/cpu-kernels.md has the figures, and
+// scripts/bench/probes/gguf_group_prefetch.cpp the variants).
 template <int kTokens, int64_t kBlockBytes, int64_t kStretch>
 inline void prefetch_next_block(const uint8_t* stretch) {
   if (kTokens > kPrefetchTokens) return;
