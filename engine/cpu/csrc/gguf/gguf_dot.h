@@ -92,7 +92,7 @@ inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<co
 // docs/cpu-kernels.md). Several tokens are compute-bound, and the prefetches' own
 // instructions only cost there. Rows and groups lie one after another, so a block's
 // prefetch past its row's end is the next row's; a prefetch never faults.
-constexpr int64_t kPrefetchAhead = 4608;  // four Q4_K super-blocks of a group, 4.5 KB
+constexpr int64_t kPrefetchAhead = 4608;  // 4.5 KB: the rows' (the groups spread theirs: prefetch_next_block)
 constexpr int kPrefetchTokens = 3;
 
 // The cache lines of [p + kPrefetchAhead, p + kPrefetchAhead + n).

@@ -67,7 +67,6 @@ inline void dot_q6_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, c
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.num_blocks; ++b) {
     const uint8_t* blk = group + b * kQ6GroupBlockBytes;
-    if (kTokens <= kPrefetchTokens) prefetch_ahead<kQ6GroupBlockBytes>(blk);
     alignas(32) __m256i sums_store[kTokens];
     __m256i* sums = in_memory_past_4<kTokens>(sums_store);
 #pragma GCC unroll 8
@@ -88,6 +87,8 @@ inline void dot_q6_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, c
     const int32_t* xb = xw + b * (kQK / 4) * kTokens;
 #pragma GCC unroll 1
     for (int p = 0; p < 8; ++p) {
+      constexpr int64_t kStretch = kQ6GroupBlockBytes / 8;  // an eighth of the super-block per pair of sub-blocks
+      prefetch_next_block<kTokens, kQ6GroupBlockBytes, kStretch>(blk + kStretch * p);
       const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 16 * p)));
       const uint8_t* codes = blk + 144 + 192 * p;
       q6_sub_block<kTokens>(codes, xb + 8 * kTokens * p, pick(pair, kDupScale[0]), sums);

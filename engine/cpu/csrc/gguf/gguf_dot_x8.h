@@ -70,6 +70,23 @@ inline void sub_block(const uint8_t* codes, const int32_t* xw, __m256i scales, _
   }
 }
 
+// A group kernel's software prefetch, for calls of at most kPrefetchTokens tokens: each stretch
+// of kStretch bytes of a super-block, as the kernel reaches it, fetches the same stretch of the
+// next super-block (kBlockBytes on; the next group's first past a group's last). All of a
+// super-block's lines fetched 4.5 KB ahead at its start (prefetch_ahead, as the rows still do),
+// a burst of 18 to 27 prefetches, held up the kernel's own loads: one token read Q6_K's groups
+// from memory at three quarters of the plain read, where spread so it reads as fast as the
+// plain read, and Q4_K's gained less (docs/cpu-kernels.md has the figures, and
+// scripts/bench/probes/gguf_group_prefetch.cpp the variants).
+template <int kTokens, int64_t kBlockBytes, int64_t kStretch>
+inline void prefetch_next_block(const uint8_t* stretch) {
+  if (kTokens > kPrefetchTokens) return;
+#pragma GCC unroll 8
+  for (int64_t k = 0; k < kStretch; k += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(stretch + kBlockBytes + k), _MM_HINT_T0);
+  }
+}
+
 // `p` itself, past 4 tokens hidden from GCC: what it points at then stays in memory.
 template <int kTokens, typename T>
 inline T* in_memory_past_4(T* p) {
@@ -109,7 +126,6 @@ inline void dot_q4_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, c
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.num_blocks; ++b) {
     const uint8_t* blk = group + b * kGroupBlockBytes;
-    if (kTokens <= kPrefetchTokens) prefetch_ahead<kGroupBlockBytes>(blk);
     const __m256i l0 = load256(blk + 32), l1 = load256(blk + 64), h = load256(blk + 96);
     {
       // The mins' term first, so its registers are free before the codes'.
@@ -149,12 +165,17 @@ inline void dot_q4_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, c
     const uint8_t* codes = blk + 128;
     const int32_t* xb = xw + b * (kQK / 4) * kTokens;
     if (kTokens <= 4) {
+      constexpr int64_t kStretch = kGroupBlockBytes / 4;  // a quarter of the super-block per pair of sub-blocks
+      prefetch_next_block<kTokens, kGroupBlockBytes, kStretch>(blk);
       sub_block<kTokens, 0>(codes, xb, sub_block_scales<0>(scales_lo, scales_hi), sums);
       sub_block<kTokens, 1>(codes, xb, sub_block_scales<1>(scales_lo, scales_hi), sums);
+      prefetch_next_block<kTokens, kGroupBlockBytes, kStretch>(blk + kStretch);
       sub_block<kTokens, 2>(codes, xb, sub_block_scales<2>(scales_lo, scales_hi), sums);
       sub_block<kTokens, 3>(codes, xb, sub_block_scales<3>(scales_lo, scales_hi), sums);
+      prefetch_next_block<kTokens, kGroupBlockBytes, kStretch>(blk + 2 * kStretch);
       sub_block<kTokens, 4>(codes, xb, sub_block_scales<4>(scales_lo, scales_hi), sums);
       sub_block<kTokens, 5>(codes, xb, sub_block_scales<5>(scales_lo, scales_hi), sums);
+      prefetch_next_block<kTokens, kGroupBlockBytes, kStretch>(blk + 3 * kStretch);
       sub_block<kTokens, 6>(codes, xb, sub_block_scales<6>(scales_lo, scales_hi), sums);
       sub_block<kTokens, 7>(codes, xb, sub_block_scales<7>(scales_lo, scales_hi), sums);
     } else {
