@@ -40,8 +40,10 @@ inline void dot_q4_1_x8(const uint8_t* group, const Act32& x, int64_t x_stride, 
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.num_blocks; ++b) {
     const uint8_t* blk = group + b * kQ4_1GroupBlockBytes;
-    // Four blocks (640 bytes, 10 lines) a prefetch: the stream stays kPrefetchAhead ahead.
-    if (kTokens <= kPrefetchTokens && b % 4 == 0) prefetch_ahead<4 * kQ4_1GroupBlockBytes>(blk);
+    // Each block fetches its own bytes four blocks on, spread as the K groups' are
+    // (prefetch_next_block): ten lines in a burst every fourth block read slower from memory
+    // (docs/cpu-kernels.md).
+    prefetch_next_block<kTokens, 4 * kQ4_1GroupBlockBytes, kQ4_1GroupBlockBytes>(blk);
     const int32_t* xb = xw + b * (kQ32 / 4) * kTokens;
     __m256i s16[kTokens];
 #pragma GCC unroll 8
