@@ -269,23 +269,22 @@ void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const int
               int64_t t0, int64_t t1, int64_t out_features, const float* bias, out_t* out,
               const int32_t* words32) {
   const uint8_t* rows = part.bytes + (r0 - part.first_row) * part.row_bytes;
-  if (part.type == kQ4_1x8) {
+  // A group of 8 rows: kGroupTokens tokens a pass, dot_group(num, t, y) giving y [num][8 rows].
+  const auto run_group = [&](const auto& dot_group) {
     for (int64_t t = t0; t < t1; t += kGroupTokens) {
       const int64_t num = std::min<int64_t>(kGroupTokens, t1 - t);
       float y[kGroupTokens * kGroupRows];
-      kDotQ4_1Group[num - 1](rows, x32, words32, t, y);
+      dot_group(num, t, y);
       for (int64_t i = 0; i < num; ++i) store_group(out + (t + i) * out_features + r0, y + i * kGroupRows, bias, r0);
     }
+  };
+  if (part.type == kQ4_1x8) {
+    run_group([&](int64_t num, int64_t t, float* y) { kDotQ4_1Group[num - 1](rows, x32, words32, t, y); });
     return;
   }
   if (part.type == kQ4_Kx8 || part.type == kQ6_Kx8) {
     const DotGroupFn* dot_group_fn = part.type == kQ4_Kx8 ? kDotGroup : kDotQ6Group;
-    for (int64_t t = t0; t < t1; t += kGroupTokens) {
-      const int64_t num = std::min<int64_t>(kGroupTokens, t1 - t);
-      float y[kGroupTokens * kGroupRows];
-      dot_group_fn[num - 1](rows, xk, words, t, y);
-      for (int64_t i = 0; i < num; ++i) store_group(out + (t + i) * out_features + r0, y + i * kGroupRows, bias, r0);
-    }
+    run_group([&](int64_t num, int64_t t, float* y) { dot_group_fn[num - 1](rows, xk, words, t, y); });
     return;
   }
   for (int64_t t = t0; t < t1; t += kMaxTokens) {
