@@ -46,12 +46,21 @@ def test_tokenizing_a_big_prompt_leaves_the_event_loop_free(model_folder):
         gap, ids = await max_loop_gap(asyncio.gather(prompts.encode(TEXT), prompts.encode(TEXT)))
         return gap, ids, time.monotonic() - started
 
-    gap, (ids, ids_again), elapsed = asyncio.run(main())
-    prompts.shutdown()
-    assert ids == ids_again == tokenizer._tokenizer.encode(TEXT).ids
-    # A blocking encode would stall the loop for a whole encode, half of `elapsed`; off the loop
-    # the longest stall is scheduling noise (loose bound: other processes share these cores).
-    assert elapsed > 0.2 and gap < elapsed / 5, (gap, elapsed)
+    # A blocking encode would stall the loop for a whole encode, half of `elapsed`, on every try;
+    # off the loop the longest stall is scheduling noise, which another process taking the cores
+    # for a moment can stretch in one try (the fresh suite saw 0.41 s of 1.29 once): best of three.
+    tries = []
+    try:
+        for _ in range(3):
+            gap, (ids, ids_again), elapsed = asyncio.run(main())
+            assert ids == ids_again == tokenizer._tokenizer.encode(TEXT).ids
+            tries.append((gap, elapsed))
+            if elapsed > 0.2 and gap < elapsed / 5:
+                break
+        else:
+            pytest.fail(f"the loop stalled for a fifth of the encode or more in every try: (gap, elapsed) {tries}")
+    finally:
+        prompts.shutdown()
 
 
 def test_prompts_too_big_for_any_context_are_refused_before_tokenizing(model_folder):
