@@ -16,10 +16,7 @@
 // decode step's work pool); each row is read from memory once and used for every token,
 // kMaxTokens at a time, or a Q4_K group kGroupTokens at a time (a group of rows, a few KB,
 // stays in L1 across the passes).
-#include "gguf_dot.h"
-#include "gguf_dot_x8.h"
-#include "gguf_dot_q6_k_x8.h"
-#include "gguf_dot_q4_1_x8.h"
+#include "gguf_types.h"
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 
 #include <torch/extension.h>
@@ -37,24 +34,6 @@ namespace {
 bool cpu_runs_kernels() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
-struct TypeInfo {
-  int64_t id, block_inputs, block_bytes;
-  bool is_k;
-};
-
-constexpr TypeInfo kTypes[] = {{kQ4_0, 32, 18, false}, {kQ4_1, 32, 20, false}, {kQ5_0, 32, 22, false},
-                               {kQ5_1, 32, 24, false}, {kQ8_0, 32, 34, false},
-                               {kQ4_K, 256, 144, true}, {kQ5_K, 256, 176, true}, {kQ6_K, 256, 210, true},
-                               {kQ4_Kx8, 256, 144, true}, {kQ6_Kx8, 256, 210, true},
-                               {kQ4_1x8, 32, 20, false}};  // bytes per row: a group's over 8
-
-const TypeInfo& type_info(int64_t id) {
-  for (const TypeInfo& info : kTypes) {
-    if (info.id == id) return info;
-  }
-  TORCH_CHECK(false, "gguf linear: no kernel for ggml type ", id);
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -345,11 +324,10 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
     TORCH_CHECK(in_features % info.block_inputs == 0, in_features, " inputs are not whole blocks of type ", type);
     const int64_t row_bytes = in_features / info.block_inputs * info.block_bytes;
     TORCH_CHECK(rows > 0 && offset >= 0 && offset + rows * row_bytes <= blocks.numel() &&
-                    ((type != kQ4_Kx8 && type != kQ6_Kx8 && type != kQ4_1x8) || rows % kGroupRows == 0),
+                    (!info.is_grouped || rows % kGroupRows == 0),
                 "part ", i, ": ", rows, " rows of type ", type, " at byte ", offset, " are not inside the blocks");
     (info.is_k ? need_k : need_32) = true;
-    need_words = need_words || type == kQ4_Kx8 || type == kQ6_Kx8;
-    need_words32 = need_words32 || type == kQ4_1x8;
+    (info.is_k ? need_words : need_words32) |= info.is_grouped;
     const int64_t first_item =
         spans.empty() ? 0 : spans.back().first_item + (spans.back().num_rows + kGroupRows - 1) / kGroupRows;
     spans.push_back({blocks.data_ptr<uint8_t>() + offset, type, row_bytes, num_rows, rows, first_item});

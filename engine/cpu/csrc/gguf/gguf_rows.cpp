@@ -4,9 +4,7 @@
 // No FMA contraction here: d * sc * q - dmin * m must round after each step, as numpy does.
 #pragma GCC optimize("fp-contract=off")
 
-#include "gguf_dot_x8.h"
-#include "gguf_dot_q6_k_x8.h"
-#include "gguf_dot_q4_1_x8.h"
+#include "gguf_types.h"
 
 #include <torch/extension.h>
 
@@ -178,18 +176,12 @@ torch::Tensor gguf_rows(const torch::Tensor& blocks, const torch::Tensor& layout
     while (p < num_parts && row >= first + entries[3 * p + 2]) first += entries[3 * p + 2], ++p;
     TORCH_CHECK(row >= 0 && p < num_parts, "row ", row, " is outside the weight");
     const int64_t type = entries[3 * p], offset = entries[3 * p + 1], local = row - first;
-    const bool grouped = type == kQ4_Kx8 || type == kQ6_Kx8 || type == kQ4_1x8;
-    const bool is_q32 = type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0;
-    const int64_t block_inputs = is_q32 || type == kQ4_1x8 ? kQ32 : kQK;
-    const int64_t block_bytes = is_q32 ? q32_block_bytes(type)
-                                : type == kQ4_1x8 ? 20
-                                : type == kQ5_K ? 176
-                                : (type == kQ6_K || type == kQ6_Kx8) ? 210 : 144;
-    const int64_t row_bytes = in_features / block_inputs * block_bytes;
+    const TypeInfo& info = type_info(type);
+    const int64_t row_bytes = in_features / info.block_inputs * info.block_bytes;
     TORCH_CHECK(offset + (local + 1) * row_bytes <= blocks.numel(), "the layout runs past the blocks");
     float* y = out.data_ptr<float>() + i * in_features;
     const uint8_t* base = blocks.data_ptr<uint8_t>() + offset;
-    if (grouped) {
+    if (info.is_grouped) {
       const uint8_t* group = base + (local / kGroupRows) * kGroupRows * row_bytes;
       (type == kQ6_Kx8 ? q6_group_row_values : type == kQ4_1x8 ? q4_1_group_row_values : group_row_values)(
           group, static_cast<int>(local % kGroupRows), in_features, y);
