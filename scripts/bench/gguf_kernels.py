@@ -28,8 +28,10 @@ import gguf
 import numpy as np
 import torch
 
+from engine.cpu.gguf_extension import load_gguf_kernels
 from engine.cpu.gguf_linear import KERNEL_TYPE_NAMES, GgufLinear, gather_blocks_on_huge_pages, kernel_types
 from scripts.lib.bench_report import machine_info, run_and_report
+from scripts.lib.weight_stream import StreamProbe
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +45,12 @@ def stream_rate(num_bytes: int = 2 << 30, threads: int = 2, trials: int = 3, sli
     (the kernels' stream_read): the best whole pass of `trials`, and the buffer read a slice of
     `slice_bytes` at a time, each slice timed alone as the layers' calls are (median and fast
     decile, the figure the layers' fast deciles are held to)."""
-    from engine.cpu.gguf_extension import load_gguf_kernels
-
+    probe = StreamProbe(num_bytes, threads)
+    whole_gb_s = probe.measure(trials)
     kernels = load_gguf_kernels()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    buffer = torch.ones(num_bytes, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        kernels.stream_read(buffer)
-        best = min(best, time.perf_counter() - start)
+    buffer = probe.buffer
     slices = buffer.view(-1, slice_bytes)
     times = []
     start = time.perf_counter()
@@ -64,7 +61,7 @@ def stream_rate(num_bytes: int = 2 << 30, threads: int = 2, trials: int = 3, sli
         times.append(time.perf_counter() - begin)
     torch.set_num_threads(previous)
     times.sort()
-    return {"threads": threads, "whole_gb_s": round(num_bytes / best / 1e9, 2),
+    return {"threads": threads, "whole_gb_s": round(whole_gb_s, 2),
             "slice_bytes": slice_bytes, "slice_gb_s": round(slice_bytes / times[len(times) // 2] / 1e9, 2),
             "slice_gb_s_p10": round(slice_bytes / times[len(times) // 10] / 1e9, 2)}
 

@@ -25,7 +25,7 @@ import statistics
 import aiohttp
 
 from scripts.bench import single_user
-from scripts.lib.bench_report import read_rate_gb_s, write_report
+from scripts.lib.bench_report import write_report
 from scripts.lib.sse_client import served_model
 from scripts.lib.workload import make_workload
 
@@ -51,7 +51,7 @@ async def one_round(session: aiohttp.ClientSession, server, prompts: list[list[i
             "users": runs}
 
 
-async def measure(servers: list, args: argparse.Namespace, read_rates: list[float]) -> None:
+async def measure(servers: list, args: argparse.Namespace, rates: single_user.HostRates) -> None:
     requests = make_workload((args.repeats + 1) * args.users, (args.prompt_len, args.prompt_len),
                              (args.output_len, args.output_len), seed=args.seed, vocab_size=single_user.VOCAB_SIZE)
     prompts = [r.prompt_token_ids for r in requests]
@@ -63,8 +63,7 @@ async def measure(servers: list, args: argparse.Namespace, read_rates: list[floa
             warm = await one_round(session, server, rounds[0], single_user.WARMUP_OUTPUT_LEN)
             logger.info("%s warmed up (%.1f tok/s)", server.name, warm["output_tok_s"])
         for index, round_prompts in enumerate(rounds[1:]):
-            read_rates.append(read_rate_gb_s())
-            logger.info("round %d: memory read %.1f GB/s (one core)", index, read_rates[-1])
+            rates.take(index)
             shift = index % len(servers)
             for server in servers[shift:] + servers[:shift]:
                 result = await one_round(session, server, round_prompts, args.output_len)

@@ -44,10 +44,11 @@ from typing import Callable
 
 import aiohttp
 
-from scripts.lib.bench_report import (host_cpu_ticks, machine_info, read_rate_gb_s, require_at_least_one,
-                                     write_report)
+from scripts.lib.bench_report import machine_info, read_rate_gb_s, require_at_least_one, write_report
+from scripts.lib.cpu_share import cpu_snapshot, other_cpu_share
 from scripts.lib.local_server import REPO_ROOT, Server, free_port, launch_server, stop_server
 from scripts.lib.sse_client import StreamStatusError, served_model, stream_chunks
+from scripts.lib.weight_stream import StreamProbe, decode_weight_bytes, weight_rates
 from scripts.lib.workload import make_workload
 
 logger = logging.getLogger("bench_single_user")
@@ -64,7 +65,6 @@ VOCAB_SIZE = 49152  # SmolLM2's
 TIMEOUT = aiohttp.ClientTimeout(total=3600)
 WARMUP_OUTPUT_LEN = 16
 PROMPT_SEED = 128
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of CPU time
 
 
 def make_server(name: str, args: argparse.Namespace, port: int) -> Server:
@@ -82,44 +82,6 @@ def make_server(name: str, args: argparse.Namespace, port: int) -> Server:
     model = str(Path(args.gguf_dir) / OURS_GGUFS[name]) if name in OURS_GGUFS else args.model
     command = [sys.executable, "-m", "frontend.cli", "serve", "--model", model, "--port", str(port), *flags]
     return Server(name, command, {}, f"http://127.0.0.1:{port}")
-
-
-def host_busy_ticks() -> int:
-    """All cores' non-idle time since boot, in clock ticks (the first line of /proc/stat)."""
-    ticks = host_cpu_ticks()
-    return sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
-
-
-def process_tree_ticks(root_pid: int) -> int:
-    """User + system ticks of `root_pid` and its descendants (our server's engine cores)."""
-    parents, ticks = {}, {}
-    for stat_path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat_path.read_text()
-        except OSError:
-            continue  # exited meanwhile
-        fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        pid = int(stat_path.parent.name)
-        parents[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
-    tree, total = {root_pid}, 0
-    for pid in sorted(parents):  # children have larger pids, except after pid wrap-around
-        if pid in tree or parents[pid] in tree:
-            tree.add(pid)
-            total += ticks[pid]
-    return total
-
-
-def cpu_snapshot(server_pid: int) -> tuple[float, float, float]:
-    """CPU seconds so far: the host's, the server's process tree's and this process's own
-    (not its children: the other servers are, and their CPU is what we look for)."""
-    own = os.times()
-    return (host_busy_ticks() / CLOCK_TICKS, process_tree_ticks(server_pid) / CLOCK_TICKS, own.user + own.system)
-
-
-def other_cpu_share(before: tuple[float, float, float], after: tuple[float, float, float], wall_s: float) -> float:
-    """Busy CPU not spent by the server or this client, as a share of all cores over `wall_s`."""
-    host, server, client = (b - a for a, b in zip(before, after))
-    return max(0.0, host - server - client) / (wall_s * (os.cpu_count() or 1))
 
 
 async def timed_request(session: aiohttp.ClientSession, server: Server, prompt_token_ids: list[int],
@@ -161,9 +123,35 @@ async def timed_request(session: aiohttp.ClientSession, server: Server, prompt_t
     return run
 
 
-async def measure(servers: list[Server], args: argparse.Namespace, read_rates: list[float]) -> None:
+def served_gguf(name: str, args: argparse.Namespace) -> Path | None:
+    """The GGUF whose blocks server `name` runs as they are, or None (a folder, or requantized)."""
+    if name == "llama-file":
+        return Path(args.llama_gguf)
+    if name in LLAMA_GGUFS or name in OURS_GGUFS:
+        return Path(args.gguf_dir) / {**LLAMA_GGUFS, **OURS_GGUFS}[name]
+    return Path(args.model) if name == "ours-bf16" and str(args.model).endswith(".gguf") else None
+
+
+class HostRates:
+    """The host's memory before each round, to read that round's figures against: one core's
+    read, and where some server runs a GGUF's own blocks, the stream rate (`StreamProbe`)."""
+
+    def __init__(self, probe: StreamProbe | None) -> None:
+        self.probe = probe
+        self.read_gb_s: list[float] = []
+        self.stream_gb_s: list[float] = []
+
+    def take(self, index: int) -> None:
+        self.read_gb_s.append(read_rate_gb_s())
+        if self.probe is not None:
+            self.stream_gb_s.append(self.probe.measure())
+        logger.info("round %d: memory read %.1f GB/s (one core)%s", index, self.read_gb_s[-1],
+                    f", stream {self.stream_gb_s[-1]:.1f} GB/s ({self.probe.threads} threads)" if self.stream_gb_s else "")
+
+
+async def measure(servers: list[Server], args: argparse.Namespace, rates: HostRates) -> None:
     """Warm each server up, then the rounds: one request per server per round, order rotated;
-    each round's memory read rate (one core, GB/s) is appended to `read_rates`."""
+    the host's memory rates taken before each round (`rates`)."""
     requests = make_workload(args.repeats + 1, (args.prompt_len, args.prompt_len), (args.output_len, args.output_len),
                              seed=args.seed, vocab_size=VOCAB_SIZE)
     warmup, rounds = requests[0], requests[1:]
@@ -175,8 +163,7 @@ async def measure(servers: list[Server], args: argparse.Namespace, read_rates: l
             run = await timed_request(session, server, warmup.prompt_token_ids, WARMUP_OUTPUT_LEN)
             logger.info("%s warmed up (TTFT %.0f ms)", server.name, run["ttft_s"] * 1000)
         for index, request in enumerate(rounds):
-            read_rates.append(read_rate_gb_s())  # the host's memory this round, for reading the ratios
-            logger.info("round %d: memory read %.1f GB/s (one core)", index, read_rates[-1])
+            rates.take(index)
             shift = index % len(servers)
             for server in servers[shift:] + servers[:shift]:
                 run = await timed_request(session, server, request.prompt_token_ids, args.output_len)
@@ -187,10 +174,12 @@ async def measure(servers: list[Server], args: argparse.Namespace, read_rates: l
                             server.name, run["ttft_s"] * 1000, run["decode_tok_s"], run["other_cpu_share"] * 100)
 
 
-def summarize(server: Server) -> dict:
+def summarize(server: Server, weight_bytes: int | None, stream_gb_s: list[float]) -> dict:
+    """The server's medians; given the bytes its decode step reads, each run's weight rate and its
+    share of its round's stream rate (issue #59's bar)."""
     ttfts = [r["ttft_s"] for r in server.runs]
     speeds = [r["decode_tok_s"] for r in server.runs]
-    return {
+    summary = {
         "command": shlex.join(server.command),
         "log": str(server.log_path),
         "median_ttft_ms": statistics.median(ttfts) * 1000,
@@ -201,16 +190,26 @@ def summarize(server: Server) -> dict:
         "max_other_cpu_share": max(r["other_cpu_share"] for r in server.runs),
         "runs": server.runs,
     }
+    if weight_bytes is not None and stream_gb_s:
+        for run in server.runs:
+            run.update(weight_rates(run["decode_tok_s"], weight_bytes, stream_gb_s[run["round"]]))
+        summary.update(weight_bytes=weight_bytes,
+                       median_weight_gb_s=statistics.median(r["weight_gb_s"] for r in server.runs),
+                       median_share_of_stream=statistics.median(r["share_of_stream"] for r in server.runs),
+                       share_of_stream_runs=[r["share_of_stream"] for r in server.runs])
+    return summary
 
 
 def markdown_table(results: dict[str, dict], reference: str | None) -> str:
-    lines = ["| server | TTFT median (ms) | decode median (tok/s) | decode runs (tok/s) | max other CPU |"
-             + (f" decode vs {reference} |" if reference else ""),
-             "|---|---:|---:|---|---:|" + ("---:|" if reference else "")]
+    lines = ["| server | TTFT median (ms) | decode median (tok/s) | decode runs (tok/s) | weights GB/s (share "
+             "of stream) | max other CPU |" + (f" decode vs {reference} |" if reference else ""),
+             "|---|---:|---:|---|---:|---:|" + ("---:|" if reference else "")]
     for name, result in results.items():
         runs = ", ".join(f"{v:.1f}" for v in result["decode_tok_s_runs"])
+        weights = (f"{result['median_weight_gb_s']:.1f} ({result['median_share_of_stream']:.2f})"
+                   if "median_weight_gb_s" in result else "")
         row = (f"| {name} | {result['median_ttft_ms']:.1f} | {result['median_decode_tok_s']:.1f} | {runs} "
-               f"| {result['max_other_cpu_share']:.0%} |")
+               f"| {weights} | {result['max_other_cpu_share']:.0%} |")
         if reference:
             row += f" {result['median_decode_tok_s'] / results[reference]['median_decode_tok_s']:.2f} |"
         lines.append(row)
@@ -232,11 +231,17 @@ def git_revision() -> str:
 
 
 def run_servers(args: argparse.Namespace, make: Callable, measure_all: Callable) -> dict:
-    """Start every server (`make(name, args, port)`), `measure_all(servers, args, read_rates)`,
-    stop them; returns the servers, with their runs, and the run's facts (config, versions, load)."""
+    """Start every server (`make(name, args, port)`), `measure_all(servers, args, rates)`, stop
+    them; returns the servers, with their runs, each one's decode weight bytes (a GGUF's, or None),
+    and the run's facts (config, versions, load, the host's memory rates by round)."""
     load_before = os.getloadavg()[0]
     servers = [make(name, args, free_port()) for name in args.servers]
-    read_rates: list[float] = []
+    weight_bytes = {}
+    for server in servers:
+        gguf = served_gguf(server.name, args)
+        weight_bytes[server.name] = decode_weight_bytes(gguf) if gguf is not None else None
+    # The probe's buffer is taken before the servers load, so it never competes with them for memory.
+    rates = HostRates(StreamProbe(threads=args.threads) if any(weight_bytes.values()) else None)
     try:
         for server in servers:
             server.log_path = Path(args.log_dir) / f"{Path(sys.argv[0]).stem}-{server.name}.log"
@@ -244,7 +249,7 @@ def run_servers(args: argparse.Namespace, make: Callable, measure_all: Callable)
             logger.info("starting %s: %s", server.name, shlex.join(server.command))
             server.process = launch_server(server.command, server.url, server.log_path)
             logger.info("%s up after %.1f s", server.name, time.monotonic() - start)
-        asyncio.run(measure_all(servers, args, read_rates))
+        asyncio.run(measure_all(servers, args, rates))
     finally:
         for server in servers:
             if server.process is not None:
@@ -255,14 +260,18 @@ def run_servers(args: argparse.Namespace, make: Callable, measure_all: Callable)
         "llama_server_version": llama_version(args.llama_server),
         "tokenloom_revision": git_revision(),
         "load_average_1m_before": load_before,
-        "read_gb_s_by_round": read_rates,
+        "read_gb_s_by_round": rates.read_gb_s,
+        "stream_gb_s_by_round": rates.stream_gb_s,
+        "stream_threads": args.threads,
+        "weight_bytes": weight_bytes,
         "machine": machine_info(),
     }
 
 
 def run(args: argparse.Namespace) -> dict:
     report = run_servers(args, make_server, measure)
-    results = {server.name: summarize(server) for server in report.pop("servers")}
+    results = {server.name: summarize(server, report["weight_bytes"][server.name], report["stream_gb_s_by_round"])
+               for server in report.pop("servers")}
     reference = "ours-bf16" if "ours-bf16" in results else None
     return {"results": results, "table": markdown_table(results, reference), **report}
 
