@@ -6,7 +6,8 @@
 // Activations are quantized to int8 once per call, as llama.cpp's Q8_K (one scale per 256
 // inputs, for the K-quants) and Q8_0 (per 32, for the others): the dot products then run on
 // vpmaddubsw, 32 multiply-adds an instruction, where fp32 activations would need each code
-// widened to fp32 and one FMA per 8 (docs/cpu-kernels.md has the measurements).
+// widened to fp32 and one FMA per 8 (docs/cpu-kernels.md has the measurements); the
+// quantizing is gguf_activations.h.
 //
 // Q4_K, Q6_K and Q4_1 parts come repacked eight rows to a group where they have eight rows
 // (gguf_dot_x8.h, gguf_dot_q6_k_x8.h and gguf_dot_q4_1_x8.h say why); their last rows, and every
@@ -16,6 +17,7 @@
 // decode step's work pool); each row is read from memory once and used for every token,
 // kMaxTokens at a time, or a Q4_K group kGroupTokens at a time (a group of rows, a few KB,
 // stays in L1 across the passes).
+#include "gguf_activations.h"
 #include "gguf_types.h"
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 
@@ -34,123 +36,6 @@ namespace {
 bool cpu_runs_kernels() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// 32 inputs at x -> int8 round(x * inv) at q (nearest even, as MXCSR rounds); returns sum q.
-template <typename in_t>
-inline int32_t quantize32(const in_t* x, float inv, int8_t* q) {
-  const __m256 s = _mm256_set1_ps(inv);
-  __m256i i[4];
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + 8 * k), s));
-  // packs interleave the 128-bit halves; the permute puts the 32 bytes back in order.
-  const __m256i bytes = _mm256_permutevar8x32_epi32(
-      _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
-  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s4 = _mm_hadd_epi32(s4, s4);
-  return _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
-}
-
-template <typename in_t>
-inline float max_abs(const in_t* x, int64_t n) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 m = _mm256_setzero_ps();
-  for (int64_t k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(x + k)));
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-}
-
-// One token's inputs in blocks of `block` (32 or 256): scale max|x| / 127 per block and q;
-// per 32 inputs the sum of q, which the K-quants keep as int16 per 16 and 32 and the others
-// as dx * sum.
-template <typename in_t>
-void quantize_token(const in_t* x, int64_t in_features, int64_t block, int8_t* q, float* d, int16_t* sums16,
-                    int16_t* sums32, float* ds) {
-  for (int64_t b = 0; b < in_features / block; ++b) {
-    const float amax = max_abs(x + b * block, block);
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    d[b] = amax / 127.f;
-    for (int64_t k = b * block; k < (b + 1) * block; k += kQ32) {
-      const int32_t sum = quantize32(x + k, inv, q + k);
-      if (block == kQK) {
-        int32_t half = 0;
-        for (int64_t i = k; i < k + 16; ++i) half += q[i];
-        sums16[k / 16] = static_cast<int16_t>(half);
-        sums16[k / 16 + 1] = static_cast<int16_t>(sum - half);
-        sums32[k / kQ32] = static_cast<int16_t>(sum);
-      } else {
-        ds[b] = d[b] * static_cast<float>(sum);
-      }
-    }
-  }
-}
-
-// A call's quantized activations, in memory the calling thread keeps from call to call.
-struct Scratch {
-  std::vector<int32_t> qk_words;  // qk for the Q4_K groups: tokens interleaved by words (interleave_words)
-  std::vector<int32_t> q32_words;  // q32 for the Q4_1 groups, alike
-  std::vector<int8_t> qk, q32;
-  std::vector<float> dk, d32, ds32;
-  std::vector<int16_t> sums16, sums32;
-};
-
-// The Q4_K groups' activations (gguf_dot_x8.h): q [tokens][in] as 4-byte words, each tile of
-// kGroupTokens tokens from t0 with its n tokens interleaved: word w of token t0 + i at
-// words[t0 * in / 4 + w * n + i].
-void interleave_words(const int8_t* q, int64_t num_tokens, int64_t in_features, int32_t* words) {
-  const int64_t num_words = in_features / 4;
-  for (int64_t t0 = 0; t0 < num_tokens; t0 += kGroupTokens) {
-    const int64_t n = std::min(kGroupTokens, num_tokens - t0);
-    int32_t* tile = words + t0 * num_words;
-    for (int64_t i = 0; i < n; ++i) {
-      const int8_t* row = q + (t0 + i) * in_features;
-      for (int64_t w = 0; w < num_words; ++w) std::memcpy(tile + w * n + i, row + 4 * w, 4);
-    }
-  }
-}
-
-template <typename in_t>
-void quantize_all(const in_t* x, int64_t num_tokens, int64_t in_features, bool need_k, bool need_32,
-                  bool need_words, bool need_words32, Scratch& s) {
-  if (need_k) {
-    s.qk.resize(num_tokens * in_features), s.dk.resize(num_tokens * in_features / kQK);
-    s.sums16.resize(num_tokens * in_features / 16), s.sums32.resize(num_tokens * in_features / kQ32);
-  }
-  if (need_32) {
-    s.q32.resize(num_tokens * in_features);
-    s.d32.resize(num_tokens * in_features / kQ32), s.ds32.resize(num_tokens * in_features / kQ32);
-  }
-  tokenloom_cpu::parallel_for(0, num_tokens, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const in_t* xt = x + t * in_features;
-      if (need_k) {
-        quantize_token(xt, in_features, kQK, s.qk.data() + t * in_features, s.dk.data() + t * in_features / kQK,
-                       s.sums16.data() + t * in_features / 16, s.sums32.data() + t * in_features / kQ32, nullptr);
-      }
-      if (need_32) {
-        quantize_token(xt, in_features, kQ32, s.q32.data() + t * in_features, s.d32.data() + t * in_features / kQ32,
-                       nullptr, nullptr, s.ds32.data() + t * in_features / kQ32);
-      }
-    }
-  });
-  if (need_words) {  // a copy of in_features bytes a token: quick beside the matmul
-    s.qk_words.resize(num_tokens * in_features / 4);
-    interleave_words(s.qk.data(), num_tokens, in_features, s.qk_words.data());
-  }
-  if (need_words32) {
-    s.q32_words.resize(num_tokens * in_features / 4);
-    interleave_words(s.q32.data(), num_tokens, in_features, s.q32_words.data());
-  }
 }
 
 // out[t] for kTokens tokens starting at token t0, one row of type `type`.
