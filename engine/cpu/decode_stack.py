@@ -56,6 +56,7 @@ class DecodeStack:
         self._max_tokens = max_tokens  # bf16 slabs beside oneDNN (AMX): steps of up to this many tokens
         self._wide_stack = wide_stack  # the same layers on oneDNN's weights, for steps past max_tokens
         self._model = model
+        self._has_final_norm = stack.has_final_norm()  # the stack's call ends with model.norm
         self._lora_state = None  # the adapter pool's step state (use_lora); None: no LoRA
         self._lora_scales: list[float] = []  # the pool's per-slot scales, updated as slots are filled
 
@@ -108,7 +109,8 @@ class DecodeStack:
             stack = self._wide_stack
         hidden, residual = stack.forward(hidden, cos.squeeze(1), sin.squeeze(1), slot_mapping, block_tables, seq_lens,
                                          *self._lora_groups())
-        hidden, _ = model.norm(hidden, residual)
+        if not self._has_final_norm:
+            hidden, _ = model.norm(hidden, residual)
         return hidden
 
     def _lora_groups(self) -> tuple[list[int], list[torch.Tensor], list[float]]:
@@ -158,7 +160,21 @@ def _build_stack(model: nn.Module, kv_caches, fused_ops: CpuFusedOps, kernels: M
         k_norm = attn.k_norm.weight if attn.k_norm is not None else NONE
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm, k_norm,
                         *linears, k_cache, v_cache, attn.scale, attn.sliding_window)
+    final_norm = _final_norm(model, fused_ops)
+    if final_norm is not None:
+        stack.set_final_norm(final_norm)
     return stack
+
+
+def _final_norm(model: nn.Module, fused_ops: CpuFusedOps) -> torch.Tensor | None:
+    """model.norm's weight where the stack's own add_rms_norm gives its bits (a fused RMSNorm with
+    the layers' eps and sum order), else None: then Python runs model.norm after the stack."""
+    norm = getattr(model, "norm", None)
+    if type(norm) is not RMSNorm or norm.fused is None or norm.eps != model.config.rms_norm_eps:
+        return None
+    if norm.fused.sum_lanes != fused_ops.sum_lanes:
+        return None
+    return norm.weight.detach()
 
 
 def _why_not(model: nn.Module, backend, fused_ops: CpuFusedOps | None, kernels: ModuleType | None) -> str | None:

@@ -11,7 +11,8 @@ context. Each step is timed in its parts:
 - inside the decode stack's C++ loop (`DecodeStack.set_profiling`), per layer: the norms, the
   rotary + KV store, attention, silu×mul and each matmul (qkv, o, gate_up, down), a clock read
   between ops;
-- `stack_region`: the stack's call less its marks (entering and leaving the work pool's region);
+- `stack_region`: the stack's call less its marks (entering and leaving the work pool's region,
+  and the final norm where the stack ends with it: then `final_norm` is 0);
 - `final_norm_warm`: the final norm's call once more, straight after the first (not part of the
   step): the first runs on the caches the layers' weight stream left, so the gap is what the step's
   Python pays for a cold cache, call by call.
@@ -91,12 +92,14 @@ def profile_steps(runner: ModelRunner, context: int, num_steps: int, block_size:
             t4 = time.perf_counter()
             phases = native.phase_seconds()  # [num_layers, phases]
             native.set_profiling(False)
-            spare = hidden.clone(), residual.clone()  # the same call again, warm (final_norm_warm)
-            t_spare = time.perf_counter()
-            hidden, _ = model.norm(hidden, residual)
-            t5 = time.perf_counter()
-            model.norm(*spare)
-            t_warm = time.perf_counter()
+            t_spare = t5 = t_warm = time.perf_counter()
+            if not stack_step._has_final_norm:  # else the stack's call ended with it (inside stack_region)
+                spare = hidden.clone(), residual.clone()  # the same call again, warm (final_norm_warm)
+                t_spare = time.perf_counter()
+                hidden, _ = model.norm(hidden, residual)
+                t5 = time.perf_counter()
+                model.norm(*spare)
+                t_warm = time.perf_counter()
             outside = (t_spare - t4) + (t_warm - t5)  # not the step's: the spare copies and the warm call
             logits = model.compute_logits(hidden)  # [1, vocab] fp32
             t6 = time.perf_counter()

@@ -151,6 +151,21 @@ def test_an_error_inside_the_work_pool_reaches_python_and_the_pool_stays_usable(
     assert [o.token_ids for o in again] == [o.token_ids for o in expected]
 
 
+@pytest.mark.skipif(not quantization_runs("int8"), reason="int8 needs AVX512_VNNI or AVX2")
+@pytest.mark.parametrize("intermediate_size", [128, 200])
+def test_one_row_steps_split_silu_over_the_pool_bit_for_bit(intermediate_size, tmp_path):
+    """A step of fewer rows than the pool has threads cuts each row's SiLU*up into one piece per
+    thread (fused_ops.cpp, silu_pieces) at multiples of ATen's vector step: the same bits as eager.
+    At 200 (12 steps of 16, then 8) the second piece ends in the row's scalar tail."""
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **SMALL | dict(intermediate_size=intermediate_size))
+    setting = dict(SETTINGS["int8_fp32_kv"], num_threads=2)  # fp32 rows on the pool: the kernel's own SiLU
+    eager, _ = run(path, stack=False, **setting)
+    stacked, num_calls = run(path, stack=True, **setting)
+    assert num_calls >= 19  # the last 8 steps have one row
+    assert all(len(set(tokens)) >= 3 for tokens, _ in eager)
+    assert stacked == eager
+
+
 @pytest.mark.skipif(not CPU.has_amx_bf16, reason="slabs have a size limit (and a wide stack) only beside AMX")
 def test_steps_past_the_slabs_take_the_wide_stack_bit_for_bit(tmp_path):
     """On AMX, bf16 steps of more tokens than the slabs take run a second stack on oneDNN's

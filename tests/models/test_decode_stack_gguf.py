@@ -64,6 +64,7 @@ def test_stack_runs_gguf_blocks_bit_for_bit_on_the_work_pool(tmp_path):
     stack, note = build_decode_stack(model, runner.kv_caches, runner.backend, fused_ops, fused_ops.kernels)
     assert stack is not None, note
     assert stack._stack.is_pooled()  # every matmul shares its rows out on the pool
+    assert stack._stack.has_final_norm()  # model.norm inside the same call, not from Python after it
     calls = []
     runner.decode_stack = runner.step_executor.decode_stack = stack  # the runner's one way to run steps: the stack
     forward = stack.forward

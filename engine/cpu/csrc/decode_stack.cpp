@@ -150,12 +150,19 @@ class DecodeStack {
   // Whether forward runs its layers in the work pool's region (every matmul shares out).
   bool is_pooled() const { return is_pooled_; }
 
+  // The model's final RMSNorm (weight [hidden_size], the layers' eps): forward then ends with it,
+  // in the same call, while the last layer's output is still in cache (a Python call after the
+  // stack runs on the cache the weight stream left: ~10x its warm time). Empty: none.
+  void set_final_norm(torch::Tensor weight) { final_norm_ = weight; }
+  bool has_final_norm() const { return final_norm_.numel() > 0; }
+
   // hidden: [num_seqs, hidden_size], the embeddings of a decode-only step (row i: sequence i);
   // cos, sin: [num_seqs, head_dim]; slot_mapping: [num_seqs] int64; block_tables:
   // [num_seqs, max_num_blocks] int32; seq_lens: [num_seqs] int32; lora_*: the step's rows grouped
   // by LoRA slot (LoRAGroups: slot, rows or empty for all, scale), none for a step of the base.
   // Returns (the last MLP's output, the residual stream before it is added), as
-  // DecoderForCausalLM's layer loop does; `hidden` becomes the residual stream.
+  // DecoderForCausalLM's layer loop does, or with a final norm set (the final hidden states, the
+  // residual stream with that output added); `hidden` becomes the residual stream.
   std::vector<torch::Tensor> forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
                                      torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
                                      std::vector<int64_t> lora_slots, std::vector<torch::Tensor> lora_rows,
@@ -170,6 +177,7 @@ class DecodeStack {
     // matmul can share out; else each kernel on torch's threads, region by region.
     const auto run_layers = [&] {
       x = run_layers_from(hidden, residual, cos, sin, slot_mapping, block_tables, seq_lens, lora);
+      if (has_final_norm()) add_rms_norm(x, residual, final_norm_, eps_, sum_lanes_);  // x, residual in place
     };
     if (is_pooled_) {
       decode_pool().run_region(at::get_num_threads(), run_layers);
@@ -267,6 +275,7 @@ class DecodeStack {
   bool is_pooled_ = false;
   bool is_profiling_ = false;
   torch::Tensor phase_seconds_;  // [num_layers, kNumPhases] float64, while profiling
+  torch::Tensor final_norm_;  // [hidden_size], or undefined: forward returns before the final norm
   std::vector<Layer> layers_;
 };
 
@@ -278,6 +287,8 @@ void bind_decode_stack(pybind11::module& m) {
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_lora", &DecodeStack::set_lora)
       .def("is_pooled", &DecodeStack::is_pooled)
+      .def("set_final_norm", &DecodeStack::set_final_norm)
+      .def("has_final_norm", &DecodeStack::has_final_norm)
       .def("set_profiling", &DecodeStack::set_profiling)
       .def("phase_seconds", &DecodeStack::phase_seconds)
       .def("forward", &DecodeStack::forward, pybind11::arg("hidden"), pybind11::arg("cos"), pybind11::arg("sin"),

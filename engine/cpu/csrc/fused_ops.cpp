@@ -238,9 +238,20 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, int64_
   return out;
 }
 
+// Pieces each token's row is cut into in a decode step's work pool: one per pool thread, so a
+// one-token step's SiLU*up (otherwise the master's alone, the other thread idle) runs on both.
+// Outside a pool a row stays one task (a fork costs more than the row).
+int64_t silu_pieces(int64_t num_tokens, int64_t inter, int64_t step) {
+  const tokenloom_cpu::WorkPool* pool = tokenloom_cpu::active_pool();
+  if (pool == nullptr || num_tokens >= pool->num_threads()) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(pool->num_threads(), inter / step));
+}
+
 // gate_up: [num_tokens, 2 * inter] -> [num_tokens, inter] silu(gate) * up, both rounded
 // to the dtype like F.silu(gate) * up. lanes: ATen's fp32 vector width, which sets how
 // much of each row ATen's silu vectorizes (two vectors of the dtype per iteration).
+// A row may go in pieces (silu_pieces) cut at multiples of that step, so every element
+// takes the same path (vector or the row's scalar tail) as in one piece: the same bits.
 torch::Tensor silu_and_mul(torch::Tensor gate_up, int64_t lanes) {
   TORCH_CHECK(gate_up.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
@@ -251,18 +262,24 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up, int64_t lanes) {
     // ATen's Vectorized<scalar_t> holds lanes * 4 / sizeof(scalar_t) elements.
     const int64_t step = 2 * lanes * static_cast<int64_t>(sizeof(float) / sizeof(scalar_t));
     const int64_t vector_end = inter / step * step;
+    const int64_t num_pieces = silu_pieces(num_tokens, inter, step);
+    const int64_t piece = (inter / num_pieces + step - 1) / step * step;  // a multiple of step
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* os = out.data_ptr<scalar_t>();
     const int64_t in_stride = gate_up.stride(0);
-    tokenloom_cpu::parallel_for(0, num_tokens, grain_size(2 * inter), [&](int64_t begin, int64_t end) {
-      std::vector<float> gate(inter), act(inter);
-      for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* g = in + t * in_stride;
+    const int64_t grain = num_pieces > 1 ? 1 : grain_size(2 * inter);
+    tokenloom_cpu::parallel_for(0, num_tokens * num_pieces, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> gate(std::min(piece, inter)), act(std::min(piece, inter));
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t t = item / num_pieces, first = item % num_pieces * piece;
+        const int64_t n = std::min(piece, inter - first);
+        if (n <= 0) continue;
+        const scalar_t* g = in + t * in_stride + first;
         const scalar_t* u = g + inter;
-        for (int64_t i = 0; i < inter; ++i) gate[i] = Cvt<scalar_t>::load(g[i]);
-        silu_rows(gate.data(), inter, vector_end, act.data());
-        scalar_t* o = os + t * inter;
-        for (int64_t i = 0; i < inter; ++i)
+        for (int64_t i = 0; i < n; ++i) gate[i] = Cvt<scalar_t>::load(g[i]);
+        silu_rows(gate.data(), n, std::clamp<int64_t>(vector_end - first, 0, n), act.data());
+        scalar_t* o = os + t * inter + first;
+        for (int64_t i = 0; i < n; ++i)
           o[i] = Cvt<scalar_t>::store(round_to<scalar_t>(act[i]) * Cvt<scalar_t>::load(u[i]));
       }
     });
