@@ -71,6 +71,7 @@ from frontend.serving_lora import LoRARegistry, add_lora_routes, requested_adapt
 from frontend.serving_utils import ClientDisconnected
 from frontend.server_args import admission_config, engine_client_config, make_parser, tool_options
 from frontend.web_pages import add_web_routes
+from ipc.sockets import check_bindable
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +286,8 @@ async def run_frontend(args: argparse.Namespace) -> None:
     """Start the cores, serve HTTP (and the local socket) until a signal, drain, then shut the cores down."""
     admission = Admission(admission_config(args))
     tools = tool_options(args)
+    if args.client_socket:  # a taken socket fails now, before the cores load the model
+        check_bindable(args.client_socket, allow_remote=args.allow_remote)
     client = await AsyncEngineClient.start(engine_client_config(args))
     local_server = None
     drain_tasks = []

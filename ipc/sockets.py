@@ -108,6 +108,16 @@ def check_bind_address(address: str, allow_remote: bool = False) -> None:
         )
 
 
+def check_bindable(address: str, allow_remote: bool = False) -> None:
+    """bind_router's checks, without binding: a remote tcp:// host, or an ipc:// path a live process
+    listens on, raises ValueError (a stale socket file is removed). A server runs it before starting
+    its cores, so a taken --client-socket fails at once, not after a model load."""
+    check_bind_address(address, allow_remote)
+    scheme, path, _ = parse_address(address)
+    if scheme == "ipc" and "*" not in path:
+        _claim_ipc_path(path)
+
+
 def _configure(sock: zmq.Socket, max_bytes: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)  # never hang at exit on a peer that is gone
     # Unbounded queues: dropping a token delta or an abort would corrupt a request silently.
@@ -121,10 +131,7 @@ def bind_router(
     ctx: zmq.Context, address: str, allow_remote: bool = False, max_bytes: int = MAX_MESSAGE_BYTES
 ) -> zmq.Socket:
     """The engine core's socket: a ROUTER bound at `address`."""
-    check_bind_address(address, allow_remote)
-    scheme, path, _ = parse_address(address)
-    if scheme == "ipc" and "*" not in path:
-        _claim_ipc_path(path)
+    check_bindable(address, allow_remote)
     sock = ctx.socket(zmq.ROUTER)
     try:
         _configure(sock, max_bytes)

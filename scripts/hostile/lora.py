@@ -55,7 +55,7 @@ def write_cases(tmp: Path, model_path: str) -> tuple[str, dict[str, tuple[str, s
     return good, cases
 
 
-def lora_bad_input(target: Target, tmp: Path, model_path: str) -> dict:
+def lora_bad_input(target: Target, tmp: Path, model_path: str, num_flood: int = NUM_FLOOD) -> dict:
     pids = target.core_pids()
     good, cases = write_cases(tmp / "lora", model_path)
     answers: dict[str, dict] = {}
@@ -82,7 +82,7 @@ def lora_bad_input(target: Target, tmp: Path, model_path: str) -> dict:
         expect_4xx("missing_lora_path", status, text, "lora_path")
         status, text, _ = target.post("/v1/completions", {**COMPLETION, "model": "good"})
         answers["good_adapter_answers"] = {"status": status, "problem": None if status == 200 else text[:200]}
-        answers["flood"] = flood(target, good)
+        answers["flood"] = flood(target, good, num_flood)
         target.post("/v1/unload_lora_adapter", {"lora_name": "good"})
     problems = {name: a for name, a in answers.items() if a.get("problem")}
     is_alive = target.health()[0] == 200 and target.core_pids() == pids
@@ -90,20 +90,20 @@ def lora_bad_input(target: Target, tmp: Path, model_path: str) -> dict:
             "core_alive_same_pid": is_alive, "problems": problems}
 
 
-def flood(target: Target, good: str) -> dict:
-    """1,000 loads of one folder under new names, a request on three of them, then 1,000 unloads."""
+def flood(target: Target, good: str, num_flood: int = NUM_FLOOD) -> dict:
+    """`num_flood` loads of one folder under new names, a request on three of them, then as many unloads."""
     start = time.monotonic()
     statuses: dict[int, int] = {}
     problem = None
-    for i in range(NUM_FLOOD):
+    for i in range(num_flood):
         status, text, _ = target.post("/v1/load_lora_adapter", {"lora_name": f"flood-{i}", "lora_path": good})
         statuses[status] = statuses.get(status, 0) + 1
         if status != 200 and (status >= 500 or error_problem(status, text)):
             problem = problem or f"load {i}: status {status}: {text[:200]!r}"
-    for i in (0, NUM_FLOOD // 2, NUM_FLOOD - 1):
+    for i in (0, num_flood // 2, num_flood - 1):
         status, text, _ = target.post("/v1/completions", {**COMPLETION, "model": f"flood-{i}"}, timeout=120)
         if status not in (200, 404):
             problem = problem or f"a request on flood-{i}: status {status}: {text[:200]!r}"
-    for i in range(NUM_FLOOD):
+    for i in range(num_flood):
         target.post("/v1/unload_lora_adapter", {"lora_name": f"flood-{i}"})
     return {"statuses": statuses, "seconds": round(time.monotonic() - start, 1), "problem": problem}

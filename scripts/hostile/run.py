@@ -126,7 +126,7 @@ def hostile_run(args: argparse.Namespace, target: Target, engine_timeout: float 
         ("unsatisfiable_grammar", unsatisfiable_grammar, target),
         ("adapter_bad_input", adapter_bad_input, target),
         ("bad_images", bad_images, target),
-        ("lora_bad_input", lora_bad_input, target, tmp, target.model_path),
+        ("lora_bad_input", lora_bad_input, target, tmp, target.model_path, 200 if quick else 1000),
         ("nested_json", nested_json, target),
         ("bad_predictions", bad_predictions, target),
         ("socket_takeover", socket_takeover, target,

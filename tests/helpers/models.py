@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -89,3 +90,28 @@ def quantized_llm(model_path: str, quantization: str):
     if not quantization_runs(quantization):
         pytest.skip(f"{quantization} needs AVX512_VNNI or AVX2")
     return LLM(model_path, quantization=quantization)
+
+
+def chat_question_prompts(model_path: str) -> list[list[int]]:
+    """scripts/lib/greedy_drift.py's QUESTIONS as chat prompts (token ids) of the model's template."""
+    from transformers import AutoTokenizer
+
+    from scripts.lib.greedy_drift import QUESTIONS
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for q in QUESTIONS]
+
+
+@functools.lru_cache(maxsize=None)
+def hf_chat_answers(model_path: str, dtype: str) -> tuple[tuple[int, ...], ...]:
+    """Transformers' greedy answers (NUM_NEW_TOKENS each) to chat_question_prompts in `dtype`
+    ("float32" or "bfloat16"). Each costs tens of seconds and the bf16, int8 and Q8_0 GGUF
+    fidelity tests need the same ones, so a session computes each once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from scripts.lib.greedy_drift import NUM_NEW_TOKENS, hf_greedy
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    return tuple(tuple(hf_greedy(model, p, NUM_NEW_TOKENS)) for p in chat_question_prompts(model_path))

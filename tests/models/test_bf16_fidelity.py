@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from scripts.lib.greedy_drift import NUM_NEW_TOKENS, QUESTIONS, hf_greedy, leading_matches, mean_leading_matches
+from scripts.lib.greedy_drift import NUM_NEW_TOKENS, leading_matches, mean_leading_matches
+from tests.helpers.models import chat_question_prompts, hf_chat_answers
 
 pytestmark = pytest.mark.slow
-
 
 
 def test_leading_matches_counts_the_common_prefix():
@@ -27,27 +27,16 @@ def test_leading_matches_counts_the_common_prefix():
 
 
 def test_bf16_stays_as_close_to_fp32_as_transformers_bf16(default_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
-        for q in QUESTIONS
-    ]
-    references = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=dtype).eval()
-        references[dtype] = [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
-        del model
+    prompts = chat_question_prompts(default_model_path)
+    references = {dtype: hf_chat_answers(default_model_path, dtype) for dtype in ("float32", "bfloat16")}
 
     llm = LLM(default_model_path, dtype="bfloat16")
     assert llm.engine.model_runner.dtype == torch.bfloat16
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    fp32 = references[torch.float32]
-    hf_bf16_score = mean_leading_matches(references[torch.bfloat16], fp32)
+    fp32 = references["float32"]
+    hf_bf16_score = mean_leading_matches(references["bfloat16"], fp32)
     our_score = mean_leading_matches(ours, fp32)
     print(f"mean leading tokens equal to fp32 (of {NUM_NEW_TOKENS}): ours bf16 {our_score:.1f}, "
           f"transformers bf16 {hf_bf16_score:.1f}")

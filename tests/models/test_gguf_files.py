@@ -27,8 +27,8 @@ from engine.loader.model_files import (
 )
 from tests.helpers import REPO_ROOT
 from scripts.lib.gguf_writer import permute_for_llama_cpp, write_llama_gguf
-from scripts.lib.greedy_drift import hf_greedy
-from tests.helpers.models import make_tiny_model
+from scripts.lib.greedy_drift import NUM_NEW_TOKENS, hf_greedy, mean_leading_matches
+from tests.helpers.models import chat_question_prompts, hf_chat_answers, make_tiny_model
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -273,8 +273,6 @@ def test_smollm2_gguf_answers_paris(smollm2_gguf, default_model_path, in_gguf_ca
 
 
 def greedy_answers(model: str, prompts: list[list[int]], **kwargs) -> list[list[int]]:
-    from tests.models.test_bf16_fidelity import NUM_NEW_TOKENS
-
     llm = LLM(model=model, dtype="float32", **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     answers = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -288,12 +286,7 @@ def folder_fp32_answers(default_model_path):
     These equal transformers' fp32 answers token for token (measured: 32 of 32 leading tokens
     on each question; test_model_equivalence pins the engine to transformers in fp32), so
     they stand in for transformers' fp32 reference here, which costs a minute to compute."""
-    from tests.models.test_bf16_fidelity import QUESTIONS
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for q in QUESTIONS]
+    prompts = chat_question_prompts(default_model_path)
     return prompts, greedy_answers(default_model_path, prompts)
 
 
@@ -320,16 +313,12 @@ def test_q8_0_gguf_drifts_about_as_much_as_transformers_bf16(default_model_path,
     Q8_0 21.6 of 32, transformers' bf16 23.0, so Q8_0 drifts a little more than bf16; the bound
     is that test's own (80% of transformers' bf16). All of it is the quantization: transformers
     in fp32 on the converted Q8_0 folder gives the engine's Q8_0 answers token for token."""
-    from tests.models.test_bf16_fidelity import NUM_NEW_TOKENS, mean_leading_matches
-    from transformers import AutoModelForCausalLM
-
     prompts, fp32 = folder_fp32_answers
     gguf_path = write_llama_gguf(default_model_path, tmp_path / "SmolLM2-135M-Instruct.Q8_0.gguf",
                                  GGMLQuantizationType.Q8_0)
     q8_answers = greedy_answers(str(gguf_path), prompts, gguf_blocks=False)  # the file's weights, dequantized
     gguf_path.unlink()  # 145 MB
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.bfloat16).eval()
-    hf_bf16_answers = [hf_greedy(hf_bf16, p, NUM_NEW_TOKENS) for p in prompts]
+    hf_bf16_answers = hf_chat_answers(default_model_path, "bfloat16")  # test_bf16_fidelity's yardstick, shared
 
     hf_bf16_score = mean_leading_matches(hf_bf16_answers, fp32)
     q8_score = mean_leading_matches(q8_answers, fp32)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 from engine import SamplingParams
-from tests.models.test_bf16_fidelity import NUM_NEW_TOKENS, QUESTIONS, mean_leading_matches
-from tests.helpers.models import quantized_llm
+from scripts.lib.greedy_drift import NUM_NEW_TOKENS, mean_leading_matches
+from tests.helpers.models import chat_question_prompts, hf_chat_answers, quantized_llm
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +52,9 @@ def test_int8_answers_the_capital_of_france(int8_llm):
 
 def test_int8_drifts_about_as_far_as_llama_cpps_q8_0(int8_llm, default_model_path):
     from scripts.bench.probes.quant_drift import simulated_answers
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for q in QUESTIONS]
-    fp32 = simulated_answers(default_model_path, prompts, None)
+    prompts = chat_question_prompts(default_model_path)
+    fp32 = hf_chat_answers(default_model_path, "float32")  # quant_drift's unquantized model: the same answers
     q8_0 = simulated_answers(default_model_path, prompts, "q8_0")  # W8A8 in blocks of 32, in fp32 transformers
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     ours = [o.token_ids for o in int8_llm.generate(prompts, params, use_tqdm=False)]

@@ -9,6 +9,8 @@ hand-off for a lost peer).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -92,8 +94,14 @@ def generate_smollm2(path: str, **kwargs):
     return run_greedy(path, prompts, 8, dtype="float32", **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def smollm2_pp1_reference(path: str) -> tuple:
+    """PP = 1's outputs for issue #54's prompts, once a session: tests/ray compares PP = 2 over Ray with them too."""
+    return tuple(generate_smollm2(path))
+
+
 @pytest.mark.slow
 def test_smollm2_pp2_on_long_prompts_matches_pp1(default_model_path):
-    reference = generate_smollm2(default_model_path)
+    reference = smollm2_pp1_reference(default_model_path)
     outputs = generate_smollm2(default_model_path, pipeline_parallel_size=2, distributed_executor_backend="mp")
     assert assert_same_greedy_tokens(reference, outputs) == 0.0

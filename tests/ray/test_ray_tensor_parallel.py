@@ -20,7 +20,7 @@ import torch
 from engine import LLM, SamplingParams
 from tests.helpers.models import make_tiny_model
 from tests.helpers.ray_cluster import alive_actors, local_cluster
-from tests.models.test_pp_equivalence import generate_smollm2
+from tests.models.test_pp_equivalence import generate_smollm2, smollm2_pp1_reference
 from tests.models.test_tp_equivalence import assert_same_greedy_tokens
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -120,7 +120,7 @@ def test_smollm2_tp3_over_ray_matches_tp1(default_model_path):
 @pytest.mark.slow
 def test_smollm2_pp2_over_ray_on_long_prompts_matches_pp1(default_model_path):
     # Issue #54's repro: steps of over a second on a small CPU, which rank 0 once took for a lost stage.
-    reference = generate_smollm2(default_model_path)
+    reference = smollm2_pp1_reference(default_model_path)
     outputs = generate_smollm2(default_model_path, pipeline_parallel_size=2, distributed_executor_backend="ray")
     assert assert_same_greedy_tokens(reference, outputs) == 0.0
 
