@@ -15,9 +15,12 @@ same host speed. A request is a streamed `/v1/completions` of --prompt-len rando
     TTFT            request sent -> first chunk with text
     decode tok/s    (completion tokens - 1) / (last chunk with text - first chunk with text)
 
-and per server the median over the rounds. Each request also records `other_cpu_share`: the
-host's busy CPU time during the request less that of the server's processes and this one,
-over wall time x cores. A run where it is high (another job on the machine, or an idle server
+and per server the median over the rounds. A server that runs a GGUF's own blocks (ours at its
+defaults on --model F.gguf, llama-server on any file) also gets each run's weight GB/s (decode
+tok/s x the bytes one step reads of the file) and its share of the two-thread stream rate taken
+before that round (scripts/lib/weight_stream.py; issue #59's bar). Each request also records
+`other_cpu_share`: the host's busy CPU time during the request less that of the server's
+processes and this one, over wall time x cores. A run where it is high (another job on the machine, or an idle server
 that is not idle) is suspect: llama.cpp's threads spin at barriers, so a rival process on one
 of two cores can slow it several-fold. llama-server runs with `-t THREADS -np 1` and its
 defaults otherwise, on the bf16, Q8_0 and Q4_1 GGUFs of scripts/peers/llamacpp.sh (all three
@@ -240,7 +243,7 @@ def run_servers(args: argparse.Namespace, make: Callable, measure_all: Callable)
     for server in servers:
         gguf = served_gguf(server.name, args)
         weight_bytes[server.name] = decode_weight_bytes(gguf) if gguf is not None else None
-    # The probe's buffer is taken before the servers load, so it never competes with them for memory.
+    # The probe's 2 GB are allocated and touched before the servers start, not while they serve.
     rates = HostRates(StreamProbe(threads=args.threads) if any(weight_bytes.values()) else None)
     try:
         for server in servers:

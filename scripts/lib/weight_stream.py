@@ -3,7 +3,7 @@
 Issue #59's bar for one user's decode is the weight bytes read a second against "the
 machine's stream rate: two threads reading 2 GB", measured by the benchmark itself. One
 user's step reads every weight once, so the rate is decode tok/s x `decode_weight_bytes`.
-On this project's shared VMs the stream rate moves by a quarter within a minute, so
+On this project's shared VMs the stream rate moves within a minute, so
 scripts/bench/single_user.py takes it before each round (`StreamProbe`) and holds that
 round's runs to it, for ours and llama-server alike.
 """

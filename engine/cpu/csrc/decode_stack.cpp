@@ -152,7 +152,7 @@ class DecodeStack {
 
   // The model's final RMSNorm (weight [hidden_size], the layers' eps): forward then ends with it,
   // in the same call, while the last layer's output is still in cache (a Python call after the
-  // stack runs on the cache the weight stream left: ~10x its warm time). Empty: none.
+  // stack runs on the cache the weight stream left, several times slower than warm). Empty: none.
   void set_final_norm(torch::Tensor weight) { final_norm_ = weight; }
   bool has_final_norm() const { return final_norm_.numel() > 0; }
 
