@@ -59,11 +59,15 @@ def test_a_tied_file_reads_its_embedding_as_the_head_and_an_untied_one_does_not(
 
 @pytest.mark.skipif(not kernel_types(), reason="the gguf kernels need AVX2, FMA and F16C")
 def test_the_stream_probe_reads_its_buffer_and_gives_torch_its_threads_back():
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    probe = StreamProbe(num_bytes=64 << 20, threads=2)
-    rate = probe.measure(trials=2)
-    assert math.isfinite(rate) and rate > 0.1  # GB/s: any machine reads 64 MB faster than in 0.6 s
-    assert torch.get_num_threads() == 1 and probe.threads == 2
+    try:
+        probe = StreamProbe(num_bytes=64 << 20, threads=2)
+        rate = probe.measure(trials=2)
+        assert math.isfinite(rate) and rate > 0.1  # GB/s: any machine reads 64 MB faster than in 0.6 s
+        assert torch.get_num_threads() == 1 and probe.threads == 2
+    finally:
+        torch.set_num_threads(before)  # later tests in this process keep their threads
 
 
 def test_each_run_is_held_to_its_own_rounds_stream_rate():
