@@ -46,13 +46,13 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _module: ModuleType | None = None
 
 
-def _sources_key(paths: list[Path]) -> str:
+def _sources_key(paths: list[Path], extra_cflags: tuple[str, ...] = ()) -> str:
     """torch rebuilds when a source or a flag changes, but does not read headers: the
     folder's name hashes all of them."""
     digest = hashlib.sha256()
     for path in paths:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(" ".join(CFLAGS).encode())
+    digest.update(" ".join(CFLAGS + list(extra_cflags)).encode())
     # ninja's command lines name torch's headers: two venvs sharing the cache would rebuild over each other.
     # Unresolved, as torch writes them: venvs that are links to one (a worktree each) are told apart too.
     import torch
@@ -75,23 +75,28 @@ def copy_sources(paths: list[Path], folder: Path) -> list[Path]:
     return copies
 
 
-def load_extension(name: str, sources: list[Path], headers: list[Path]) -> ModuleType:
+def load_extension(name: str, sources: list[Path], headers: list[Path],
+                   extra_cflags: tuple[str, ...] = ()) -> ModuleType:
     """Build (once per CPU, sources, flags and torch) and load the extension `name`, under
     the folder's build lock; raises if this machine cannot build it (no compiler, say).
-    Each extension has its own folder, so editing one's sources rebuilds it alone."""
+    Each extension has its own folder, so editing one's sources rebuilds it alone;
+    `extra_cflags` (a -D, say) build the same sources as another extension."""
     from torch.utils.cpp_extension import load
 
     # Resolved: ninja's command lines name the sources by path, so a cache reached through a link
     # (the tests' throwaway caches link this folder) would otherwise rebuild everything, twice.
-    build_dir = (cache_dir() / "torch_extensions").resolve() / f"{cpu_key()}-{_sources_key(sources + headers)}"
+    key = _sources_key(sources + headers, extra_cflags)
+    build_dir = (cache_dir() / "torch_extensions").resolve() / f"{cpu_key()}-{key}"
     logger.info("loading %s (built on first use) from %s", name, build_dir)
     with exclusive_build(build_dir):
         copies = copy_sources(sources + headers, build_dir / "src")[:len(sources)]
-        return load(name=name, sources=[str(s) for s in copies], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        return load(name=name, sources=[str(s) for s in copies], extra_cflags=CFLAGS + list(extra_cflags),
+                    extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir))
 
 
-def extension_loader(name: str, sources: list[Path], headers: list[Path]) -> Callable[[], ModuleType]:
+def extension_loader(name: str, sources: list[Path], headers: list[Path],
+                     extra_cflags: tuple[str, ...] = ()) -> Callable[[], ModuleType]:
     """A function that builds and loads the extension `name` on its first call (load_extension)
     and returns the same module after; it raises if this machine cannot build it."""
     module: ModuleType | None = None
@@ -99,7 +104,7 @@ def extension_loader(name: str, sources: list[Path], headers: list[Path]) -> Cal
     def load() -> ModuleType:
         nonlocal module
         if module is None:
-            module = load_extension(name, sources, headers)
+            module = load_extension(name, sources, headers, extra_cflags)
         return module
 
     return load

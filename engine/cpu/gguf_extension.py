@@ -1,5 +1,6 @@
 """Builds and loads the GGUF block kernels (engine/cpu/csrc/gguf/: Q4_0, Q4_1, Q8_0, Q4_K,
-Q5_K, Q6_K as a file stores them, on AVX2).
+Q5_K, Q6_K as a file stores them, on AVX2, the grouped rows' inner products on AVX512-VNNI
+where the CPU has it).
 
 A module of its own, beside engine/cpu/extension.py's and quantized_extension.py's (same
 compiler flags, same per-CPU cache folders): only a GGUF's layers need it, and editing it
@@ -19,6 +20,10 @@ HEADERS = [CSRC / "share_out.h",  # shared with the bf16 slabs and the int8/int4
            CSRC / "gguf" / "gguf_types.h", CSRC / "gguf" / "gguf_activations.h"]
 
 load_gguf_kernels = extension_loader("tokenloom_gguf_kernels", SOURCES, HEADERS)  # the compiled module, built on first use
+# The same kernels with AVX2's inner products on a CPU with AVX512-VNNI (gguf_dot.h's
+# TL_GGUF_AVX2_ONLY): the tests hold the two paths to the same bits, the benchmarks compare
+# them. It registers no torch op; call its gguf_linear.
+load_gguf_kernels_avx2 = extension_loader("tokenloom_gguf_kernels_avx2", SOURCES, HEADERS, ("-DTL_GGUF_AVX2_ONLY",))
 
 
 def main() -> None:
@@ -32,7 +37,8 @@ def main() -> None:
     except Exception as exc:  # set-up goes on: GGUF layers then dequantize instead, and say why
         logging.getLogger(__name__).warning("gguf kernels could not be built (%s)", exc)
         return
-    print(module.__file__ if module.has_gguf_kernels() else "gguf kernels: built, but this CPU lacks AVX2/FMA/F16C")
+    print(f"{module.__file__} ({module.dot_isa()})" if module.has_gguf_kernels()
+          else "gguf kernels: built, but this CPU lacks AVX2/FMA/F16C")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,17 @@
 #include <cstdint>
 #include <cstring>
 
+// The group kernels' inner products on AVX512-VNNI where the build's -march=native has it
+// (vpdpbusd on 256-bit registers: four u8 x s8 products into each int32 lane, one instruction
+// where AVX2 takes vpmaddubsw, an int16 add and later a vpmaddwd), else AVX2's. Both sum the
+// same integers exactly, so both give the same bits. TL_GGUF_AVX2_ONLY builds the AVX2 path on
+// a VNNI CPU (the test that the two agree).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && !defined(TL_GGUF_AVX2_ONLY)
+#define TL_GGUF_VNNI 1
+#else
+#define TL_GGUF_VNNI 0
+#endif
+
 namespace tokenloom_gguf {
 
 constexpr int64_t kQK = 256;  // inputs per K-quant super-block and per Q8_K activation block

@@ -285,8 +285,14 @@ void use_work_pool(int64_t address) {
   tokenloom_cpu::work_pool_slot() = reinterpret_cast<tokenloom_cpu::WorkPool*>(address);
 }
 
+// "avx512_vnni" where the group kernels' inner products run on vpdpbusd, else "avx2" (gguf_dot.h).
+const char* dot_isa() { return TL_GGUF_VNNI ? "avx512_vnni" : "avx2"; }
+
 }  // namespace
 
+// The AVX2-only build (gguf_extension.py's load_gguf_kernels_avx2) loads beside the main one:
+// a namespace can be registered once.
+#ifndef TL_GGUF_AVX2_ONLY
 TORCH_LIBRARY(tokenloom_gguf, m) {
   m.def("linear(Tensor x, Tensor blocks, Tensor layout, Tensor bias, int out_features, bool out_fp32) -> Tensor");
 }
@@ -294,12 +300,14 @@ TORCH_LIBRARY(tokenloom_gguf, m) {
 TORCH_LIBRARY_IMPL(tokenloom_gguf, CPU, m) {
   m.impl("linear", &tokenloom_gguf::gguf_linear);
 }
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_work_pool", &use_work_pool, "share out on the decode steps' work pool at this address (work_pool.h)");
   m.def("q4_k_x8_type", [] { return tokenloom_gguf::kQ4_Kx8; }, "our type id of Q4_K rows repacked 8 to a group");
   m.def("q6_k_x8_type", [] { return tokenloom_gguf::kQ6_Kx8; }, "our type id of Q6_K rows repacked 8 to a group");
   m.def("q4_1_x8_type", [] { return tokenloom_gguf::kQ4_1x8; }, "our type id of Q4_1 rows repacked 8 to a group");
+  m.def("dot_isa", &dot_isa, "the group kernels' inner products: avx512_vnni or avx2");
   m.def("has_gguf_kernels", &has_gguf_kernels, "whether this CPU runs the gguf kernels (AVX2, FMA, F16C)");
   m.def("stream_read", &stream_read, "read a buffer once on the matmuls' threads (the benchmark's stream rate)");
   m.def("gguf_rows", &tokenloom_gguf::gguf_rows, "rows of the blocks as fp32, gguf's dequantized values bit for bit");
