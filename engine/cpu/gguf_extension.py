@@ -17,7 +17,7 @@ HEADERS = [CSRC / "share_out.h",  # shared with the bf16 slabs and the int8/int4
            CSRC / "work_pool.h",  # ... and the decode steps' work pool
            CSRC / "gguf" / "gguf_dot.h", CSRC / "gguf" / "gguf_dot_x8.h",
            CSRC / "gguf" / "gguf_dot_q6_k_x8.h", CSRC / "gguf" / "gguf_dot_q4_1_x8.h",
-           CSRC / "gguf" / "gguf_types.h", CSRC / "gguf" / "gguf_activations.h"]
+           CSRC / "gguf" / "gguf_types.h", CSRC / "gguf" / "gguf_activations.h", CSRC / "gguf" / "gguf_dot_x16.h"]
 
 load_gguf_kernels = extension_loader("tokenloom_gguf_kernels", SOURCES, HEADERS)  # the compiled module, built on first use
 # The same kernels with AVX2's inner products on a CPU with AVX512-VNNI (gguf_dot.h's

@@ -13,7 +13,8 @@ median, and the fastest tenth (`_p10`), which on a machine shared with other wor
 kernel's own speed (a call whose thread lost its core for a while takes many times as long).
 `overhead_us` is one call on a single output row: the fixed cost (quantizing the activations,
 the threads' hand-out), fast decile.
-The int4 (Q4_1 panels) kernel runs too where the CPU has AVX512_VNNI.
+The int4 (Q4_1 panels) kernel runs too where the CPU has AVX512_VNNI; there `--builds
+native,avx2` times each shape on the AVX2-only build of the GGUF kernels as well (`shapes_avx2`).
 
     flock /tmp/bench.lock python -m scripts.bench.gguf_kernels --json results/gguf_kernels.json
 """
@@ -28,7 +29,7 @@ import gguf
 import numpy as np
 import torch
 
-from engine.cpu.gguf_extension import load_gguf_kernels
+from engine.cpu.gguf_extension import load_gguf_kernels, load_gguf_kernels_avx2
 from engine.cpu.gguf_linear import KERNEL_TYPE_NAMES, GgufLinear, gather_blocks_on_huge_pages, kernel_types
 from scripts.lib.bench_report import machine_info, run_and_report
 from scripts.lib.weight_stream import StreamProbe
@@ -98,11 +99,25 @@ def time_calls(layers: list, x: torch.Tensor, min_s: float) -> tuple[float, floa
     return times[len(times) // 2], times[len(times) // 10]
 
 
+class Avx2Build:
+    """A GgufLinear's call on the AVX2-only build of the kernels (gguf_extension.py's
+    load_gguf_kernels_avx2): on a CPU with AVX512-VNNI, the path the native build replaced."""
+
+    def __init__(self, linear: GgufLinear):
+        self.linear, self.kernels = linear, load_gguf_kernels_avx2()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.linear
+        return self.kernels.gguf_linear(x, linear.blocks, linear.layout, linear.bias, linear.out_features, False)
+
+
 def measure(make_layer, num_bytes: int, in_features: int, rows_list: list[int], stream: float,
-            min_s: float, huge_pages: bool = False) -> dict:
+            min_s: float, huge_pages: bool = False, build: str = "native") -> dict:
     copies = max(1, -(-MIN_BYTES // num_bytes))
     layers = [make_layer(i) for i in range(copies)]
     moved = gather_blocks_on_huge_pages(layers) if huge_pages else 0  # as the engine places them
+    if build == "avx2":
+        layers = [Avx2Build(layer) for layer in layers]
     result = {"weight_bytes": num_bytes, "copies": copies, "huge_pages": moved > 0}
     for rows in rows_list:
         x = torch.randn(rows, in_features)
@@ -123,20 +138,26 @@ def run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     rows_list = [int(r) for r in args.rows.split(",")]
     report: dict = {"stream": stream, "threads": args.threads, "rows": rows_list, "pages": args.pages, "types": {}}
+    builds = args.builds.split(",")
+    report["builds"] = {"native": load_gguf_kernels().dot_isa(), **({"avx2": "avx2"} if "avx2" in builds else {})}
     for type_name in args.types.split(","):
-        per_shape = {}
+        entry: dict = {}
+        for build in builds:  # side by side per shape, so both see the same minute's memory rate
+            entry["shapes" if build == "native" else f"shapes_{build}"] = {}
         for shape_name in args.shapes.split(","):
             out_features, in_features = SHAPES[shape_name]
             base = random_blocks(type_name, out_features, in_features, rng)
-            # copies of one random matrix: the same bytes, in separate memory
-            per_shape[shape_name] = measure(lambda i: GgufLinear([(type_name, base.clone())], in_features),
-                                            base.numel(), in_features, rows_list, stream, args.seconds,
-                                            args.pages == "huge")
-            logger.info("%s %s: %s", type_name, shape_name, per_shape[shape_name])
+            for build in builds:
+                # copies of one random matrix: the same bytes, in separate memory
+                result = measure(lambda i: GgufLinear([(type_name, base.clone())], in_features), base.numel(),
+                                 in_features, rows_list, stream, args.seconds, args.pages == "huge", build)
+                entry["shapes" if build == "native" else f"shapes_{build}"][shape_name] = result
+                logger.info("%s %s (%s): %s", type_name, shape_name, build, result)
             del base
         one_row = GgufLinear([(type_name, random_blocks(type_name, 1, 2048, rng))], 2048)
-        overhead = {f"rows_{r}": round(time_calls([one_row], torch.randn(r, 2048), 0.2)[1] * 1e6, 1) for r in rows_list}
-        report["types"][type_name] = {"shapes": per_shape, "overhead_us": overhead}
+        entry["overhead_us"] = {f"rows_{r}": round(time_calls([one_row], torch.randn(r, 2048), 0.2)[1] * 1e6, 1)
+                                for r in rows_list}
+        report["types"][type_name] = entry
     report["int4_q4_1"] = run_int4(rows_list, stream, args)
     report["stream_after"] = stream_rate(threads=args.threads)  # the load may have changed meanwhile
     report["machine"] = machine_info()
@@ -148,14 +169,15 @@ def log_table(report: dict) -> None:
     """Each layer's weight GB/s (fast decile) and its share of the stream rate, one line a shape."""
     logger.info("stream (slices, fast decile): %.1f GB/s before, %.1f after", report["stream"]["slice_gb_s_p10"],
                 report["stream_after"]["slice_gb_s_p10"])
-    layers = [(name, entry["shapes"]) for name, entry in report["types"].items()]
+    layers = [(name if key == "shapes" else f"{name} {key[len('shapes_'):]}", shapes)
+              for name, entry in report["types"].items() for key, shapes in entry.items() if key.startswith("shapes")]
     if "skipped" not in report["int4_q4_1"]:
         layers.append(("int4", report["int4_q4_1"]))
     for name, shapes in layers:
         for shape_name, result in shapes.items():
             cells = [f"{r} rows {result[f'rows_{r}']['gb_s_p10']:5.1f} GB/s {result[f'rows_{r}']['share_of_stream_p10']:4.0%}"
                      for r in report["rows"]]
-            logger.info("%-5s %-8s %s", name, shape_name, " | ".join(cells))
+            logger.info("%-10s %-8s %s", name, shape_name, " | ".join(cells))
 
 
 def run_int4(rows_list: list[int], stream: float, args: argparse.Namespace) -> dict:
@@ -185,6 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rows", default="1,4,8", help="tokens per call")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--builds", default="native", choices=("native", "native,avx2"),
+                        help="native,avx2: each shape on the AVX2-only build too (a CPU with AVX512-VNNI)")
     parser.add_argument("--seconds", type=float, default=0.6, help="timed per (type, shape, rows)")
     parser.add_argument("--pages", choices=("huge", "4k"), default="huge",
                         help="the blocks on huge pages, as the engine places them, or on 4 KB pages")

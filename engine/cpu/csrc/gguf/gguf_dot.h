@@ -29,11 +29,11 @@
 #include <cstdint>
 #include <cstring>
 
-// The group kernels' inner products on AVX512-VNNI where the build's -march=native has it
-// (vpdpbusd on 256-bit registers: four u8 x s8 products into each int32 lane, one instruction
-// where AVX2 takes vpmaddubsw, an int16 add and later a vpmaddwd), else AVX2's. Both sum the
-// same integers exactly, so both give the same bits. TL_GGUF_AVX2_ONLY builds the AVX2 path on
-// a VNNI CPU (the test that the two agree).
+// Whether the build's -march=native has AVX512-VNNI: a call of several tokens then takes the
+// grouped rows two groups at a time on 512-bit vpdpbusd (gguf_dot_x16.h), else AVX2's
+// vpmaddubsw (gguf_dot_x8.h and its kin). Both sum the same integers exactly, so both give the
+// same bits. TL_GGUF_AVX2_ONLY builds the AVX2 path alone on a VNNI CPU (the test that the two
+// agree, and the benchmarks' side by side).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && !defined(TL_GGUF_AVX2_ONLY)
 #define TL_GGUF_VNNI 1
 #else

@@ -33,7 +33,7 @@ constexpr int64_t kQ4_1x8 = 1000 + kQ4_1;  // our id for the repacked layout (no
 template <int kTokens>
 inline void dot_q4_1_x8(const uint8_t* group, const Act32& x, int64_t x_stride, const int32_t* xw, float* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0f), high4 = _mm256_set1_epi8(static_cast<char>(0xf0));
-  [[maybe_unused]] const __m256i ones16 = _mm256_set1_epi16(1);
+  const __m256i ones16 = _mm256_set1_epi16(1);
   alignas(32) __m256 acc_store[kTokens];
   __m256* acc = in_memory_past_4<kTokens>(acc_store);
 #pragma GCC unroll 8
@@ -45,18 +45,6 @@ inline void dot_q4_1_x8(const uint8_t* group, const Act32& x, int64_t x_stride, 
     // (docs/cpu-kernels.md).
     prefetch_next_block<kTokens, 4 * kQ4_1GroupBlockBytes, kQ4_1GroupBlockBytes>(blk);
     const int32_t* xb = xw + b * (kQ32 / 4) * kTokens;
-#if TL_GGUF_VNNI
-    __m256i s32[kTokens];  // row r's sum q q_x in lane r, four products a vpdpbusd
-#pragma GCC unroll 8
-    for (int t = 0; t < kTokens; ++t) s32[t] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) {
-      const __m256i bits = load256(blk + 32 + 32 * (k % 4));
-      const __m256i w = k < 4 ? _mm256_and_si256(bits, low4) : _mm256_srli_epi16(_mm256_and_si256(bits, high4), 4);
-#pragma GCC unroll 8
-      for (int t = 0; t < kTokens; ++t) s32[t] = _mm256_dpbusd_epi32(s32[t], w, _mm256_set1_epi32(xb[k * kTokens + t]));
-    }
-#else
     __m256i s16[kTokens];
 #pragma GCC unroll 8
     for (int t = 0; t < kTokens; ++t) s16[t] = _mm256_setzero_si256();
@@ -71,16 +59,11 @@ inline void dot_q4_1_x8(const uint8_t* group, const Act32& x, int64_t x_stride, 
         asm("" : "+x"(s16[t]));
       }
     }
-#endif
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
 #pragma GCC unroll 8
     for (int t = 0; t < kTokens; ++t) {
-#if TL_GGUF_VNNI
-      const __m256 sums = _mm256_cvtepi32_ps(s32[t]);
-#else
       const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[t], ones16));  // row r's sum q q_x in lane r
-#endif
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[t * x_stride + b])), sums, acc[t]);
       acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ds[t * x_stride + b]), acc[t]);  // m_r d_x sum q_x
     }

@@ -56,39 +56,6 @@ inline void q6_sub_block(const uint8_t* codes, const int32_t* xw, __m256i scales
   }
 }
 
-#if TL_GGUF_VNNI
-// The four code vectors of the sub-block at `codes` (q6_sub_block's unpacking).
-inline void q6_codes(const uint8_t* codes, __m256i* w) {
-  const __m256i low6 = _mm256_set1_epi8(0x3f), top2 = _mm256_set1_epi8(static_cast<char>(0xc0));
-  const __m256i b0 = load256(codes), b1 = load256(codes + 32), b2 = load256(codes + 64);
-  w[0] = _mm256_and_si256(b0, low6), w[1] = _mm256_and_si256(b1, low6), w[2] = _mm256_and_si256(b2, low6);
-  w[3] = _mm256_or_si256(
-      _mm256_or_si256(_mm256_srli_epi16(_mm256_and_si256(b0, top2), 6), _mm256_srli_epi16(_mm256_and_si256(b1, top2), 4)),
-      _mm256_srli_epi16(_mm256_and_si256(b2, top2), 2));
-}
-
-// AVX512-VNNI: both sub-blocks of a pair (192 code bytes) against kTokens tokens, each
-// sub-block's four words into int32 at once (vpdpbusd), then times its rows' scales (vpmulld;
-// `pair`: int16 [row][sub-block], sign-extended). Both sub-blocks' chains in flight together,
-// as the Q4_K pairs' are (sub_block_pair).
-template <int kTokens>
-inline void q6_sub_block_pair(const uint8_t* codes, const int32_t* xw, __m256i pair, __m256i* sums) {
-  __m256i w[8];
-  q6_codes(codes, w), q6_codes(codes + 96, w + 4);
-  const __m256i sc_even = _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16), sc_odd = _mm256_srai_epi32(pair, 16);
-#pragma GCC unroll 8
-  for (int t = 0; t < kTokens; ++t) {
-    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      even = _mm256_dpbusd_epi32(even, w[k], _mm256_set1_epi32(xw[k * kTokens + t]));
-      odd = _mm256_dpbusd_epi32(odd, w[4 + k], _mm256_set1_epi32(xw[(4 + k) * kTokens + t]));
-    }
-    sums[t] = _mm256_add_epi32(sums[t], _mm256_add_epi32(_mm256_mullo_epi32(even, sc_even), _mm256_mullo_epi32(odd, sc_odd)));
-  }
-}
-#endif
-
 // out[t * 8 + r] = row r . x_t for t < kTokens (up to 8); x and xw as dot_q4_k_x8 takes them.
 // Past 4 tokens the int32 sums and fp32 accumulators live in L1 (in_memory_past_4), so the
 // four code vectors, the scales and a token's temporaries keep to the 16 registers.
@@ -124,12 +91,8 @@ inline void dot_q6_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, c
       prefetch_next_block<kTokens, kQ6GroupBlockBytes, kStretch>(blk + kStretch * p);
       const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 16 * p)));
       const uint8_t* codes = blk + 144 + 192 * p;
-#if TL_GGUF_VNNI
-      q6_sub_block_pair<kTokens>(codes, xb + 8 * kTokens * p, pair, sums);
-#else
       q6_sub_block<kTokens>(codes, xb + 8 * kTokens * p, pick(pair, kDupScale[0]), sums);
       q6_sub_block<kTokens>(codes + 96, xb + (8 * p + 4) * kTokens, pick(pair, kDupScale[1]), sums);
-#endif
     }
     add_super_block<kTokens>(blk, x, x_stride, b, sums, acc);
   }

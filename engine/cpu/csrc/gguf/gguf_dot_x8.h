@@ -70,38 +70,6 @@ inline void sub_block(const uint8_t* codes, const int32_t* xw, __m256i scales, _
   }
 }
 
-#if TL_GGUF_VNNI
-// AVX512-VNNI: a pair of sub-blocks (2 j, 2 j + 1: the low and high nibbles of the same 256
-// code bytes) against kTokens tokens, each load's two nibbles going to their own int32 sums
-// (vpdpbusd), then each sum times its rows' scales (vpmulld). Two chains a token, not one:
-// vpdpbusd's latency (5 cycles on Zen 4) over 8 tokens' chains held it to 1.6 a cycle.
-template <int kTokens>
-inline void sub_block_pair(const uint8_t* codes, const int32_t* xw, __m256i scales_even, __m256i scales_odd,
-                           __m256i* sums) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), low16 = _mm256_set1_epi32(0xffff);
-  __m256i even[kTokens], odd[kTokens];
-#pragma GCC unroll 8
-  for (int t = 0; t < kTokens; ++t) even[t] = _mm256_setzero_si256(), odd[t] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-  for (int l = 0; l < 8; ++l) {
-    const __m256i bits = load256(codes + 32 * l);
-    const __m256i w_even = _mm256_and_si256(bits, low4), w_odd = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
-#pragma GCC unroll 8
-    for (int t = 0; t < kTokens; ++t) {
-      even[t] = _mm256_dpbusd_epi32(even[t], w_even, _mm256_set1_epi32(xw[l * kTokens + t]));
-      odd[t] = _mm256_dpbusd_epi32(odd[t], w_odd, _mm256_set1_epi32(xw[(8 + l) * kTokens + t]));
-    }
-  }
-  // The scales' 16-bit lanes hold each row's scale twice (sub_block_scales, for vpmaddwd).
-  const __m256i sc_even = _mm256_and_si256(scales_even, low16), sc_odd = _mm256_and_si256(scales_odd, low16);
-#pragma GCC unroll 8
-  for (int t = 0; t < kTokens; ++t) {
-    sums[t] = _mm256_add_epi32(sums[t], _mm256_add_epi32(_mm256_mullo_epi32(even[t], sc_even),
-                                                         _mm256_mullo_epi32(odd[t], sc_odd)));
-  }
-}
-#endif
-
 // A group kernel's software prefetch, for calls of at most kPrefetchTokens tokens: each stretch
 // of kStretch bytes of a super-block, as the kernel reaches it, fetches the same stretch of the
 // next super-block (kBlockBytes on; the next group's first past a group's last). All of a
@@ -196,21 +164,7 @@ inline void dot_q4_k_x8(const uint8_t* group, const ActK& x, int64_t x_stride, c
     for (int t = 0; t < kTokens; ++t) sums[t] = _mm256_setzero_si256();
     const uint8_t* codes = blk + 128;
     const int32_t* xb = xw + b * (kQK / 4) * kTokens;
-    if (TL_GGUF_VNNI) {
-#if TL_GGUF_VNNI
-      constexpr int64_t kStretch = kGroupBlockBytes / 4;
-      const __m256i scales[8] = {
-          sub_block_scales<0>(scales_lo, scales_hi), sub_block_scales<1>(scales_lo, scales_hi),
-          sub_block_scales<2>(scales_lo, scales_hi), sub_block_scales<3>(scales_lo, scales_hi),
-          sub_block_scales<4>(scales_lo, scales_hi), sub_block_scales<5>(scales_lo, scales_hi),
-          sub_block_scales<6>(scales_lo, scales_hi), sub_block_scales<7>(scales_lo, scales_hi)};
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        prefetch_next_block<kTokens, kGroupBlockBytes, kStretch>(blk + j * kStretch);
-        sub_block_pair<kTokens>(codes + 256 * j, xb + 16 * kTokens * j, scales[2 * j], scales[2 * j + 1], sums);
-      }
-#endif
-    } else if (kTokens <= 4) {
+    if (kTokens <= 4) {
       constexpr int64_t kStretch = kGroupBlockBytes / 4;  // a quarter of the super-block per pair of sub-blocks
       prefetch_next_block<kTokens, kGroupBlockBytes, kStretch>(blk);
       sub_block<kTokens, 0>(codes, xb, sub_block_scales<0>(scales_lo, scales_hi), sums);

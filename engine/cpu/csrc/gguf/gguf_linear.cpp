@@ -18,6 +18,7 @@
 // kMaxTokens at a time, or a Q4_K group kGroupTokens at a time (a group of rows, a few KB,
 // stays in L1 across the passes).
 #include "gguf_activations.h"
+#include "gguf_dot_x16.h"
 #include "gguf_types.h"
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 
@@ -97,6 +98,31 @@ constexpr DotGroup32Fn kDotQ4_1Group[kGroupTokens] = {dot_q4_1_group<1>, dot_q4_
                                                       dot_q4_1_group<4>, dot_q4_1_group<5>, dot_q4_1_group<6>,
                                                       dot_q4_1_group<7>, dot_q4_1_group<8>};
 
+#if TL_GGUF_VNNI
+// Two neighbouring groups of one part at once (gguf_dot_x16.h): out_a and out_b as dot_group's out.
+template <int kTokens>
+void dot_group_pair(int64_t type, const uint8_t* group_a, const uint8_t* group_b, const ActK& xk, const Act32& x32,
+                    const int32_t* words, const int32_t* words32, int64_t t0, float* out_a, float* out_b) {
+  if (type == kQ4_1x8) {
+    const Act32 s{x32.q + t0 * x32.num_blocks * kQ32, x32.d + t0 * x32.num_blocks, x32.ds + t0 * x32.num_blocks,
+                  x32.num_blocks};
+    return dot_q4_1_x16<kTokens>(group_a, group_b, s, s.num_blocks, words32 + t0 * x32.num_blocks * (kQ32 / 4), out_a,
+                                 out_b);
+  }
+  const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
+               xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
+  const int32_t* w = words + t0 * xk.num_blocks * (kQK / 4);
+  if (type == kQ4_Kx8) return dot_q4_k_x16<kTokens>(group_a, group_b, k, k.num_blocks, w, out_a, out_b);
+  dot_q6_k_x16<kTokens>(group_a, group_b, k, k.num_blocks, w, out_a, out_b);
+}
+
+using DotGroupPairFn = void (*)(int64_t, const uint8_t*, const uint8_t*, const ActK&, const Act32&, const int32_t*,
+                                const int32_t*, int64_t, float*, float*);
+constexpr DotGroupPairFn kDotGroupPair[kGroupTokens] = {dot_group_pair<1>, dot_group_pair<2>, dot_group_pair<3>,
+                                                        dot_group_pair<4>, dot_group_pair<5>, dot_group_pair<6>,
+                                                        dot_group_pair<7>, dot_group_pair<8>};
+#endif
+
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }  // nearest even, as torch's cast
 
@@ -161,6 +187,37 @@ void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const int
   }
 }
 
+// Tokens a call needs before its groups go two at a time (gguf_dot_x16.h). Fewer read their
+// weights from memory at least as fast on AVX2's kernels: one token's chain of eight vpdpbusd
+// a sub-block waits on their latency, where vpmaddubsw's products are independent.
+constexpr int64_t kPairMinTokens = 4;
+
+// Whether item i (of part `part`, in a thread's items [.., end)) is the first of two whole
+// groups that dot_group_pair takes at once, in a call of num_tokens tokens.
+inline bool starts_group_pair(const Part& part, int64_t i, int64_t end, int64_t num_tokens) {
+  if (!TL_GGUF_VNNI || num_tokens < kPairMinTokens) return false;
+  return type_info(part.type).is_grouped && i + 1 < end && (i + 2 - part.first_item) * kGroupRows <= part.num_rows;
+}
+
+// Rows [r0, r0 + 16) of one grouped part, two groups at once, for tokens [t0, t1).
+template <typename out_t>
+void run_group_pair(const Part& part, int64_t r0, const ActK& xk, const int32_t* words, const Act32& x32, int64_t t0,
+                    int64_t t1, int64_t out_features, const float* bias, out_t* out, const int32_t* words32) {
+#if TL_GGUF_VNNI
+  const uint8_t* group_a = part.bytes + (r0 - part.first_row) * part.row_bytes;
+  const uint8_t* group_b = group_a + kGroupRows * part.row_bytes;
+  for (int64_t t = t0; t < t1; t += kGroupTokens) {
+    const int64_t num = std::min<int64_t>(kGroupTokens, t1 - t);
+    float y_a[kGroupTokens * kGroupRows], y_b[kGroupTokens * kGroupRows];
+    kDotGroupPair[num - 1](part.type, group_a, group_b, xk, x32, words, words32, t, y_a, y_b);
+    for (int64_t i = 0; i < num; ++i) {
+      store_group(out + (t + i) * out_features + r0, y_a + i * kGroupRows, bias, r0);
+      store_group(out + (t + i) * out_features + r0 + kGroupRows, y_b + i * kGroupRows, bias, r0 + kGroupRows);
+    }
+  }
+#endif
+}
+
 template <typename out_t>
 void run_rows(const std::vector<Part>& parts, const ActK& xk, const int32_t* words, const Act32& x32,
               int64_t num_tokens, int64_t out_features, const float* bias, out_t* out, const int32_t* words32) {
@@ -173,6 +230,11 @@ void run_rows(const std::vector<Part>& parts, const ActK& xk, const int32_t* wor
         while (p + 1 < parts.size() && parts[p + 1].first_item <= i) ++p;
         const Part& part = parts[p];
         const int64_t r0 = part.first_row + (i - part.first_item) * kGroupRows;
+        if (starts_group_pair(part, i, end, num_tokens)) {
+          run_group_pair(part, r0, xk, words, x32, t0, t1, out_features, bias, out, words32);
+          ++i;
+          continue;
+        }
         const int64_t n = std::min(kGroupRows, part.first_row + part.num_rows - r0);
         run_item(part, r0, n, xk, words, x32, t0, t1, out_features, bias, out, words32);
       }
@@ -285,7 +347,7 @@ void use_work_pool(int64_t address) {
   tokenloom_cpu::work_pool_slot() = reinterpret_cast<tokenloom_cpu::WorkPool*>(address);
 }
 
-// "avx512_vnni" where the group kernels' inner products run on vpdpbusd, else "avx2" (gguf_dot.h).
+// "avx512_vnni" where calls of several tokens take the groups two at a time on vpdpbusd, else "avx2" (gguf_dot.h).
 const char* dot_isa() { return TL_GGUF_VNNI ? "avx512_vnni" : "avx2"; }
 
 }  // namespace
