@@ -24,8 +24,9 @@ unless the kernel's autogroup shares the CPU by session first: then nice yields 
 sessions, and they count. While every request waits for its grammar's compile the
 core steps nothing and its threads sit idle by design: the loop calls `restart`, not
 `update`, so that wait (beside the frontend's checker compiling the same grammar) never
-reads as a stall (issue #58: it cost the whole constrained round a thread, 1.4x). Two
-file reads per window, nothing per step. Off with --no-adaptive-threads.
+reads as a stall (issue #58: it cost the whole constrained round a thread, 1.4x); nor does a
+core with no requests at all (`idle`): the first step after it starts a new window. Two file
+reads per window, nothing per step. Off with --no-adaptive-threads.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class ThreadGovernor:
         self._quiet_since: float | None = None
         self.hold_s = MIN_HOLD_S
         self._returned_at: float | None = None  # when the threads last came back
+        self._was_idle = False
 
     def _sample(self) -> tuple[float, float, float]:
         return self.clock(), self.read_machine(), self.read_own()
@@ -111,8 +113,20 @@ class ThreadGovernor:
         of its own), so our threads' idle time then was not a stall (issue #58)."""
         self._start = self._sample()
 
+    def idle(self) -> None:
+        """The core has nothing to step: the next update starts a new window rather than read this
+        one. Our threads' idle time is not a stall, and a rival that ran meanwhile (a benchmark's
+        memory probe between its requests, say) and stopped says nothing about the next steps.
+        Reading a gap shorter than the long-idle cutoff cost the next request a thread for up to
+        MAX_HOLD_S. No reads here: the idle loop calls it on every look."""
+        self._was_idle = True
+
     def update(self) -> int:
         """The thread count to step with; changes torch's when the reading says so."""
+        if self._was_idle:
+            self._was_idle = False
+            self.restart()
+            return self.num_threads
         now = self.clock()
         elapsed = now - self._start[0]
         if elapsed < WINDOW_S:

@@ -103,6 +103,8 @@ class EngineCoreProcess:
     def run(self) -> None:
         while not self.should_exit:
             has_work = self.engine.has_unfinished_requests()
+            if not has_work and self.thread_governor is not None:
+                self.thread_governor.idle()  # the first step after starts a new window
             if not has_work and not self.sock.poll(IDLE_POLL_MS, zmq.POLLIN):
                 self._check_parent()
                 self._send_heartbeat()

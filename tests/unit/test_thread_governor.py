@@ -235,3 +235,26 @@ def test_a_wait_for_grammar_compiles_costs_no_thread():
     # Read as a window instead, the same wait takes a thread: the rule itself is unchanged.
     readings.advance(WINDOW_S * 1.001, others=1.0, own=0.45 * 2)
     assert governor.update() == 1
+
+
+def test_a_rival_that_ran_while_the_core_was_idle_costs_no_thread():
+    """A benchmark's memory probe between two requests: two cores busy for 1.5 s while the core
+    had nothing to step (under the 2 s that reads as a long idle). Read as a window, our idle
+    threads looked stalled beside a busy machine, and the next request ran on one thread for up
+    to MAX_HOLD_S."""
+    readings = Readings()
+    governor, calls = make_governor(readings)
+    run_windows(governor, readings, 1.0, others=0.0)  # a request steps
+    governor.idle()  # ... and ends; the probe runs
+    readings.advance(1.5, others=2.0, own=0.0)
+    assert governor.update() == 2  # the next request's first step
+    assert run_windows(governor, readings, 1.0, others=0.1) == 2 and calls == []
+    # Without the idle mark the same gap takes a thread: the rule itself is unchanged.
+    readings.advance(1.5, others=2.0, own=0.0)
+    assert governor.update() == 1 and calls == [1]
+    # A rival that goes on once the steps resume is still met within a window.
+    governor, calls = make_governor(readings)
+    governor.idle()
+    readings.advance(1.5, others=1.0, own=0.0)
+    assert governor.update() == 2
+    assert run_windows(governor, readings, WINDOW_S, others=1.0, own=1.0) == 1 and calls == [1]
