@@ -23,7 +23,8 @@ load_gguf_kernels = extension_loader("tokenloom_gguf_kernels", SOURCES, HEADERS)
 # The same kernels with AVX2's inner products on a CPU with AVX512-VNNI (gguf_dot.h's
 # TL_GGUF_AVX2_ONLY): the tests hold the two paths to the same bits, the benchmarks compare
 # them. It registers no torch op; call its gguf_linear.
-load_gguf_kernels_avx2 = extension_loader("tokenloom_gguf_kernels_avx2", SOURCES, HEADERS, ("-DTL_GGUF_AVX2_ONLY",))
+load_gguf_kernels_avx2 = extension_loader("tokenloom_gguf_kernels_avx2", SOURCES, HEADERS,
+                                          ("-DTL_GGUF_AVX2_ONLY", "-DTL_GGUF_SIDE_BUILD"))
 
 
 def main() -> None:

@@ -352,9 +352,9 @@ const char* dot_isa() { return TL_GGUF_VNNI ? "avx512_vnni" : "avx2"; }
 
 }  // namespace
 
-// The AVX2-only build (gguf_extension.py's load_gguf_kernels_avx2) loads beside the main one:
-// a namespace can be registered once.
-#ifndef TL_GGUF_AVX2_ONLY
+// A side build (TL_GGUF_SIDE_BUILD: gguf_extension.py's load_gguf_kernels_avx2, or a variant
+// built to be measured beside the main one) loads beside it: a namespace can be registered once.
+#ifndef TL_GGUF_SIDE_BUILD
 TORCH_LIBRARY(tokenloom_gguf, m) {
   m.def("linear(Tensor x, Tensor blocks, Tensor layout, Tensor bias, int out_features, bool out_fp32) -> Tensor");
 }
