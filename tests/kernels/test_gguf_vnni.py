@@ -31,24 +31,29 @@ def extreme_k_blocks(type_name: str, num_rows: int, in_features: int, seed: int)
     return blocks
 
 
-def layer(type_name: str, seed: int) -> GgufLinear:
-    """37 rows (four groups and a tail of 5) of 512 inputs, or Q4_1's 1024."""
+NUM_ROWS = 517  # 64 groups, so the threads' shares of them come in pieces of several, and a tail of 5 rows
+
+
+def layer(type_name: str, seed: int, in_features: int) -> GgufLinear:
     if type_name == "Q4_1":
-        return GgufLinear([("Q4_1", extreme_blocks(37, 1024, seed))], 1024)
-    return GgufLinear([(type_name, extreme_k_blocks(type_name, 37, 512, seed))], 512)
+        return GgufLinear([("Q4_1", extreme_blocks(NUM_ROWS, in_features, seed))], in_features)
+    return GgufLinear([(type_name, extreme_k_blocks(type_name, NUM_ROWS, in_features, seed))], in_features)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_1"])
 def test_vnni_and_avx2_give_the_same_bits(type_name):
+    """512 inputs (1024 for Q4_1) take the pairs from 8 tokens a call; 4608 from 4, where a pass's
+    activations outgrow L1 (gguf_linear.cpp's pairs_groups)."""
     native, avx2 = load_gguf_kernels(), load_gguf_kernels_avx2()
     assert avx2.dot_isa() == "avx2"
-    for num_tokens in NUM_TOKENS:
-        linear = layer(type_name, seed=num_tokens)
+    cases = [(n, 1024 if type_name == "Q4_1" else 512) for n in NUM_TOKENS] + [(4, 4608), (5, 4608), (13, 4608)]
+    for num_tokens, in_features in cases:
+        linear = layer(type_name, num_tokens, in_features)
         assert linear.is_grouped == [True, False]
         x = torch.randn(num_tokens, linear.in_features, generator=torch.Generator().manual_seed(num_tokens)) * 3
         x[0, :256] = torch.where(torch.arange(256) % 2 == 0, 1.0, -1.0)  # every input at +-127 after quantizing
         for dtype in (torch.float32, torch.bfloat16):
             args = (x.to(dtype), linear.blocks, linear.layout, linear.bias, linear.out_features, False)
             y = native.gguf_linear(*args)
-            assert torch.equal(y, avx2.gguf_linear(*args)), (type_name, num_tokens, dtype)
+            assert torch.equal(y, avx2.gguf_linear(*args)), (type_name, num_tokens, in_features, dtype)
             assert torch.equal(y, linear(x.to(dtype)))  # the torch op is the native build

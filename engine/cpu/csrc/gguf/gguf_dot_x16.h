@@ -8,7 +8,7 @@
 // the same instruction rate, each with twice the products: the multiply pipes' peak (one core,
 // registers and L1 only: scripts/bench/probes/vnni_broadcast.cpp). The groups keep their layout,
 // so a pair's sums are each group's bit for bit. Calls of few tokens stay on the AVX2 kernels
-// (gguf_linear.cpp's kPairMinTokens).
+// (gguf_linear.cpp's pairs_groups).
 #pragma once
 
 #include "gguf_dot_q4_1_x8.h"

@@ -187,15 +187,20 @@ void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const int
   }
 }
 
-// Tokens a call needs before its groups go two at a time (gguf_dot_x16.h). Fewer read their
-// weights from memory at least as fast on AVX2's kernels: one token's chain of eight vpdpbusd
-// a sub-block waits on their latency, where vpmaddubsw's products are independent.
-constexpr int64_t kPairMinTokens = 4;
+// Whether a call of num_tokens tokens takes its groups two at a time (gguf_dot_x16.h). One to
+// three tokens read their weights from memory faster on AVX2's kernels: one token's chain of
+// eight vpdpbusd a sub-block waits on their latency, where vpmaddubsw's products are
+// independent. From 4 tokens the pairs win where a pass's activations outgrow L1 (4 tokens of
+// 8192 inputs: 1.3x), since a pair reads them once for 16 rows; with 2048 inputs the groups one
+// at a time stay ahead up to 7 tokens (4: 1.4x, 6: 1.05x), and from 8 the pairs are ahead everywhere.
+inline bool pairs_groups(int64_t num_tokens, int64_t in_features) {
+  if (!TL_GGUF_VNNI || num_tokens < 4) return false;
+  return num_tokens >= kGroupTokens || num_tokens * in_features > 16 * 1024;
+}
 
 // Whether item i (of part `part`, in a thread's items [.., end)) is the first of two whole
-// groups that dot_group_pair takes at once, in a call of num_tokens tokens.
-inline bool starts_group_pair(const Part& part, int64_t i, int64_t end, int64_t num_tokens) {
-  if (!TL_GGUF_VNNI || num_tokens < kPairMinTokens) return false;
+// groups that dot_group_pair takes at once.
+inline bool starts_group_pair(const Part& part, int64_t i, int64_t end) {
   return type_info(part.type).is_grouped && i + 1 < end && (i + 2 - part.first_item) * kGroupRows <= part.num_rows;
 }
 
@@ -222,6 +227,7 @@ template <typename out_t>
 void run_rows(const std::vector<Part>& parts, const ActK& xk, const int32_t* words, const Act32& x32,
               int64_t num_tokens, int64_t out_features, const float* bias, out_t* out, const int32_t* words32) {
   const int64_t num_items = parts.back().first_item + (parts.back().num_rows + kGroupRows - 1) / kGroupRows;
+  const bool pairs = pairs_groups(num_tokens, x32.num_blocks * kQ32);  // every type takes whole 32s
   tokenloom_cpu::share_out_ranges<kChunksPerThread>(num_items, 0, [](int64_t) {}, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = 0; t0 < num_tokens; t0 += kTokenTile) {
       const int64_t t1 = std::min(num_tokens, t0 + kTokenTile);
@@ -230,7 +236,7 @@ void run_rows(const std::vector<Part>& parts, const ActK& xk, const int32_t* wor
         while (p + 1 < parts.size() && parts[p + 1].first_item <= i) ++p;
         const Part& part = parts[p];
         const int64_t r0 = part.first_row + (i - part.first_item) * kGroupRows;
-        if (starts_group_pair(part, i, end, num_tokens)) {
+        if (pairs && starts_group_pair(part, i, end)) {
           run_group_pair(part, r0, xk, words, x32, t0, t1, out_features, bias, out, words32);
           ++i;
           continue;
