@@ -34,6 +34,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.cpu.fused import CpuFusedOps
 from engine.cpu.block_quantize import block_linear
+from engine.cpu.gguf_extension import load_gguf_kernels
 from engine.cpu.gguf_linear import GgufLinear, gather_blocks_on_huge_pages
 from engine.cpu.int4_linear import BLOCK, Int4Linear
 from engine.cpu.int8_linear import GROUP, Int8Linear, QuantizedEmbedding, QuantizedLinear, gather_panels_on_huge_pages
@@ -93,7 +94,8 @@ def keep_gguf_linears(model: nn.Module) -> str:
     types = Counter(name for m in linears for name in m.type_names)
     moved = gather_blocks_on_huge_pages(linears)
     pages = f", {moved / 2**20:.0f} MB on huge pages" if moved else ""
-    return f"{len(linears)} matmuls in the GGUF's own blocks ({', '.join(sorted(types))}, on the AVX2 kernels{pages})"
+    isa = "AVX2 kernels, prompts' groups on AVX512-VNNI" if load_gguf_kernels().dot_isa() == "avx512_vnni" else "AVX2 kernels"
+    return f"{len(linears)} matmuls in the GGUF's own blocks ({', '.join(sorted(types))}, on the {isa}{pages})"
 
 
 def prepack_model(model: nn.Module, batch_size_hint: int, slabs: SlabPlan | None = None) -> int:

@@ -1,5 +1,6 @@
 """GgufLinear: a GGUF's blocks kept as the file stores them (engine/cpu/gguf_linear.py) and
-multiplied on the AVX2 kernels (engine/cpu/csrc/gguf/).
+multiplied on the AVX2 kernels (engine/cpu/csrc/gguf/; a prompt's groups on AVX512-VNNI where the CPU
+has it: tests/kernels/test_gguf_vnni.py holds that path to the same bits).
 
 Weights of each type come from the `gguf` package's quantizer where it has one (Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0), else as random valid blocks (random code and scale bytes, finite fp16 d and dmin).
