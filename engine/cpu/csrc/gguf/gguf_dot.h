@@ -34,7 +34,8 @@
 // vpmaddubsw (gguf_dot_x8.h and its kin). Both sum the same integers exactly, so both give the
 // same bits. TL_GGUF_AVX2_ONLY builds the AVX2 path alone on a VNNI CPU (the test that the two
 // agree, and the benchmarks' side by side).
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && !defined(TL_GGUF_AVX2_ONLY)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    !defined(TL_GGUF_AVX2_ONLY)
 #define TL_GGUF_VNNI 1
 #else
 #define TL_GGUF_VNNI 0

@@ -3,12 +3,12 @@
 // same 32-byte load of both groups, rows 0..7 of the first in lanes 0..7 and of the second in
 // lanes 8..15, and every product is a vpdpbusd against one activation word broadcast to all 16.
 //
-// Why: with one group in a 256-bit register each vpdpbusd needs its own broadcast, and on Zen 4
-// that pair ran at about 60% of vpdpbusd's own rate; a 512-bit vpdpbusd with its broadcast ran at
-// the same instruction rate, each with twice the products: the multiply pipes' peak (one core,
-// registers and L1 only: scripts/bench/probes/vnni_broadcast.cpp). The groups keep their layout,
-// so a pair's sums are each group's bit for bit. Calls of few tokens stay on the AVX2 kernels
-// (gguf_linear.cpp's pairs_groups).
+// Why: with one group in a 256-bit register each vpdpbusd needs its own broadcast, and that
+// pair runs well below vpdpbusd's own rate; a 512-bit vpdpbusd with its broadcast runs at the
+// instruction's full rate with twice the products (scripts/bench/probes/vnni_broadcast.cpp;
+// docs/cpu-kernels.md has the figures). The groups keep their layout, so a pair's sums are
+// each group's bit for bit. Calls of few tokens stay on the AVX2 kernels (gguf_linear.cpp's
+// pairs_groups).
 #pragma once
 
 #include "gguf_dot_q4_1_x8.h"
@@ -75,8 +75,8 @@ inline void prefetch_next_pair(const uint8_t* a, const uint8_t* b) {
 
 // dot_q4_k_x8 for groups a and b: out_a[t * 8 + r], out_b[t * 8 + r]. Past 4 tokens the int32
 // sums and fp32 accumulators live in L1 (in_memory_past_4), and a token's two chains (a pair's
-// sub-blocks) over 8 tokens keep to the 32 registers. The sums in registers ran 4% faster on
-// one core in L1, but a 512-token gate_up 4-6% slower on two threads from memory.
+// sub-blocks) over 8 tokens keep to the 32 registers. The sums in registers too ran faster on
+// one core in L1 but slower in a prompt's layers on two threads (docs/cpu-kernels.md).
 template <int kTokens>
 inline void dot_q4_k_x16(const uint8_t* group_a, const uint8_t* group_b, const ActK& x, int64_t x_stride,
                          const int32_t* xw, float* out_a, float* out_b) {

@@ -190,9 +190,9 @@ void run_item(const Part& part, int64_t r0, int64_t n, const ActK& xk, const int
 // Whether a call of num_tokens tokens takes its groups two at a time (gguf_dot_x16.h). One to
 // three tokens read their weights from memory faster on AVX2's kernels: one token's chain of
 // eight vpdpbusd a sub-block waits on their latency, where vpmaddubsw's products are
-// independent. From 4 tokens the pairs win where a pass's activations outgrow L1 (4 tokens of
-// 8192 inputs: 1.3x), since a pair reads them once for 16 rows; with 2048 inputs the groups one
-// at a time stay ahead up to 7 tokens (4: 1.4x, 6: 1.05x), and from 8 the pairs are ahead everywhere.
+// independent. From 4 tokens the pairs win where a pass's activations outgrow L1, since a
+// pair reads them once for 16 rows; where they fit, the groups one at a time stay ahead up to
+// 7 tokens, and from 8 the pairs are ahead everywhere (docs/cpu-kernels.md has the figures).
 inline bool pairs_groups(int64_t num_tokens, int64_t in_features) {
   if (!TL_GGUF_VNNI || num_tokens < 4) return false;
   return num_tokens >= kGroupTokens || num_tokens * in_features > 16 * 1024;
