@@ -26,6 +26,15 @@ SETTINGS = {
 }
 NEEDS = {"int8": (CPU.has_avx512_vnni, "int8 needs AVX512_VNNI")}
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", LLAMA_MODULES), "phi3_fused": ("Phi3ForCausalLM", PHI3_MODULES)}
+# How close the stack's log-probs are to eager's. fp32: rounding, not bits (the stack's LoRA kernel
+# folds the scale into the shrink; the suite saw 1.03e-5 on a log-prob of -3.4, so relative to the
+# value as well as absolute). int8: the activations are quantized per token, so a last-bit
+# difference before it can move one input by a code's step, and a log-prob by a few hundredths
+# (0.03 on a Zen 4, where the two paths had agreed to 2.4e-7 for 11 tokens). There a greedy
+# choice between two tokens so close may part the texts (TIES_PART): checked as a tie, then the
+# steps before it.
+CLOSE = {"fp32": dict(rel=1e-5, abs=1e-5), "int8": dict(rel=0, abs=0.05)}
+TIES_PART = {"int8"}
 # Different lengths: rows leave the batch one by one, so decode steps of many sizes and slot mixes.
 LENGTHS = (20, 14, 9, 17, 6, 11)
 
@@ -79,14 +88,45 @@ def test_lora_decode_steps_run_on_the_stack_and_equal_eager(arch, setting, tmp_p
     assert max(lora_steps) == 2  # ... steps with rows of both adapters (and the base) among them
     base_alone = run(path, stack=True, loras=None, **SETTINGS[setting])[0]
     assert [t for t, _ in stacked] != [t for t, _ in base_alone]  # the adapters change the answers: a real check
+    close = CLOSE.get(setting, CLOSE["fp32"])
+    num_diverged = 0
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(stacked, eager):
-        assert tokens == want_tokens
-        for got, want in zip(logprobs, want_logprobs, strict=True):
-            assert (got.token_id, got.top_token_ids) == (want.token_id, want.top_token_ids)
-            # fp32 rounding, not bits (the stack's LoRA kernel folds the scale into the shrink): the
-            # suite saw 1.03e-5 on a log-prob of -3.4, so relative to the value as well as absolute
-            assert [got.logprob, *got.top_logprobs] == pytest.approx([want.logprob, *want.top_logprobs], rel=1e-5,
-                                                                     abs=1e-5)
+        assert len(tokens) == len(want_tokens)
+        same = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), len(tokens))
+        if same < len(tokens):  # int8 alone: a tie within a code's step, after which the greedy texts part
+            assert setting in TIES_PART, (same, tokens, want_tokens)
+            assert_tie(logprobs[same], want_logprobs[same], close)
+            num_diverged += 1
+        for got, want in zip(logprobs[:same], want_logprobs[:same], strict=True):
+            assert got.token_id == want.token_id
+            assert [got.logprob, *got.top_logprobs] == pytest.approx([want.logprob, *want.top_logprobs], **close)
+            assert_same_top(got, want, close)
+    assert num_diverged <= 1
+
+
+def assert_tie(got, want, close: dict) -> None:
+    """Where the two paths chose different tokens: each chose the other's runner-up, and both
+    tokens' log-probs agree across the paths within `close` (a tie, not a wrong row)."""
+    got_logprob = dict(zip(got.top_token_ids, got.top_logprobs))
+    want_logprob = dict(zip(want.top_token_ids, want.top_logprobs))
+    assert want.token_id in got_logprob and got.token_id in want_logprob
+    for token_id in (got.token_id, want.token_id):
+        assert got_logprob[token_id] == pytest.approx(want_logprob[token_id], **close)
+
+
+def assert_same_top(got, want, close: dict) -> None:
+    """The same top tokens, except that two whose log-probs tie within rounding may trade places,
+    or trade the top list's last place (the int8 setting on a Zen 4 ranked 51 and 158 apart by
+    rounding alone). Every other token holds its rank."""
+    want_logprob = dict(zip(want.top_token_ids, want.top_logprobs))
+    got_logprob = dict(zip(got.top_token_ids, got.top_logprobs))
+    for rank, (got_id, want_id) in enumerate(zip(got.top_token_ids, want.top_token_ids, strict=True)):
+        if got_id == want_id:
+            continue
+        # a swap: each side's token at this rank ties the other side's within rounding
+        assert got.top_logprobs[rank] == pytest.approx(want.top_logprobs[rank], **close)
+        assert want_logprob.get(got_id, want.top_logprobs[-1]) == pytest.approx(got.top_logprobs[rank], **close)
+        assert got_logprob.get(want_id, got.top_logprobs[-1]) == pytest.approx(want.top_logprobs[rank], **close)
 
 
 def test_verification_rows_under_adapters_run_on_the_stack(tmp_path):
