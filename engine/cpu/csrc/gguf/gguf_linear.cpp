@@ -39,13 +39,20 @@ bool cpu_runs_kernels() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
+// The activations of tokens t0 and after: each array advanced by t0 tokens' rows.
+inline ActK from_token(const ActK& x, int64_t t0) {
+  return {x.q + t0 * x.num_blocks * kQK, x.d + t0 * x.num_blocks, x.sums16 + t0 * x.num_blocks * 16,
+          x.sums32 + t0 * x.num_blocks * 8, x.num_blocks};
+}
+inline Act32 from_token(const Act32& x, int64_t t0) {
+  return {x.q + t0 * x.num_blocks * kQ32, x.d + t0 * x.num_blocks, x.ds + t0 * x.num_blocks, x.num_blocks};
+}
+
 // out[t] for kTokens tokens starting at token t0, one row of type `type`.
 template <int kTokens>
 void dot_row(int64_t type, const uint8_t* row, const ActK& xk, const Act32& x32, int64_t t0, float* out) {
-  const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
-               xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
-  const Act32 s{x32.q + t0 * x32.num_blocks * kQ32, x32.d + t0 * x32.num_blocks, x32.ds + t0 * x32.num_blocks,
-                x32.num_blocks};
+  const ActK k = from_token(xk, t0);
+  const Act32 s = from_token(x32, t0);
   switch (type) {
     case kQ4_K: return dot_q45_k<kTokens, false>(row, k, k.num_blocks, out);
     case kQ5_K: return dot_q45_k<kTokens, true>(row, k, k.num_blocks, out);
@@ -65,8 +72,7 @@ constexpr DotRowFn kDotRow[kMaxTokens] = {dot_row<1>, dot_row<2>, dot_row<3>, do
 // tokens), one group of 8 repacked Q4_K rows; words: every token's, interleave_words's.
 template <int kTokens>
 void dot_group(const uint8_t* group, const ActK& xk, const int32_t* words, int64_t t0, float* out) {
-  const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
-               xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
+  const ActK k = from_token(xk, t0);
   dot_q4_k_x8<kTokens>(group, k, k.num_blocks, words + t0 * xk.num_blocks * (kQK / 4), out);
 }
 
@@ -77,8 +83,7 @@ constexpr DotGroupFn kDotGroup[kGroupTokens] = {dot_group<1>, dot_group<2>, dot_
 // ... one group of 8 repacked Q6_K rows (gguf_dot_q6_k_x8.h).
 template <int kTokens>
 void dot_q6_group(const uint8_t* group, const ActK& xk, const int32_t* words, int64_t t0, float* out) {
-  const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
-               xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
+  const ActK k = from_token(xk, t0);
   dot_q6_k_x8<kTokens>(group, k, k.num_blocks, words + t0 * xk.num_blocks * (kQK / 4), out);
 }
 
@@ -88,8 +93,7 @@ constexpr DotGroupFn kDotQ6Group[kGroupTokens] = {dot_q6_group<1>, dot_q6_group<
 // ... one group of 8 repacked Q4_1 rows (gguf_dot_q4_1_x8.h), on the Q8_0 activations; words: q32's.
 template <int kTokens>
 void dot_q4_1_group(const uint8_t* group, const Act32& x32, const int32_t* words, int64_t t0, float* out) {
-  const Act32 s{x32.q + t0 * x32.num_blocks * kQ32, x32.d + t0 * x32.num_blocks, x32.ds + t0 * x32.num_blocks,
-                x32.num_blocks};
+  const Act32 s = from_token(x32, t0);
   dot_q4_1_x8<kTokens>(group, s, s.num_blocks, words + t0 * x32.num_blocks * (kQ32 / 4), out);
 }
 
@@ -104,13 +108,11 @@ template <int kTokens>
 void dot_group_pair(int64_t type, const uint8_t* group_a, const uint8_t* group_b, const ActK& xk, const Act32& x32,
                     const int32_t* words, const int32_t* words32, int64_t t0, float* out_a, float* out_b) {
   if (type == kQ4_1x8) {
-    const Act32 s{x32.q + t0 * x32.num_blocks * kQ32, x32.d + t0 * x32.num_blocks, x32.ds + t0 * x32.num_blocks,
-                  x32.num_blocks};
+    const Act32 s = from_token(x32, t0);
     return dot_q4_1_x16<kTokens>(group_a, group_b, s, s.num_blocks, words32 + t0 * x32.num_blocks * (kQ32 / 4), out_a,
                                  out_b);
   }
-  const ActK k{xk.q + t0 * xk.num_blocks * kQK, xk.d + t0 * xk.num_blocks, xk.sums16 + t0 * xk.num_blocks * 16,
-               xk.sums32 + t0 * xk.num_blocks * 8, xk.num_blocks};
+  const ActK k = from_token(xk, t0);
   const int32_t* w = words + t0 * xk.num_blocks * (kQK / 4);
   if (type == kQ4_Kx8) return dot_q4_k_x16<kTokens>(group_a, group_b, k, k.num_blocks, w, out_a, out_b);
   dot_q6_k_x16<kTokens>(group_a, group_b, k, k.num_blocks, w, out_a, out_b);
