@@ -6,7 +6,7 @@
 // gguf_linear.cpp only: its helpers are in an anonymous namespace.
 #pragma once
 
-#include "gguf_dot_x8.h"  // kGroupTokens, the tiles interleave_words lays out
+#include "gguf_dot_x8.h"  // kGroupTokens, the tiles interleave_token lays out
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 
 #include <torch/extension.h>
@@ -54,11 +54,11 @@ inline float max_abs(const in_t* x, int64_t n) {
 }
 
 // One token's inputs in blocks of `block` (32 or 256): scale max|x| / 127 per block and q;
-// per 32 inputs the sum of q, which the K-quants keep as int16 per 16 and 32 and the others
-// as dx * sum.
+// per 32 inputs the sum of q, which the K-quants keep as int16 per 16 and 32 (and per 16 as
+// Q6_K's offset, -32 * sum, in int32) and the others as dx * sum.
 template <typename in_t>
 void quantize_token(const in_t* x, int64_t in_features, int64_t block, int8_t* q, float* d, int16_t* sums16,
-                    int16_t* sums32, float* ds) {
+                    int16_t* sums32, int32_t* offsets16, float* ds) {
   for (int64_t b = 0; b < in_features / block; ++b) {
     const float amax = max_abs(x + b * block, block);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -71,6 +71,7 @@ void quantize_token(const in_t* x, int64_t in_features, int64_t block, int8_t* q
         sums16[k / 16] = static_cast<int16_t>(half);
         sums16[k / 16 + 1] = static_cast<int16_t>(sum - half);
         sums32[k / kQ32] = static_cast<int16_t>(sum);
+        offsets16[k / 16] = -32 * half, offsets16[k / 16 + 1] = -32 * (sum - half);
       } else {
         ds[b] = d[b] * static_cast<float>(sum);
       }
@@ -80,26 +81,23 @@ void quantize_token(const in_t* x, int64_t in_features, int64_t block, int8_t* q
 
 // A call's quantized activations, in memory the calling thread keeps from call to call.
 struct Scratch {
-  std::vector<int32_t> qk_words;  // qk for the Q4_K groups: tokens interleaved by words (interleave_words)
+  std::vector<int32_t> qk_words;  // qk for the Q4_K groups: tokens interleaved by words (interleave_token)
   std::vector<int32_t> q32_words;  // q32 for the Q4_1 groups, alike
   std::vector<int8_t> qk, q32;
   std::vector<float> dk, d32, ds32;
   std::vector<int16_t> sums16, sums32;
+  std::vector<int32_t> offsets16;
 };
 
 // The Q4_K groups' activations (gguf_dot_x8.h): q [tokens][in] as 4-byte words, each tile of
 // kGroupTokens tokens from t0 with its n tokens interleaved: word w of token t0 + i at
-// words[t0 * in / 4 + w * n + i].
-void interleave_words(const int8_t* q, int64_t num_tokens, int64_t in_features, int32_t* words) {
+// words[t0 * in / 4 + w * n + i]. One token's words, so the threads that quantize the tokens
+// lay them out too (one thread alone took a few percent of a prompt's short matmuls).
+void interleave_token(const int8_t* row, int64_t t, int64_t num_tokens, int64_t in_features, int32_t* words) {
   const int64_t num_words = in_features / 4;
-  for (int64_t t0 = 0; t0 < num_tokens; t0 += kGroupTokens) {
-    const int64_t n = std::min(kGroupTokens, num_tokens - t0);
-    int32_t* tile = words + t0 * num_words;
-    for (int64_t i = 0; i < n; ++i) {
-      const int8_t* row = q + (t0 + i) * in_features;
-      for (int64_t w = 0; w < num_words; ++w) std::memcpy(tile + w * n + i, row + 4 * w, 4);
-    }
-  }
+  const int64_t t0 = t - t % kGroupTokens, n = std::min(kGroupTokens, num_tokens - t0);
+  int32_t* out = words + t0 * num_words + (t - t0);
+  for (int64_t w = 0; w < num_words; ++w) std::memcpy(out + w * n, row + 4 * w, 4);
 }
 
 template <typename in_t>
@@ -108,32 +106,32 @@ void quantize_all(const in_t* x, int64_t num_tokens, int64_t in_features, bool n
   if (need_k) {
     s.qk.resize(num_tokens * in_features), s.dk.resize(num_tokens * in_features / kQK);
     s.sums16.resize(num_tokens * in_features / 16), s.sums32.resize(num_tokens * in_features / kQ32);
+    s.offsets16.resize(num_tokens * in_features / 16);
   }
   if (need_32) {
     s.q32.resize(num_tokens * in_features);
     s.d32.resize(num_tokens * in_features / kQ32), s.ds32.resize(num_tokens * in_features / kQ32);
   }
+  if (need_words) s.qk_words.resize(num_tokens * in_features / 4);
+  if (need_words32) s.q32_words.resize(num_tokens * in_features / 4);
   tokenloom_cpu::parallel_for(0, num_tokens, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const in_t* xt = x + t * in_features;
       if (need_k) {
-        quantize_token(xt, in_features, kQK, s.qk.data() + t * in_features, s.dk.data() + t * in_features / kQK,
-                       s.sums16.data() + t * in_features / 16, s.sums32.data() + t * in_features / kQ32, nullptr);
+        int8_t* q = s.qk.data() + t * in_features;
+        quantize_token(xt, in_features, kQK, q, s.dk.data() + t * in_features / kQK,
+                       s.sums16.data() + t * in_features / 16, s.sums32.data() + t * in_features / kQ32,
+                       s.offsets16.data() + t * in_features / 16, nullptr);
+        if (need_words) interleave_token(q, t, num_tokens, in_features, s.qk_words.data());
       }
       if (need_32) {
-        quantize_token(xt, in_features, kQ32, s.q32.data() + t * in_features, s.d32.data() + t * in_features / kQ32,
-                       nullptr, nullptr, s.ds32.data() + t * in_features / kQ32);
+        int8_t* q = s.q32.data() + t * in_features;
+        quantize_token(xt, in_features, kQ32, q, s.d32.data() + t * in_features / kQ32, nullptr, nullptr, nullptr,
+                       s.ds32.data() + t * in_features / kQ32);
+        if (need_words32) interleave_token(q, t, num_tokens, in_features, s.q32_words.data());
       }
     }
   });
-  if (need_words) {  // a copy of in_features bytes a token: quick beside the matmul
-    s.qk_words.resize(num_tokens * in_features / 4);
-    interleave_words(s.qk.data(), num_tokens, in_features, s.qk_words.data());
-  }
-  if (need_words32) {
-    s.q32_words.resize(num_tokens * in_features / 4);
-    interleave_words(s.q32.data(), num_tokens, in_features, s.q32_words.data());
-  }
 }
 
 }  // namespace

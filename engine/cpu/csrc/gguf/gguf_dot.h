@@ -73,6 +73,7 @@ struct ActK {
   const int16_t* sums16;  // [tokens][num_blocks * 16]: sum of q per 16 inputs
   const int16_t* sums32;  // [tokens][num_blocks * 8]: per 32
   int64_t num_blocks;
+  const int32_t* offsets16 = nullptr;  // [tokens][num_blocks * 16]: -32 * sums16, Q6_K's pairs' (gguf_dot_x16.h)
 };
 
 // ... per 32 inputs (Q8_0, with Q8_1's scaled sum).

@@ -1,7 +1,7 @@
 // Q4_1 rows eight at a time, repacked at load time (engine/cpu/gguf_repack.py's pack_q4_1_x8), as
 // Q4_K's are (gguf_dot_x8.h): one 32-byte load holds the same four inputs of eight rows, each
 // output row is a lane, and the tokens' int8 activations (Q8_0's, per 32) come interleaved by
-// 4-byte words (interleave_words).
+// 4-byte words (interleave_token).
 //
 // Why: row by row (gguf_dot.h's dot_q32) each block of 32 inputs costs a token a vpmaddubsw, a
 // vpmaddwd, a vector FMA and a scalar one (the minimum's term) for 32 products of one row, and

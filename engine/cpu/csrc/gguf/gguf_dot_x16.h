@@ -190,19 +190,8 @@ inline void dot_q6_k_x16(const uint8_t* group_a, const uint8_t* group_b, const A
     __m512i* sums = in_memory_past_4<kTokens>(sums_store);
 #pragma GCC unroll 8
     for (int t = 0; t < kTokens; ++t) sums[t] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) {  // - 32 sum_s sc_s sum q over s: the codes' offset
-      const __m512i pair = pair_scales(p);
-#pragma GCC unroll 8
-      for (int t = 0; t < kTokens; ++t) {
-        int32_t s16;
-        std::memcpy(&s16, x.sums16 + (t * x_stride + b) * 16 + 2 * p, 4);
-        sums[t] = _mm512_sub_epi32(sums[t], _mm512_madd_epi16(pair, _mm512_set1_epi32(s16)));
-      }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < kTokens; ++t) sums[t] = _mm512_slli_epi32(sums[t], 5);
     const int32_t* xb = xw + b * (kQK / 4) * kTokens;
+    const int32_t* offsets = x.offsets16 + b * 16;
 #pragma GCC unroll 1
     for (int p = 0; p < 8; ++p) {
       constexpr int64_t kStretch = kQ6GroupBlockBytes / 8;
@@ -215,7 +204,10 @@ inline void dot_q6_k_x16(const uint8_t* group_a, const uint8_t* group_b, const A
       const int32_t* xp = xb + 8 * kTokens * p;
 #pragma GCC unroll 8
       for (int t = 0; t < kTokens; ++t) {
-        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        // The codes are q + 32: each sub-block's chain starts from the offset's -32 sum q_x,
+        // so sc (q + 32 - 32) . x is one vpmulld a sub-block (the AVX2 kernel's sum, as integers).
+        const int32_t* offset = offsets + t * x_stride * 16 + 2 * p;
+        __m512i even = _mm512_set1_epi32(offset[0]), odd = _mm512_set1_epi32(offset[1]);
 #pragma GCC unroll 4
         for (int k = 0; k < 4; ++k) {
           even = _mm512_dpbusd_epi32(even, w[k], _mm512_set1_epi32(xp[k * kTokens + t]));

@@ -42,7 +42,7 @@ bool cpu_runs_kernels() {
 // The activations of tokens t0 and after: each array advanced by t0 tokens' rows.
 inline ActK from_token(const ActK& x, int64_t t0) {
   return {x.q + t0 * x.num_blocks * kQK, x.d + t0 * x.num_blocks, x.sums16 + t0 * x.num_blocks * 16,
-          x.sums32 + t0 * x.num_blocks * 8, x.num_blocks};
+          x.sums32 + t0 * x.num_blocks * 8, x.num_blocks, x.offsets16 + t0 * x.num_blocks * 16};
 }
 inline Act32 from_token(const Act32& x, int64_t t0) {
   return {x.q + t0 * x.num_blocks * kQ32, x.d + t0 * x.num_blocks, x.ds + t0 * x.num_blocks, x.num_blocks};
@@ -69,7 +69,7 @@ using DotRowFn = void (*)(int64_t, const uint8_t*, const ActK&, const Act32&, in
 constexpr DotRowFn kDotRow[kMaxTokens] = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>};
 
 // out[t * 8 + r] for kTokens tokens from t0 (a multiple of kGroupTokens, or the last tile's
-// tokens), one group of 8 repacked Q4_K rows; words: every token's, interleave_words's.
+// tokens), one group of 8 repacked Q4_K rows; words: every token's, interleave_token's.
 template <int kTokens>
 void dot_group(const uint8_t* group, const ActK& xk, const int32_t* words, int64_t t0, float* out) {
   const ActK k = from_token(xk, t0);
@@ -301,7 +301,8 @@ torch::Tensor gguf_linear(const torch::Tensor& x_in, const torch::Tensor& blocks
   } else {
     quantize_all(x.data_ptr<at::BFloat16>(), num_tokens, in_features, need_k, need_32, need_words, need_words32, scratch);
   }
-  const ActK xk{scratch.qk.data(), scratch.dk.data(), scratch.sums16.data(), scratch.sums32.data(), in_features / kQK};
+  const ActK xk{scratch.qk.data(), scratch.dk.data(), scratch.sums16.data(), scratch.sums32.data(), in_features / kQK,
+                scratch.offsets16.data()};
   const Act32 x32{scratch.q32.data(), scratch.d32.data(), scratch.ds32.data(), in_features / kQ32};
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
   if (out.scalar_type() == at::kFloat) {
