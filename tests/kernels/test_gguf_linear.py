@@ -211,6 +211,25 @@ def test_q6_k_groups_hold_the_file_bits_exactly():
             pack_q6_k_x8(bad)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 17])
+def test_grouped_bf16_outputs_round_as_torch_does(num_tokens):
+    """The groups' bf16 stores round in vectors: every value the bias gives (the weights all 0,
+    so y = bias exactly) comes out as torch's float -> bf16, bit for bit: halfway cases both ways
+    (to the even neighbour), values that round up into the next binade and to inf, subnormals,
+    infinities; NaN as c10's scalar conversion gives it, 0x7fc0 (ATen's vectorized one gives
+    0xffff). 16 Q4_K rows: two groups, taken as a pair from 8 tokens."""
+    ties = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 - 2 ** -9, 3.3895313892515355e38, 1e-39]
+    bias = torch.tensor(ties + [float("nan"), float("inf"), -float("inf"), 0.1, -7.75, 3.0e38, 65504.0,
+                                -1e-40, 1.0 + 2 ** -7 + 2 ** -8, 123456.789], dtype=torch.float32)
+    linear = GgufLinear([("Q4_K", torch.zeros(16, 144, dtype=torch.uint8))], 256, bias=bias)
+    assert linear.is_grouped == [True]
+    x = torch.randn(num_tokens, 256, generator=torch.Generator().manual_seed(num_tokens)).bfloat16()
+    y = linear(x)
+    expected = bias.bfloat16().view(torch.int16).clone()
+    expected[bias.isnan()] = 0x7FC0
+    assert y.dtype == torch.bfloat16 and torch.equal(y.view(torch.int16), expected.expand(num_tokens, 16))
+
+
 @pytest.mark.parametrize("num_tokens", [*range(1, 10), 16, 17, 64, 65])
 def test_q6_k_groups_match_for_every_token_count(num_tokens):
     """Q6_K's groups (gguf_dot_q6_k_x8.h) for 1..8 tokens a pass, several passes, a 64-token tile

@@ -143,16 +143,26 @@ void store_row(out_t* out, int64_t out_features, int64_t t, int64_t r, float y, 
   store(out + t * out_features + r, y + (bias != nullptr ? bias[r] : 0.f));
 }
 
-// A group's 8 outputs of one token, y (+ bias[r0, r0 + 8)) at out: fp32 in one store, as a
+// A group's 8 outputs of one token, y (+ bias[r0, r0 + 8)) at out, in one vector store, as a
 // prompt's calls store 8 values a group and token (scalar stores with the bias's test each
-// were a few percent of a 512-token gate_up); bf16 value by value, as torch rounds.
-inline void store_group(float* out, const float* y, const float* bias, int64_t r0) {
-  __m256 v = _mm256_loadu_ps(y);
-  if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + r0));
-  _mm256_storeu_ps(out, v);
+// were a few percent of a 512-token gate_up, and bf16's scalar roundings more).
+inline __m256 group_values(const float* y, const float* bias, int64_t r0) {
+  const __m256 v = _mm256_loadu_ps(y);
+  return bias != nullptr ? _mm256_add_ps(v, _mm256_loadu_ps(bias + r0)) : v;
 }
+inline void store_group(float* out, const float* y, const float* bias, int64_t r0) {
+  _mm256_storeu_ps(out, group_values(y, bias, r0));
+}
+// bf16 as torch rounds (c10's round_to_nearest_even): the bits plus 0x7fff plus the kept part's
+// lowest bit, the top half kept; a NaN becomes 0x7fc0.
 inline void store_group(at::BFloat16* out, const float* y, const float* bias, int64_t r0) {
-  for (int64_t j = 0; j < kGroupRows; ++j) store(out + j, y[j] + (bias != nullptr ? bias[r0 + j] : 0.f));
+  const __m256 v = group_values(y, bias, r0);
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  top = _mm256_blendv_epi8(top, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), halves);
 }
 
 // Rows [r0, r0 + n) of one part (n <= 8) for tokens [t0, t1).
