@@ -39,7 +39,8 @@ SOURCES = [
                  "fused_ops.cpp", "small_batch_linear.cpp", "sample_rows.cpp", "apply_penalties.cpp", "apply_token_bitmask.cpp",
                  "decode_stack.cpp", "bindings.cpp")
 ]
-HEADERS = [CSRC / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "decode_attention_x8.h",
+HEADERS = [CSRC / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "decode_attention_passes.h",
+                                    "decode_attention_x8.h",
                                     "prefill_bf16_tiles.h", "share_out.h", "work_pool.h", "lora_rows.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
