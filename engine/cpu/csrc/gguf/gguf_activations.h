@@ -54,10 +54,10 @@ inline float max_abs(const in_t* x, int64_t n) {
 }
 
 #if TL_GGUF_VNNI
-// The same quantizing on 512-bit vectors, where the group kernels run on AVX512 (a prompt's
-// calls quantize every token's inputs; on 256-bit vectors with the 16-input sums added one by
-// one that was about 2% of a prompt's forward). The same products, roundings and integer sums
-// as quantize32 and max_abs, so the same bytes.
+// The same quantizing on 512-bit vectors, where the group kernels run on AVX512: a prompt's
+// calls quantize every token's inputs, and on 256-bit vectors, with the 16-input sums added
+// one by one, that showed beside its matmuls (docs/cpu-kernels.md). The same products,
+// roundings and integer sums as quantize32 and max_abs, so the same bytes.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -131,7 +131,7 @@ struct Scratch {
 // The Q4_K groups' activations (gguf_dot_x8.h): q [tokens][in] as 4-byte words, each tile of
 // kGroupTokens tokens from t0 with its n tokens interleaved: word w of token t0 + i at
 // words[t0 * in / 4 + w * n + i]. One token's words, so the threads that quantize the tokens
-// lay them out too (one thread alone took a few percent of a prompt's short matmuls).
+// lay them out too (one thread laying out a prompt's took longer).
 void interleave_token(const int8_t* row, int64_t t, int64_t num_tokens, int64_t in_features, int32_t* words) {
   const int64_t num_words = in_features / 4;
   const int64_t t0 = t - t % kGroupTokens, n = std::min(kGroupTokens, num_tokens - t0);
