@@ -25,9 +25,10 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// 32 inputs at x -> int8 round(x * inv) at q (nearest even, as MXCSR rounds); returns sum q.
+// 32 inputs at x -> int8 round(x * inv) at q (nearest even, as MXCSR rounds); returns sum q,
+// and the first 16's sum at `half`.
 template <typename in_t>
-inline int32_t quantize32(const in_t* x, float inv, int8_t* q) {
+inline int32_t quantize32(const in_t* x, float inv, int8_t* q, int32_t* half) {
   const __m256 s = _mm256_set1_ps(inv);
   __m256i i[4];
 #pragma GCC unroll 4
@@ -37,10 +38,12 @@ inline int32_t quantize32(const in_t* x, float inv, int8_t* q) {
       _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
-  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s4 = _mm_hadd_epi32(s4, s4);
-  return _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+  const __m256i first = _mm256_add_epi32(i[0], i[1]), second = _mm256_add_epi32(i[2], i[3]);
+  __m128i s4 = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(first), _mm256_extracti128_si256(first, 1)),
+                              _mm_add_epi32(_mm256_castsi256_si128(second), _mm256_extracti128_si256(second, 1)));
+  s4 = _mm_hadd_epi32(s4, s4);  // [first's sum, second's sum, ...]
+  *half = _mm_cvtsi128_si32(s4);
+  return *half + _mm_extract_epi32(s4, 1);
 }
 
 template <typename in_t>
@@ -100,11 +103,8 @@ void quantize_token(const in_t* x, int64_t in_features, int64_t block, int8_t* q
       const int32_t half = quantize16(x + k, inv16, q + k);
       const int32_t sum = half + quantize16(x + k + 16, inv16, q + k + 16);
 #else
-      const int32_t sum = quantize32(x + k, inv, q + k);
-      int32_t half = 0;
-      if (block == kQK) {
-        for (int64_t i = k; i < k + 16; ++i) half += q[i];
-      }
+      int32_t half;
+      const int32_t sum = quantize32(x + k, inv, q + k, &half);
 #endif
       if (block == kQK) {
         sums16[k / 16] = static_cast<int16_t>(half);
