@@ -99,12 +99,13 @@ def time_calls(layers: list, x: torch.Tensor, min_s: float) -> tuple[float, floa
     return times[len(times) // 2], times[len(times) // 10]
 
 
-class Avx2Build:
-    """A GgufLinear's call on the AVX2-only build of the kernels (gguf_extension.py's
-    load_gguf_kernels_avx2): on a CPU with AVX512-VNNI, the path the native build replaced."""
+class OnBuild:
+    """A GgufLinear's call on another build of the kernels: the AVX2-only one (gguf_extension.py's
+    load_gguf_kernels_avx2, on a CPU with AVX512-VNNI the path the native build replaced), or an
+    older commit's (probes/gguf_builds_ab.py)."""
 
-    def __init__(self, linear: GgufLinear):
-        self.linear, self.kernels = linear, load_gguf_kernels_avx2()
+    def __init__(self, linear: GgufLinear, kernels):
+        self.linear, self.kernels = linear, kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear
@@ -117,7 +118,7 @@ def measure(make_layer, num_bytes: int, in_features: int, rows_list: list[int], 
     layers = [make_layer(i) for i in range(copies)]
     moved = gather_blocks_on_huge_pages(layers) if huge_pages else 0  # as the engine places them
     if build == "avx2":
-        layers = [Avx2Build(layer) for layer in layers]
+        layers = [OnBuild(layer, load_gguf_kernels_avx2()) for layer in layers]
     result = {"weight_bytes": num_bytes, "copies": copies, "huge_pages": moved > 0}
     for rows in rows_list:
         x = torch.randn(rows, in_features)

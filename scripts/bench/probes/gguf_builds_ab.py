@@ -7,7 +7,7 @@ A kernel change of a few percent is lost in a whole forward's drift on a shared 
 build's 512-token prefill ran 1.88 and 2.08 s minutes apart). Here both builds load in one process
 (each as a side build, TL_GGUF_SIDE_BUILD: no torch op registered) and take turns on the same
 layers and activations: --rounds rounds, the builds' order flipped each round, each round's figure
-the median call over --copies layers (enough bytes that the weights come from memory), and per
+the median call over the layers (enough of them that the weights come from memory), and per
 build the fastest round. Each shape's outputs are compared too: a change meant to keep the bits
 says `same_bits`.
 
@@ -22,7 +22,6 @@ import logging
 import subprocess
 import tarfile
 import tempfile
-import time
 from io import BytesIO
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch
 from engine.cpu.extension import CSRC, extension_loader
 from engine.cpu.gguf_extension import HEADERS, SOURCES
 from engine.cpu.gguf_linear import GgufLinear
-from scripts.bench.gguf_kernels import random_blocks
+from scripts.bench.gguf_kernels import MIN_BYTES, OnBuild, random_blocks, time_calls
 from scripts.lib.bench_report import machine_info, run_and_report
 
 logger = logging.getLogger(__name__)
@@ -44,7 +43,6 @@ SHAPES = {  # name: (type, out_features, in_features)
     "qkv": ("Q4_K", 3072, 2048),
     "o_proj": ("Q4_K", 2048, 2048),
 }
-MIN_BYTES = 300 << 20  # per shape: well past the caches
 
 
 def sources_at(rev: str, into: Path) -> Path:
@@ -58,13 +56,15 @@ def sources_at(rev: str, into: Path) -> Path:
     return into / CSRC.relative_to(root)
 
 
-def call_median(kernels, layers: list[GgufLinear], x: torch.Tensor) -> float:
-    times = []
-    for layer in layers:
-        start = time.perf_counter()
-        kernels.gguf_linear(x, layer.blocks, layer.layout, layer.bias, layer.out_features, False)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def random_layers(type_name: str, out_features: int, in_features: int, rng: np.random.Generator) -> list[GgufLinear]:
+    """Layers of random valid blocks, enough of them to pass MIN_BYTES (gguf_kernels.py's: past the L3)."""
+    def make() -> GgufLinear:
+        return GgufLinear([(type_name, random_blocks(type_name, out_features, in_features, rng))], in_features)
+
+    layers = [make()]
+    while len(layers) * layers[0].num_weight_bytes < MIN_BYTES:
+        layers.append(make())
+    return layers
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -82,18 +82,14 @@ def run(args: argparse.Namespace) -> dict:
     shapes = {}
     for name in args.shapes.split(","):
         type_name, out_features, in_features = SHAPES[name]
-        num_copies = max(1, MIN_BYTES // (out_features * in_features * 9 // 16))
-        layers = [GgufLinear([(type_name, random_blocks(type_name, out_features, in_features, rng))], in_features)
-                  for _ in range(num_copies)]
+        layers = random_layers(type_name, out_features, in_features, rng)
+        on = {"base": [OnBuild(layer, base) for layer in layers], "checkout": [OnBuild(layer, head) for layer in layers]}
         x = torch.randn(args.tokens, in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
         rounds = {"base": [], "checkout": []}
         for r in range(args.rounds):
-            order = (("base", base), ("checkout", head)) if r % 2 == 0 else (("checkout", head), ("base", base))
-            for key, kernels in order:
-                rounds[key].append(call_median(kernels, layers, x))
-        layer = layers[0]
-        outputs = [k.gguf_linear(x, layer.blocks, layer.layout, layer.bias, layer.out_features, False)
-                   for k in (base, head)]
+            for key in ("base", "checkout") if r % 2 == 0 else ("checkout", "base"):
+                rounds[key].append(time_calls(on[key], x, 0.0)[0])  # the median call
+        outputs = [on[key][0](x) for key in ("base", "checkout")]
         best = {key: min(times) for key, times in rounds.items()}
         shapes[name] = {"type": type_name, "out_features": out_features, "in_features": in_features,
                         "base_ms": round(best["base"] * 1e3, 2), "checkout_ms": round(best["checkout"] * 1e3, 2),
