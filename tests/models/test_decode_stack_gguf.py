@@ -79,3 +79,36 @@ def test_stack_runs_gguf_blocks_bit_for_bit_on_the_work_pool(tmp_path):
     assert len({t for tokens, _ in eager for t in tokens}) >= 6, eager  # answers that vary: a real check
     assert all(np.isfinite(lp.logprob) for _, lps in eager for lp in lps)
     assert stacked == eager
+
+
+def test_the_prefetch_tuner_steers_one_sequences_steps_without_changing_its_tokens(tmp_path):
+    """A GGUF model's stack step carries the tuner of the kernels' one-token prefetch
+    (engine/cpu/prefetch_tuner.py); its explored steps give the same tokens and log-probs."""
+    path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **CONFIG)
+    llm = LLM(path, cpu_decode_stack=True, **ENGINE_KWARGS)
+    runner = llm.engine.model_runner
+    assert runner.step_executor.prefetch_tuner is None  # the folder's model has no GGUF linears
+    to_gguf(runner.model)
+    fused_ops = runner.model.layers[0].input_layernorm.fused
+    stack, note = build_decode_stack(runner.model, runner.kv_caches, runner.backend, fused_ops, fused_ops.kernels)
+    assert stack is not None, note
+    runner.decode_stack = stack
+    runner.step_executor = make_step_executor(runner.model, runner.kv_caches, runner.backend, runner.device,
+                                              runner.dtype, group=None, decode_stack=stack)
+    tuner = runner.step_executor.prefetch_tuner
+    assert tuner is not None
+    prompt = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+    def one_sequence():
+        output = llm.generate([prompt], [params], use_tqdm=False)[0]
+        return output.token_ids, output.logprobs
+
+    tuner.explore_every = 2
+    explored = one_sequence()
+    assert tuner.num_steps >= 23 and tuner.num_explored >= 10
+    tuner.explore_every = 10**9
+    num_explored = tuner.num_explored
+    assert one_sequence() == explored
+    assert tuner.num_explored == num_explored
+    assert len(set(explored[0])) >= 2  # tokens that vary: a real check

@@ -5,12 +5,16 @@
 //                prefetch_next_block, as the row kernels still do)
 //   spreadN      a stretch per pair of sub-blocks (Q4_K 288 bytes, Q6_K 210), N bytes ahead
 //   none         no software prefetch (the hardware prefetcher alone)
-// Each pass reads one 2048x8192 layer (each thread half of it, as share_out parts them) from
-// 320 MB of random groups on 2 MB pages; the variants take turns pass by pass, each on a layer
-// not read for 20+ passes (past the L3), so a drift in the machine's memory rate falls on all of
-// them alike. Median GB/s of the passes, and each variant's median over `stream` of the same round.
+// Each pass reads one layer (2048 inputs x 8192 outputs, or argv[3] x argv[4]; each thread half
+// of it, as share_out parts them) from 320 MB of random groups on 2 MB pages; the variants take
+// turns pass by pass, each on a layer not read for 20+ passes (past the L3), so a drift in the
+// machine's memory rate falls on all of them alike. Median GB/s of the passes, and each
+// variant's median over `stream` of the same round.
 //   g++ -O3 -march=native -fopenmp -I engine/cpu/csrc/gguf -o /tmp/gguf_group_prefetch scripts/bench/probes/gguf_group_prefetch.cpp
 //   flock /tmp/bench.lock /tmp/gguf_group_prefetch 6 6   # Q6_K (or 4: Q4_K), rounds
+//   flock /tmp/bench.lock /tmp/gguf_group_prefetch 4 2 8192 2048   # ... on a down projection's shape
+// "header" follows g_one_token_prefetch, on here (engine/cpu/prefetch_tuner.py switches it in
+// the engine).
 #include "gguf_dot_q6_k_x8.h"
 #include <omp.h>
 #include <sys/mman.h>
@@ -115,7 +119,7 @@ void stream(const uint8_t* g, const ActK&, const int32_t*, float* out) {
 int main(int argc, char** argv) {
   const bool is_q4 = argc > 1 && argv[1][0] == '4';
   const int rounds = argc > 2 ? atoi(argv[2]) : 6;
-  const int64_t in = 2048, nsb = in / kQK, layer_groups = 8192 / 8;
+  const int64_t in = argc > 3 ? atoi(argv[3]) : 2048, nsb = in / kQK, layer_groups = (argc > 4 ? atoi(argv[4]) : 8192) / 8;
   g_group_bytes = nsb * (is_q4 ? kGroupBlockBytes : kQ6GroupBlockBytes);
   const int64_t layer_bytes = layer_groups * g_group_bytes, num_layers = (320ll << 20) / layer_bytes;
   const size_t num_bytes = ((num_layers * layer_bytes) >> 21 << 21) + (4 << 20);

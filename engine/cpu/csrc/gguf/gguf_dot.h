@@ -26,6 +26,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -99,14 +100,25 @@ inline float hsum(__m256 v) {
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // Software prefetch of the weights kPrefetchAhead bytes on, for calls of at most
-// kPrefetchTokens tokens. A one-token call reads its weights faster than the hardware
-// prefetcher runs ahead of it: the kernel then waited on memory and computed in turn
-// (Q4_K's groups, one core: 16.8 GB/s without, 21.2 with, the core's stream read 21.8;
-// docs/cpu-kernels.md). Several tokens are compute-bound, and the prefetches' own
-// instructions only cost there. Rows and groups lie one after another, so a block's
-// prefetch past its row's end is the next row's; a prefetch never faults.
+// kPrefetchTokens tokens. On some hosts a one-token call reads its weights faster than the
+// hardware prefetcher runs ahead of it: the kernel then waited on memory and computed in turn
+// (Q4_K's groups, one core: 16.8 GB/s without, 21.2 with, the core's stream read 21.8). On
+// others the hardware keeps up and the software prefetches only slow one token down (a
+// Q4_K down projection on two threads: 0.84 of the time without them). So one token's are
+// switched at run time (g_one_token_prefetch, chosen while decoding by
+// engine/cpu/prefetch_tuner.py); docs/cpu-kernels.md has the figures. Several tokens are
+// compute-bound, and the prefetches' own instructions only cost there. Rows and groups lie
+// one after another, so a block's prefetch past its row's end is the next row's; a prefetch
+// never faults.
 constexpr int64_t kPrefetchAhead = 4608;  // 4.5 KB: the rows' (the groups spread theirs: prefetch_next_block)
 constexpr int kPrefetchTokens = 3;
+inline std::atomic<bool> g_one_token_prefetch{true};  // set_one_token_prefetch (gguf_linear.cpp)
+
+// Whether a call of kTokens tokens prefetches its weights in software.
+template <int kTokens>
+inline bool prefetches() {
+  return kTokens <= kPrefetchTokens && (kTokens > 1 || g_one_token_prefetch.load(std::memory_order_relaxed));
+}
 
 // The cache lines of [p + kPrefetchAhead, p + kPrefetchAhead + n).
 template <int64_t n>
@@ -158,7 +170,7 @@ inline void dot_q45_k(const uint8_t* row, const ActK& x, int64_t x_stride, float
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.num_blocks; ++b) {
     const uint8_t* blk = row + b * kBytes;
-    if (kTokens <= kPrefetchTokens) prefetch_ahead<kBytes>(blk);
+    if (prefetches<kTokens>()) prefetch_ahead<kBytes>(blk);
     const float d = half_at(blk), dmin = half_at(blk + 2);
     const __m128i scales_mins = k_scales_mins(blk + 4);  // 8 scales, then 8 mins (bytes)
     const __m256i scales16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));
@@ -211,7 +223,7 @@ inline void dot_q6_k(const uint8_t* row, const ActK& x, int64_t x_stride, float*
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.num_blocks; ++b) {
     const uint8_t* blk = row + b * 210;
-    if (kTokens <= kPrefetchTokens) prefetch_ahead<210>(blk);
+    if (prefetches<kTokens>()) prefetch_ahead<210>(blk);
     const float d = half_at(blk + 208);
     const __m128i scale_bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
     const __m256i scales_all = _mm256_cvtepi8_epi16(scale_bytes);  // 16 lanes: sc_0 .. sc_15
@@ -271,7 +283,7 @@ inline void dot_q32(const uint8_t* row, const Act32& x, int64_t x_stride, float*
   for (int t = 0; t < kTokens; ++t) acc[t] = _mm256_setzero_ps(), offsets[t] = 0.f;
   for (int64_t b = 0; b < x.num_blocks; ++b) {
     const uint8_t* blk = row + b * kBytes;
-    if (kTokens <= kPrefetchTokens && b % 4 == 0) prefetch_ahead<4 * kBytes>(blk);  // 72 to 136 bytes
+    if (b % 4 == 0 && prefetches<kTokens>()) prefetch_ahead<4 * kBytes>(blk);  // 72 to 136 bytes
     const float d = half_at(blk);
     __m256i w, signs;
     float offset = 0.f;

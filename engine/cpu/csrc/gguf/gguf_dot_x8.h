@@ -70,7 +70,7 @@ inline void sub_block(const uint8_t* codes, const int32_t* xw, __m256i scales, _
   }
 }
 
-// A group kernel's software prefetch, for calls of at most kPrefetchTokens tokens: each stretch
+// A group kernel's software prefetch, for calls that take one (prefetches): each stretch
 // of kStretch bytes of a super-block, as the kernel reaches it, fetches the same stretch of the
 // next super-block (kBlockBytes on; the next group's first past a group's last). All of a
 // super-block's lines fetched 4.5 KB ahead at its start (prefetch_ahead, as the rows still do),
@@ -80,7 +80,7 @@ inline void sub_block(const uint8_t* codes, const int32_t* xw, __m256i scales, _
 // scripts/bench/probes/gguf_group_prefetch.cpp the variants).
 template <int kTokens, int64_t kBlockBytes, int64_t kStretch>
 inline void prefetch_next_block(const uint8_t* stretch) {
-  if (kTokens > kPrefetchTokens) return;
+  if (!prefetches<kTokens>()) return;
 #pragma GCC unroll 8
   for (int64_t k = 0; k < kStretch; k += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(stretch + kBlockBytes + k), _MM_HINT_T0);

@@ -366,6 +366,10 @@ void use_work_pool(int64_t address) {
   tokenloom_cpu::work_pool_slot() = reinterpret_cast<tokenloom_cpu::WorkPool*>(address);
 }
 
+// Whether one-token calls prefetch their weights in software (gguf_dot.h's g_one_token_prefetch).
+void set_one_token_prefetch(bool on) { tokenloom_gguf::g_one_token_prefetch.store(on, std::memory_order_relaxed); }
+bool one_token_prefetch() { return tokenloom_gguf::g_one_token_prefetch.load(std::memory_order_relaxed); }
+
 // "avx512_vnni" where calls of several tokens take the groups two at a time on vpdpbusd, else "avx2" (gguf_dot.h).
 const char* dot_isa() { return TL_GGUF_VNNI ? "avx512_vnni" : "avx2"; }
 
@@ -390,6 +394,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_x8_type", [] { return tokenloom_gguf::kQ4_1x8; }, "our type id of Q4_1 rows repacked 8 to a group");
   m.def("dot_isa", &dot_isa, "the group kernels' inner products: avx512_vnni or avx2");
   m.def("has_gguf_kernels", &has_gguf_kernels, "whether this CPU runs the gguf kernels (AVX2, FMA, F16C)");
+  m.def("set_one_token_prefetch", &set_one_token_prefetch,
+        "whether one-token calls prefetch their weights in software (engine/cpu/prefetch_tuner.py chooses)");
+  m.def("one_token_prefetch", &one_token_prefetch, "whether one-token calls prefetch their weights in software");
   m.def("stream_read", &stream_read, "read a buffer once on the matmuls' threads (the benchmark's stream rate)");
   m.def("gguf_rows", &tokenloom_gguf::gguf_rows, "rows of the blocks as fp32, gguf's dequantized values bit for bit");
   m.def("pack_q4_k_x8", &tokenloom_gguf::pack_q4_k_x8, "Q4_K rows repacked eight to a group (gguf_repack.cpp)");

@@ -1,0 +1,77 @@
+"""Whether a GGUF model's one-token calls prefetch their weights in software, chosen while decoding.
+
+A one-token step streams every weight once. On some hosts the kernels' software prefetch is what
+lets it keep up with memory; on others the hardware prefetcher already does, and the software
+prefetches only compete with the kernel's own loads. Both were measured on the same CPU model
+(a 2-core Zen 4 EPYC) on different days: a Q4_K down projection at one token took 0.84 of its
+time without them on one, and the groups read 15-20% slower without them on another
+(docs/cpu-kernels.md). Neither is the CPU's property, so neither can be a build's constant.
+
+So one one-token decode step in `explore_every` runs with the other choice, and its time is set
+against the step before it, on the current choice. When the median of the last `window`
+such ratios says the other choice is faster by more than `margin`, it becomes the current one.
+The outputs are the same bits either way (a prefetch moves no data the kernel computes with).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from statistics import median
+
+logger = logging.getLogger(__name__)
+
+
+class PrefetchTuner:
+    """Plain bookkeeping: `begin_step` says which choice a one-token step runs with (and sets it
+    through `set_prefetch`), `end_step` takes its seconds."""
+
+    def __init__(self, set_prefetch: Callable[[bool], None], prefetch: bool = True, explore_every: int = 8,
+                 window: int = 9, margin: float = 0.03) -> None:
+        self.set_prefetch = set_prefetch
+        self.prefetch = prefetch  # the current choice
+        self.explore_every = explore_every
+        self.window = window
+        self.margin = margin
+        self.num_steps = 0
+        self.num_explored = 0
+        self.ratios: deque[float] = deque(maxlen=window)  # explored step's time / the step's before
+        self.last_seconds: float | None = None  # the last step on the current choice
+        self._exploring = False
+        set_prefetch(prefetch)
+
+    def begin_step(self) -> bool:
+        """The choice this step runs with (set already)."""
+        self.num_steps += 1
+        self._exploring = self.num_steps % self.explore_every == 0 and self.last_seconds is not None
+        choice = self.prefetch != self._exploring
+        self.set_prefetch(choice)
+        return choice
+
+    def end_step(self, seconds: float) -> None:
+        if not self._exploring:
+            self.last_seconds = seconds
+            return
+        self.set_prefetch(self.prefetch)
+        self.num_explored += 1
+        self.ratios.append(seconds / self.last_seconds)
+        if len(self.ratios) == self.window and median(self.ratios) < 1.0 - self.margin:
+            logger.info("one-token GGUF calls: software prefetch %s (steps without the current choice took %.2f "
+                        "of its time, median of %d)", "on" if not self.prefetch else "off", median(self.ratios),
+                        self.window)
+            self.prefetch = not self.prefetch
+            self.set_prefetch(self.prefetch)
+            self.ratios.clear()
+            self.last_seconds = None
+
+
+def prefetch_tuner_for(model) -> PrefetchTuner | None:
+    """A tuner of the GGUF kernels' switch where the model has GGUF linears, else None."""
+    from engine.cpu.gguf_linear import GgufLinear
+
+    if not any(isinstance(module, GgufLinear) for module in model.modules()):
+        return None
+    from engine.cpu.gguf_extension import load_gguf_kernels
+
+    return PrefetchTuner(load_gguf_kernels().set_one_token_prefetch)

@@ -1,0 +1,102 @@
+"""One-token GGUF calls with the kernels' software prefetch on and off, in alternating pairs, JSON out.
+
+    flock /tmp/bench.lock python -m scripts.bench.probes.gguf_prefetch_switch --seconds 20 \
+        --json results/gguf_prefetch_switch.json
+
+The switch (gguf_dot.h's g_one_token_prefetch, `set_one_token_prefetch`) is what
+engine/cpu/prefetch_tuner.py steers while decoding; this measures what it is worth on this host,
+layer by layer. The host's memory rate moved by a factor of two from minute to minute on the
+machines this was written on, so a figure per choice taken minutes apart says little. Here the
+calls alternate on and off (which goes first flipping each pair), each on the next of layers
+enough to come from memory, on huge pages as the engine places them; each pair gives a ratio
+off/on, and the report gives the ratios' median over all pairs and over the pairs whose "on" call
+was among the fastest 30% (the host's fast moments). Below 1: the prefetch costs this host time.
+
+Shapes are the Llama-3.2-1B's decode matmuls in a Q4_K_M file (gate_up and most downs Q4_K, the
+other downs Q6_K), on bf16 activations as the engine gives them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import numpy as np
+import torch
+
+from engine.cpu.gguf_extension import load_gguf_kernels
+from engine.cpu.gguf_linear import gather_blocks_on_huge_pages
+from scripts.bench.probes.gguf_builds_ab import SHAPES, random_layers
+from scripts.lib.bench_report import machine_info, run_and_report
+
+logger = logging.getLogger(__name__)
+
+
+def time_pairs(layers: list, x: torch.Tensor, set_prefetch, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of each pair's call with the prefetch on and off, [num_pairs] each: pairs for
+    `seconds` (at least 10), the layers taken in turn."""
+    for layer in layers[:2]:
+        layer(x)
+    on, off = [], []
+    start, i = time.perf_counter(), 0
+    try:
+        while time.perf_counter() - start < seconds or i < 10:
+            for choice in (True, False) if i % 2 == 0 else (False, True):
+                set_prefetch(choice)
+                layer = layers[(2 * i + (choice != (i % 2 == 0))) % len(layers)]
+                begin = time.perf_counter()
+                layer(x)
+                (on if choice else off).append(time.perf_counter() - begin)
+            i += 1
+    finally:
+        set_prefetch(True)
+    return np.array(on), np.array(off)
+
+
+def summary(on: np.ndarray, off: np.ndarray, weight_bytes: int) -> dict:
+    ratios = off / on
+    fast = on <= np.percentile(on, 30)
+    return {"pairs": len(ratios), "on_us": round(float(np.median(on)) * 1e6, 1),
+            "off_us": round(float(np.median(off)) * 1e6, 1),
+            "on_gb_s": round(weight_bytes / float(np.median(on)) / 1e9, 2),
+            "off_gb_s": round(weight_bytes / float(np.median(off)) / 1e9, 2),
+            "off_over_on": round(float(np.median(ratios)), 3),
+            "off_over_on_fast": round(float(np.median(ratios[fast])), 3),
+            "on_gb_s_fast": round(weight_bytes / float(np.median(on[fast])) / 1e9, 2)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    set_prefetch = load_gguf_kernels().set_one_token_prefetch
+    rng = np.random.default_rng(0)
+    shapes = {}
+    for name in args.shapes.split(","):
+        type_name, out_features, in_features = SHAPES[name]
+        layers = random_layers(type_name, out_features, in_features, rng)
+        gather_blocks_on_huge_pages(layers)
+        x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+        on, off = time_pairs(layers, x, set_prefetch, args.seconds)
+        shapes[name] = {"type": type_name, "out_features": out_features, "in_features": in_features,
+                        **summary(on, off, layers[0].num_weight_bytes)}
+        logger.info("%-10s %s: on %.1f GB/s, off %.1f GB/s, off/on %.3f (%.3f in the fastest 30%% of pairs), "
+                    "%d pairs", name, type_name, shapes[name]["on_gb_s"], shapes[name]["off_gb_s"],
+                    shapes[name]["off_over_on"], shapes[name]["off_over_on_fast"], shapes[name]["pairs"])
+    return {"threads": args.threads, "seconds": args.seconds, "shapes": shapes, "machine": machine_info()}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--seconds", type=float, default=20.0, help="of pairs, per shape")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default=None, help="also write the report here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_and_report(parse_args, run, argv, logger)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""PrefetchTuner (engine/cpu/prefetch_tuner.py) on the GGUF kernels' real switch: one step in
+`explore_every` runs with the other choice, and the choice moves only when the explored steps'
+median says it is faster by more than the margin, back again if the host changes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.cpu.gguf_extension import load_gguf_kernels
+from engine.cpu.prefetch_tuner import PrefetchTuner
+
+
+@pytest.fixture
+def kernels():
+    module = load_gguf_kernels()
+    yield module
+    module.set_one_token_prefetch(True)
+
+
+def run(tuner: PrefetchTuner, kernels, num_steps: int, seconds_with: float, seconds_without: float,
+        noise: float = 0.0, rng: random.Random | None = None) -> list[bool]:
+    """Steps whose time is the choice's, with noise; returns each step's choice, checked against the switch."""
+    choices = []
+    for _ in range(num_steps):
+        choice = tuner.begin_step()
+        assert kernels.one_token_prefetch() == choice
+        seconds = seconds_with if choice else seconds_without
+        tuner.end_step(seconds * (1 + noise * (2 * rng.random() - 1)) if rng else seconds)
+        assert kernels.one_token_prefetch() == tuner.prefetch  # back to the current choice between steps
+        choices.append(choice)
+    return choices
+
+
+def test_one_step_in_explore_every_runs_the_other_choice(kernels):
+    tuner = PrefetchTuner(kernels.set_one_token_prefetch, explore_every=8)
+    assert kernels.one_token_prefetch()
+    choices = run(tuner, kernels, 64, 0.020, 0.020)
+    assert [i for i, c in enumerate(choices) if not c] == [7, 15, 23, 31, 39, 47, 55, 63]
+    assert tuner.prefetch
+
+
+def test_a_faster_choice_takes_over_and_gives_way_when_the_host_changes(kernels):
+    tuner = PrefetchTuner(kernels.set_one_token_prefetch, explore_every=8, window=9)
+    run(tuner, kernels, 8 * 8, 0.020, 0.017)  # 8 explored steps: not yet a window
+    assert tuner.prefetch
+    run(tuner, kernels, 8, 0.020, 0.017)
+    assert not tuner.prefetch and not kernels.one_token_prefetch()
+    choices = run(tuner, kernels, 8 * 9, 0.020, 0.017)  # the choice holds, exploring the old one
+    assert not tuner.prefetch and sum(choices) == 9
+    run(tuner, kernels, 8 * 9, 0.016, 0.017)  # now prefetching is the faster
+    assert tuner.prefetch and kernels.one_token_prefetch()
+
+
+def test_noise_within_the_margin_and_a_lone_outlier_move_nothing(kernels):
+    tuner = PrefetchTuner(kernels.set_one_token_prefetch, explore_every=8, window=9, margin=0.03)
+    choices = run(tuner, kernels, 2000, 0.020, 0.0202, noise=0.02, rng=random.Random(0))
+    assert tuner.prefetch and sum(not c for c in choices) == 250
+    for i in range(8 * 9):
+        choice = tuner.begin_step()
+        tuner.end_step(0.005 if not choice and i == 7 else 0.020)  # one explored step 4x faster
+    assert tuner.prefetch
