@@ -39,6 +39,7 @@ from collections import defaultdict
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu.gguf_extension import load_gguf_kernels
 from engine.cpu.gguf_linear import GgufLinear
 from engine.loader.model_files import resolve_model
 from engine.models.config import ModelConfig
@@ -138,7 +139,12 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("this model's steps do not run on the decode stack; see the runner's log")
     stream = stream_rate(threads=args.threads)
     rate = stream["slice_gb_s"]
-    parts, layer_phases = profile_steps(runner, args.context, args.steps, block_size)
+    kernels = load_gguf_kernels()
+    kernels.set_one_token_prefetch(args.prefetch == "on")  # not the tuner's: these steps are not the engine's
+    try:
+        parts, layer_phases = profile_steps(runner, args.context, args.steps, block_size)
+    finally:
+        kernels.set_one_token_prefetch(True)
     stack = torch.stack(layer_phases)  # [steps, layers, phases]
     ops: dict[str, dict] = {}
     groups = defaultdict(list)  # (phase, types) -> layer indices
@@ -172,6 +178,7 @@ def run(args: argparse.Namespace) -> dict:
     types = {t for m in runner.model.modules() if isinstance(m, GgufLinear) for t in m.type_names}
     report = {
         "model": str(args.model), "context": args.context, "steps": args.steps, "threads": args.threads,
+        "prefetch": args.prefetch,
         "stream": stream, "step": step, "tok_s": round(1e6 / step["us"], 1),
         "weight_bytes": weight_bytes,
         "weight_gb_s": round(weight_bytes / step["us"] / 1e3, 2),
@@ -198,6 +205,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="a .gguf file (or anything --model takes)")
     parser.add_argument("--context", type=int, default=256, help="tokens of context at each step")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prefetch", choices=("on", "off"), default="on",
+                        help="one-token calls' software prefetch (engine/cpu/prefetch_tuner.py picks it when serving)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write the report here")
     return parser.parse_args(argv)
