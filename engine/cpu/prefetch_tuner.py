@@ -8,9 +8,11 @@ time without them on one, and the groups read 15-20% slower without them on anot
 (docs/cpu-kernels.md). Neither is the CPU's property, so neither can be a build's constant.
 
 So one one-token decode step in `explore_every` runs with the other choice, and its time is set
-against the step before it, on the current choice. When the median of the last `window`
-such ratios says the other choice is faster by more than `margin`, it becomes the current one.
-The outputs are the same bits either way (a prefetch moves no data the kernel computes with).
+against the step before it, on the current choice. When the median of the last `window` such
+ratios says the other choice is faster by more than `margin`, it becomes the current one. Each
+`window` explored steps that change nothing double the interval, up to `max_explore_every`
+(exploring a worse choice costs its margin on those steps); a change starts it over. The outputs
+are the same bits either way (a prefetch moves no data the kernel computes with).
 """
 
 from __future__ import annotations
@@ -28,23 +30,29 @@ class PrefetchTuner:
     through `set_prefetch`), `end_step` takes its seconds."""
 
     def __init__(self, set_prefetch: Callable[[bool], None], prefetch: bool = True, explore_every: int = 8,
-                 window: int = 9, margin: float = 0.03) -> None:
+                 max_explore_every: int = 64, window: int = 9, margin: float = 0.03) -> None:
         self.set_prefetch = set_prefetch
         self.prefetch = prefetch  # the current choice
-        self.explore_every = explore_every
+        self.min_explore_every = self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
         self.window = window
         self.margin = margin
         self.num_steps = 0
         self.num_explored = 0
         self.ratios: deque[float] = deque(maxlen=window)  # explored step's time / the step's before
         self.last_seconds: float | None = None  # the last step on the current choice
+        self._steps_to_explore = explore_every
+        self._explored_since_change = 0
         self._exploring = False
         set_prefetch(prefetch)
 
     def begin_step(self) -> bool:
         """The choice this step runs with (set already)."""
         self.num_steps += 1
-        self._exploring = self.num_steps % self.explore_every == 0 and self.last_seconds is not None
+        self._steps_to_explore -= 1
+        self._exploring = self._steps_to_explore <= 0 and self.last_seconds is not None
+        if self._exploring:
+            self._steps_to_explore = self.explore_every
         choice = self.prefetch != self._exploring
         self.set_prefetch(choice)
         return choice
@@ -55,6 +63,7 @@ class PrefetchTuner:
             return
         self.set_prefetch(self.prefetch)
         self.num_explored += 1
+        self._explored_since_change += 1
         self.ratios.append(seconds / self.last_seconds)
         if len(self.ratios) == self.window and median(self.ratios) < 1.0 - self.margin:
             logger.info("one-token GGUF calls: software prefetch %s (steps without the current choice took %.2f "
@@ -64,6 +73,10 @@ class PrefetchTuner:
             self.set_prefetch(self.prefetch)
             self.ratios.clear()
             self.last_seconds = None
+            self.explore_every = self._steps_to_explore = self.min_explore_every
+            self._explored_since_change = 0
+        elif self._explored_since_change % self.window == 0:
+            self.explore_every = self._steps_to_explore = min(2 * self.explore_every, self.max_explore_every)
 
 
 def prefetch_tuner_for(model) -> PrefetchTuner | None:

@@ -12,7 +12,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.cpu.decode_stack import build_decode_stack
 from engine.worker.step_executors import make_step_executor
+from engine.cpu.gguf_extension import load_gguf_kernels
 from engine.cpu.gguf_linear import GgufLinear
+from engine.cpu.prefetch_tuner import PrefetchTuner
 from tests.helpers.models import make_tiny_model
 from tests.kernels.test_gguf_linear import make_blocks
 
@@ -95,8 +97,9 @@ def test_the_prefetch_tuner_steers_one_sequences_steps_without_changing_its_toke
     runner.decode_stack = stack
     runner.step_executor = make_step_executor(runner.model, runner.kv_caches, runner.backend, runner.device,
                                               runner.dtype, group=None, decode_stack=stack)
-    tuner = runner.step_executor.prefetch_tuner
-    assert tuner is not None
+    assert isinstance(runner.step_executor.prefetch_tuner, PrefetchTuner)
+    set_prefetch = load_gguf_kernels().set_one_token_prefetch
+    tuner = runner.step_executor.prefetch_tuner = PrefetchTuner(set_prefetch, explore_every=2, max_explore_every=2)
     prompt = torch.randint(0, 512, (7,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
 
@@ -104,11 +107,9 @@ def test_the_prefetch_tuner_steers_one_sequences_steps_without_changing_its_toke
         output = llm.generate([prompt], [params], use_tqdm=False)[0]
         return output.token_ids, output.logprobs
 
-    tuner.explore_every = 2
     explored = one_sequence()
     assert tuner.num_steps >= 23 and tuner.num_explored >= 10
-    tuner.explore_every = 10**9
-    num_explored = tuner.num_explored
+    tuner = runner.step_executor.prefetch_tuner = PrefetchTuner(set_prefetch, explore_every=10**9)
     assert one_sequence() == explored
-    assert tuner.num_explored == num_explored
+    assert tuner.num_steps >= 23 and tuner.num_explored == 0
     assert len(set(explored[0])) >= 2  # tokens that vary: a real check

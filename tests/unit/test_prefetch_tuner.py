@@ -1,6 +1,7 @@
 """PrefetchTuner (engine/cpu/prefetch_tuner.py) on the GGUF kernels' real switch: one step in
-`explore_every` runs with the other choice, and the choice moves only when the explored steps'
-median says it is faster by more than the margin, back again if the host changes."""
+`explore_every` runs with the other choice, the interval doubling while nothing changes, and the
+choice moves only when the explored steps' median says it is faster by more than the margin, back
+again if the host changes."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ def kernels():
 
 
 def run(tuner: PrefetchTuner, kernels, num_steps: int, seconds_with: float, seconds_without: float,
-        noise: float = 0.0, rng: random.Random | None = None) -> list[bool]:
-    """Steps whose time is the choice's, with noise; returns each step's choice, checked against the switch."""
+        noise: float = 0.0, rng: random.Random | None = None, until=None) -> list[bool]:
+    """Steps whose time is the choice's, with noise (or until `until(tuner)`); returns each step's
+    choice, checked against the switch."""
     choices = []
     for _ in range(num_steps):
         choice = tuner.begin_step()
@@ -30,15 +32,19 @@ def run(tuner: PrefetchTuner, kernels, num_steps: int, seconds_with: float, seco
         tuner.end_step(seconds * (1 + noise * (2 * rng.random() - 1)) if rng else seconds)
         assert kernels.one_token_prefetch() == tuner.prefetch  # back to the current choice between steps
         choices.append(choice)
+        if until is not None and until(tuner):
+            break
     return choices
 
 
-def test_one_step_in_explore_every_runs_the_other_choice(kernels):
-    tuner = PrefetchTuner(kernels.set_one_token_prefetch, explore_every=8)
+def test_one_step_in_explore_every_runs_the_other_choice_and_the_interval_doubles(kernels):
+    tuner = PrefetchTuner(kernels.set_one_token_prefetch, explore_every=8, max_explore_every=32, window=9)
     assert kernels.one_token_prefetch()
-    choices = run(tuner, kernels, 64, 0.020, 0.020)
-    assert [i for i, c in enumerate(choices) if not c] == [7, 15, 23, 31, 39, 47, 55, 63]
-    assert tuner.prefetch
+    choices = run(tuner, kernels, 8 * 9 + 16 * 9 + 32 * 9 + 32 * 4, 0.020, 0.020)
+    explored = [i + 1 for i, c in enumerate(choices) if not c]  # 1-based step numbers
+    gaps = [b - a for a, b in zip([0, *explored], explored)]
+    assert gaps == [8] * 9 + [16] * 9 + [32] * 13
+    assert tuner.prefetch and tuner.explore_every == 32
 
 
 def test_a_faster_choice_takes_over_and_gives_way_when_the_host_changes(kernels):
@@ -47,16 +53,21 @@ def test_a_faster_choice_takes_over_and_gives_way_when_the_host_changes(kernels)
     assert tuner.prefetch
     run(tuner, kernels, 8, 0.020, 0.017)
     assert not tuner.prefetch and not kernels.one_token_prefetch()
-    choices = run(tuner, kernels, 8 * 9, 0.020, 0.017)  # the choice holds, exploring the old one
-    assert not tuner.prefetch and sum(choices) == 9
-    run(tuner, kernels, 8 * 9, 0.016, 0.017)  # now prefetching is the faster
+    assert tuner.explore_every == 8
+    choices = run(tuner, kernels, 8 * 9 + 4, 0.020, 0.017)  # the choice holds, exploring the old one
+    assert not tuner.prefetch and sum(choices) == 9 and tuner.explore_every == 16
+    choices = run(tuner, kernels, 10_000, 0.016, 0.017, until=lambda t: t.prefetch)  # prefetching is now faster
     assert tuner.prefetch and kernels.one_token_prefetch()
+    assert len(choices) <= 16 * 9 and tuner.explore_every == 8
 
 
 def test_noise_within_the_margin_and_a_lone_outlier_move_nothing(kernels):
-    tuner = PrefetchTuner(kernels.set_one_token_prefetch, explore_every=8, window=9, margin=0.03)
-    choices = run(tuner, kernels, 2000, 0.020, 0.0202, noise=0.02, rng=random.Random(0))
-    assert tuner.prefetch and sum(not c for c in choices) == 250
+    tuner = PrefetchTuner(kernels.set_one_token_prefetch, explore_every=8, max_explore_every=64, window=9,
+                          margin=0.03)
+    choices = run(tuner, kernels, 3000, 0.020, 0.0202, noise=0.02, rng=random.Random(0))
+    assert tuner.prefetch and tuner.explore_every == 64
+    assert sum(not c for c in choices) == tuner.num_explored >= 3000 // 64
+    tuner = PrefetchTuner(kernels.set_one_token_prefetch, explore_every=8, window=9)
     for i in range(8 * 9):
         choice = tuner.begin_step()
         tuner.end_step(0.005 if not choice and i == 7 else 0.020)  # one explored step 4x faster
