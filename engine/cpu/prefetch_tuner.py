@@ -1,11 +1,13 @@
-"""Whether a GGUF model's one-token calls prefetch their weights in software, chosen while decoding.
+"""Whether one-token matmuls prefetch their weights in software, chosen while decoding.
 
 A one-token step streams every weight once. On some hosts the kernels' software prefetch is what
 lets it keep up with memory; on others the hardware prefetcher already does, and the software
 prefetches only compete with the kernel's own loads. Both were measured on the same CPU model
 (a 2-core Zen 4 EPYC) on different days: a Q4_K down projection at one token took 0.84 of its
 time without them on one, and the groups read 15-20% slower without them on another
-(docs/cpu-kernels.md). Neither is the CPU's property, so neither can be a build's constant.
+(docs/cpu-kernels.md). Neither is the CPU's property, so neither can be a build's constant. The
+GGUF block kernels (gguf_dot.h) and the bf16 slabs (small_batch_linear.cpp) each have a switch;
+a model's tuner sets those its linears run on, alike.
 
 So one one-token decode step in `explore_every` runs with the other choice, and its time is set
 against the step before it, on the current choice. When the median of the last `window` such
@@ -66,7 +68,7 @@ class PrefetchTuner:
         self._explored_since_change += 1
         self.ratios.append(seconds / self.last_seconds)
         if len(self.ratios) == self.window and median(self.ratios) < 1.0 - self.margin:
-            logger.info("one-token GGUF calls: software prefetch %s (steps without the current choice took %.2f "
+            logger.info("one-token matmuls: software prefetch %s (steps without the current choice took %.2f "
                         "of its time, median of %d)", "on" if not self.prefetch else "off", median(self.ratios),
                         self.window)
             self.prefetch = not self.prefetch
@@ -80,11 +82,24 @@ class PrefetchTuner:
 
 
 def prefetch_tuner_for(model) -> PrefetchTuner | None:
-    """A tuner of the GGUF kernels' switch where the model has GGUF linears, else None."""
+    """A tuner of the switches of the kernels the model's linears run on (the GGUF blocks', the
+    bf16 slabs'), all set alike; None where it has neither."""
     from engine.cpu.gguf_linear import GgufLinear
+    from engine.cpu.packing import PackedLinear
 
-    if not any(isinstance(module, GgufLinear) for module in model.modules()):
+    setters = []
+    if any(isinstance(module, GgufLinear) for module in model.modules()):
+        from engine.cpu.gguf_extension import load_gguf_kernels
+
+        setters.append(load_gguf_kernels().set_one_token_prefetch)
+    slabs = [m.slab_plan for m in model.modules() if isinstance(m, PackedLinear) and m.slabs is not None]
+    if slabs:
+        setters.append(slabs[0].kernels.set_one_token_prefetch)
+    if not setters:
         return None
-    from engine.cpu.gguf_extension import load_gguf_kernels
 
-    return PrefetchTuner(load_gguf_kernels().set_one_token_prefetch)
+    def set_prefetch(on: bool) -> None:
+        for setter in setters:
+            setter(on)
+
+    return PrefetchTuner(set_prefetch)

@@ -172,3 +172,24 @@ def test_gathering_slabs_onto_huge_pages_keeps_every_output(monkeypatch):
         assert torch.equal(linear(x), out)
     monkeypatch.setattr("engine.cpu.huge_pages.huge_pages_on_request", lambda: False)
     assert gather_slabs_on_huge_pages(model) == 0  # where Linux will not give them, nothing moves
+
+
+@needs_slabs
+def test_one_tokens_prefetch_switch_leaves_the_bits():
+    """set_one_token_prefetch (engine/cpu/prefetch_tuner.py steers it) moves no data the kernel
+    computes with: one token's sums are the same bits either way, a chunk of rows past the first
+    (the next slab's lines prefetched meanwhile) too."""
+    gen = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(4096, 512, generator=gen).bfloat16(), torch.randn(1, 512, generator=gen).bfloat16()
+    slabs, no_bias = pack_slabs(weight), torch.empty(0, dtype=torch.bfloat16)
+    assert KERNELS.one_token_prefetch()
+    try:
+        outputs = []
+        for on in (True, False):
+            KERNELS.set_one_token_prefetch(on)
+            assert KERNELS.one_token_prefetch() == on
+            outputs.append(KERNELS.small_batch_linear(x, slabs, no_bias, True))
+    finally:
+        KERNELS.set_one_token_prefetch(True)
+    assert torch.equal(*outputs)
+    torch.testing.assert_close(outputs[0], reference(x, weight, None), atol=1e-4, rtol=1e-5)

@@ -89,7 +89,7 @@ def test_the_prefetch_tuner_steers_one_sequences_steps_without_changing_its_toke
     path, _ = make_tiny_model(tmp_path, "LlamaForCausalLM", **CONFIG)
     llm = LLM(path, cpu_decode_stack=True, **ENGINE_KWARGS)
     runner = llm.engine.model_runner
-    assert runner.step_executor.prefetch_tuner is None  # the folder's model has no GGUF linears
+    assert runner.step_executor.prefetch_tuner is None  # fp32, no slabs: none of its linears has the switch
     to_gguf(runner.model)
     fused_ops = runner.model.layers[0].input_layernorm.fused
     stack, note = build_decode_stack(runner.model, runner.kv_caches, runner.backend, fused_ops, fused_ops.kernels)

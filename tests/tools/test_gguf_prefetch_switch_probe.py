@@ -8,7 +8,7 @@ import torch
 
 from engine.cpu.gguf_extension import load_gguf_kernels
 from engine.cpu.gguf_linear import GgufLinear
-from scripts.bench.probes.gguf_prefetch_switch import SHAPES, parse_args, summary, time_pairs
+from scripts.bench.probes.gguf_prefetch_switch import SHAPES, SLAB_SHAPES, parse_args, summary, time_pairs
 from tests.kernels.test_gguf_linear import make_blocks
 
 
@@ -37,6 +37,8 @@ def test_the_summary_gives_the_pairs_median_ratio():
     assert report["on_gb_s"] == 1.0
 
 
-def test_defaults_are_the_1b_decodes_shapes():
+def test_defaults_are_the_1b_decodes_shapes_or_smollm2s_for_the_slabs():
     args = parse_args([])
-    assert args.shapes.split(",") == list(SHAPES) and args.threads == 2
+    assert args.kernels == "gguf" and args.shapes.split(",") == list(SHAPES) and args.threads == 2
+    args = parse_args(["--kernels", "slabs"])
+    assert args.shapes.split(",") == list(SLAB_SHAPES) and SLAB_SHAPES["gate_up"] == (3072, 576)

@@ -72,3 +72,32 @@ def test_noise_within_the_margin_and_a_lone_outlier_move_nothing(kernels):
         choice = tuner.begin_step()
         tuner.end_step(0.005 if not choice and i == 7 else 0.020)  # one explored step 4x faster
     assert tuner.prefetch
+
+
+def test_a_models_tuner_sets_the_switches_of_the_kernels_its_linears_run_on(kernels):
+    import torch
+    from torch import nn
+
+    from engine.cpu.extension import load_cpu_kernels
+    from engine.cpu.gguf_linear import GgufLinear
+    from engine.cpu.packing import PackedLinear, SlabPlan
+    from engine.cpu.prefetch_tuner import prefetch_tuner_for
+    from tests.kernels.test_gguf_linear import make_blocks
+
+    assert prefetch_tuner_for(nn.Sequential(nn.Linear(64, 64))) is None
+    gguf = GgufLinear([("Q4_K", make_blocks("Q4_K", 16, 256))], 256)
+    cpu = load_cpu_kernels()
+    models = [nn.Sequential(gguf)]
+    if cpu.has_small_batch_linear():  # AVX512_BF16: the slabs' kernel, and its switch
+        slab = PackedLinear(torch.randn(32, 64).bfloat16(), None, 1, SlabPlan(cpu, None))
+        models += [nn.Sequential(slab), nn.Sequential(gguf, slab)]
+    for model in models:
+        has_gguf, has_slabs = (any(isinstance(m, kind) for m in model) for kind in (GgufLinear, PackedLinear))
+        tuner = prefetch_tuner_for(model)
+        try:
+            tuner.set_prefetch(False)
+            assert kernels.one_token_prefetch() != has_gguf
+            assert cpu.one_token_prefetch() != has_slabs
+        finally:
+            kernels.set_one_token_prefetch(True)
+            cpu.set_one_token_prefetch(True)

@@ -34,6 +34,8 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
 // small_batch_linear.cpp
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor slabs, torch::Tensor bias, bool out_fp32);
 bool has_small_batch_linear();
+void set_one_token_prefetch(bool on);
+bool one_token_prefetch();
 
 // fused_ops.cpp
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, int64_t lanes);
@@ -58,6 +60,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask, "the grammar's bitmask on listed rows of logits, in place (CPU)");
   m.def("small_batch_linear", &small_batch_linear, "bf16 linear for a few tokens, weights in 16-feature slabs (CPU)");
   m.def("has_small_batch_linear", &has_small_batch_linear, "whether this build has small_batch_linear (AVX512_BF16)");
+  m.def("set_one_token_prefetch", &set_one_token_prefetch,
+        "whether one-token bf16 slab calls prefetch their weights in software (engine/cpu/prefetch_tuner.py chooses)");
+  m.def("one_token_prefetch", &one_token_prefetch, "whether one-token bf16 slab calls prefetch in software");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rmsnorm(residual) * weight, in place (CPU)");
   m.def("rms_norm", &rms_norm, "rmsnorm(x) * weight (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from [T, 2I] gate|up (CPU)");

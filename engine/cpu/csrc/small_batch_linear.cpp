@@ -24,9 +24,16 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+namespace {
+// Whether one-token calls take slab_rows' software prefetches (set_one_token_prefetch; the host's
+// choice, as the GGUF kernels' is: engine/cpu/prefetch_tuner.py).
+std::atomic<bool> g_one_token_prefetch{true};
+}  // namespace
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -52,18 +59,21 @@ void slab_rows(const uint32_t* x_pairs, int64_t num_pairs, const uint32_t* slab,
       next_slab != nullptr && num_pairs > 0 ? (static_cast<uint64_t>(next_end - next_begin) << 16) / num_pairs : 0;
   uint64_t due = static_cast<uint64_t>(next_begin) << 16;
   int64_t line = next_begin;
+  const bool prefetch = kRows > 1 || g_one_token_prefetch.load(std::memory_order_relaxed);
   // Two sums per row, for even and odd pairs: one row alone would wait on each add's latency.
   __m512 acc[kRows], acc2[kRows];
 #pragma GCC unroll 12
   for (int r = 0; r < kRows; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
   int64_t p = 0;
   for (; p + 2 <= num_pairs; p += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(slab + (p + kPrefetchPairs) * 16), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(slab + (p + kPrefetchPairs + 1) * 16), _MM_HINT_T1);
-    due += 2 * step;
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(slab + (p + kPrefetchPairs) * 16), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(slab + (p + kPrefetchPairs + 1) * 16), _MM_HINT_T1);
+      due += 2 * step;
 #pragma GCC unroll 2
-    for (int i = 0; i < 2 && line < static_cast<int64_t>(due >> 16); ++i, ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(next_slab + 16 * line), _MM_HINT_T1);
+      for (int i = 0; i < 2 && line < static_cast<int64_t>(due >> 16); ++i, ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(next_slab + 16 * line), _MM_HINT_T1);
+      }
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(slab + p * 16);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(slab + (p + 1) * 16);
@@ -80,7 +90,7 @@ void slab_rows(const uint32_t* x_pairs, int64_t num_pairs, const uint32_t* slab,
       acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x_pairs[p * kRows + r]), w);
     }
   }
-  if (next_slab != nullptr) {
+  if (next_slab != nullptr && prefetch) {
     for (; line < next_end; ++line) _mm_prefetch(reinterpret_cast<const char*>(next_slab + 16 * line), _MM_HINT_T1);
   }
 #pragma GCC unroll 12
@@ -195,6 +205,9 @@ constexpr bool kHasSmallBatchLinear = false;
 #endif
 
 bool has_small_batch_linear() { return kHasSmallBatchLinear; }
+
+void set_one_token_prefetch(bool on) { g_one_token_prefetch.store(on, std::memory_order_relaxed); }
+bool one_token_prefetch() { return g_one_token_prefetch.load(std::memory_order_relaxed); }
 
 // x: [num_tokens, in_features] bf16; slabs: [out_features / 16, in_features / 2, 16] int32
 // (engine.cpu.packing.pack_slabs' layout); bias: [out_features] bf16 or empty.

@@ -13,7 +13,8 @@ off/on, and the report gives the ratios' median over all pairs and over the pair
 was among the fastest 30% (the host's fast moments). Below 1: the prefetch costs this host time.
 
 Shapes are the Llama-3.2-1B's decode matmuls in a Q4_K_M file (gate_up and most downs Q4_K, the
-other downs Q6_K), on bf16 activations as the engine gives them.
+other downs Q6_K), on bf16 activations as the engine gives them; with `--kernels slabs`, the bf16
+slabs' (small_batch_linear.cpp, which has the same switch) on SmolLM2-135M's shapes.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ import time
 
 import numpy as np
 import torch
+from torch import nn
 
+from engine.cpu.extension import load_cpu_kernels
 from engine.cpu.gguf_extension import load_gguf_kernels
 from engine.cpu.gguf_linear import gather_blocks_on_huge_pages
+from engine.cpu.packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages
+from scripts.bench.gguf_kernels import MIN_BYTES
 from scripts.bench.probes.gguf_builds_ab import SHAPES, random_layers
 from scripts.lib.bench_report import machine_info, run_and_report
 
@@ -66,32 +71,60 @@ def summary(on: np.ndarray, off: np.ndarray, weight_bytes: int) -> dict:
             "on_gb_s_fast": round(weight_bytes / float(np.median(on[fast])) / 1e9, 2)}
 
 
+SLAB_SHAPES = {  # SmolLM2-135M's: name: (out_features, in_features)
+    "qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576),
+}
+
+
+def slab_layers(out_features: int, in_features: int) -> list:
+    """bf16 slabs of random weights, enough of them to pass MIN_BYTES, on huge pages."""
+    kernels = load_cpu_kernels()
+    plan = SlabPlan(kernels, None)
+    copies = max(2, -(-MIN_BYTES // (2 * out_features * in_features)))
+    layers = nn.ModuleList(PackedLinear(torch.randn(out_features, in_features).bfloat16(), None, 1, plan)
+                           for _ in range(copies))
+    gather_slabs_on_huge_pages(layers)
+    return list(layers)
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    set_prefetch = load_gguf_kernels().set_one_token_prefetch
     rng = np.random.default_rng(0)
     shapes = {}
     for name in args.shapes.split(","):
-        type_name, out_features, in_features = SHAPES[name]
-        layers = random_layers(type_name, out_features, in_features, rng)
-        gather_blocks_on_huge_pages(layers)
+        if args.kernels == "slabs":
+            (out_features, in_features), type_name = SLAB_SHAPES[name], "bf16"
+            layers, set_prefetch = slab_layers(out_features, in_features), load_cpu_kernels().set_one_token_prefetch
+            weight_bytes = 2 * out_features * in_features
+        else:
+            type_name, out_features, in_features = SHAPES[name]
+            layers, set_prefetch = random_layers(type_name, out_features, in_features, rng), \
+                load_gguf_kernels().set_one_token_prefetch
+            gather_blocks_on_huge_pages(layers)
+            weight_bytes = layers[0].num_weight_bytes
         x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
         on, off = time_pairs(layers, x, set_prefetch, args.seconds)
         shapes[name] = {"type": type_name, "out_features": out_features, "in_features": in_features,
-                        **summary(on, off, layers[0].num_weight_bytes)}
+                        **summary(on, off, weight_bytes)}
         logger.info("%-10s %s: on %.1f GB/s, off %.1f GB/s, off/on %.3f (%.3f in the fastest 30%% of pairs), "
                     "%d pairs", name, type_name, shapes[name]["on_gb_s"], shapes[name]["off_gb_s"],
                     shapes[name]["off_over_on"], shapes[name]["off_over_on_fast"], shapes[name]["pairs"])
-    return {"threads": args.threads, "seconds": args.seconds, "shapes": shapes, "machine": machine_info()}
+    return {"kernels": args.kernels, "threads": args.threads, "seconds": args.seconds, "shapes": shapes,
+            "machine": machine_info()}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--kernels", choices=("gguf", "slabs"), default="gguf")
+    parser.add_argument("--shapes", default=None,
+                        help=f"comma-separated, of {', '.join(SHAPES)} (gguf) or {', '.join(SLAB_SHAPES)} (slabs)")
     parser.add_argument("--seconds", type=float, default=20.0, help="of pairs, per shape")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write the report here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.shapes is None:
+        args.shapes = ",".join(SLAB_SHAPES if args.kernels == "slabs" else SHAPES)
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
