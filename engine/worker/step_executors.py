@@ -136,19 +136,19 @@ class DecodeStackStep(EagerStep):
     def __init__(self, model, kv_caches, backend, device, decode_stack) -> None:
         super().__init__(model, kv_caches, backend, device)
         self.decode_stack = decode_stack
-        self.prefetch_tuner = prefetch_tuner_for(model)  # None but for a GGUF model
+        self.prefetch_tuner = prefetch_tuner_for(model)  # None where no linear has a prefetch switch
 
     def forward(self, inputs: StepInputs, as_rows: bool = False, images=None) -> StepResult:
         tuner = self.prefetch_tuner
         if tuner is None or images is not None or len(inputs.input_ids) != 1 or inputs.pooling_rows:
-            return self.forward_untimed(inputs, as_rows, images)
+            return self._forward(inputs, as_rows, images)
         tuner.begin_step()  # a one-token step: its calls take the tuner's choice of prefetch
         start = time.perf_counter()
-        result = self.forward_untimed(inputs, as_rows, images)
+        result = self._forward(inputs, as_rows, images)
         tuner.end_step(time.perf_counter() - start)
         return result
 
-    def forward_untimed(self, inputs: StepInputs, as_rows: bool = False, images=None) -> StepResult:
+    def _forward(self, inputs: StepInputs, as_rows: bool = False, images=None) -> StepResult:
         if images is not None or not self.runs_as_rows(inputs, as_rows):
             return super().forward(inputs, as_rows, images)
         hidden = self.decode_stack.forward_rows(*to_row_tensors(inputs, self.device))  # [num_tokens, hidden_size]
