@@ -2,12 +2,10 @@
 
 A one-token step streams every weight once. On some hosts the kernels' software prefetch is what
 lets it keep up with memory; on others the hardware prefetcher already does, and the software
-prefetches only compete with the kernel's own loads. Both were measured on the same CPU model
-(a 2-core Zen 4 EPYC) on different days: a Q4_K down projection at one token took 0.84 of its
-time without them on one, and the groups read 15-20% slower without them on another
-(docs/cpu-kernels.md). Neither is the CPU's property, so neither can be a build's constant. The
-GGUF block kernels (gguf_dot.h) and the bf16 slabs (small_batch_linear.cpp) each have a switch;
-a model's tuner sets those its linears run on, alike.
+prefetches only compete with the kernel's own loads. Both were measured on the same CPU model on
+different days (docs/cpu-kernels.md): the choice is the host's, not the CPU's, so no build
+constant can make it. The GGUF block kernels (gguf_dot.h) and the bf16 slabs
+(small_batch_linear.cpp) each have a switch; a model's tuner sets those its linears run on, alike.
 
 So one one-token decode step in `explore_every` runs with the other choice, and its time is set
 against the step before it, on the current choice. When the median of the last `window` such

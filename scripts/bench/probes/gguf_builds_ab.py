@@ -75,8 +75,7 @@ def run(args: argparse.Namespace) -> dict:
         old_csrc = sources_at(args.rev, Path(tmp))
         old_sources = [old_csrc / path.relative_to(CSRC) for path in SOURCES]
         # The checkout's headers that the commit had (a header added since is not its).
-        old_headers = [old_csrc / path.relative_to(CSRC) for path in HEADERS
-                       if (old_csrc / path.relative_to(CSRC)).exists()]
+        old_headers = [old for old in (old_csrc / path.relative_to(CSRC) for path in HEADERS) if old.exists()]
         # Named by commit, so the cache keeps one build per baseline.
         base = extension_loader(f"tl_gguf_ab_{commit}", old_sources, old_headers, ("-DTL_GGUF_SIDE_BUILD",))()
     head = extension_loader("tl_gguf_ab_checkout", SOURCES, HEADERS, ("-DTL_GGUF_SIDE_BUILD",))()
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     for name in args.shapes.split(","):
         type_name, out_features, in_features = SHAPES[name]
         layers = random_layers(type_name, out_features, in_features, rng)
-        gather_blocks_on_huge_pages(layers)  # as the engine places them: a one-token call reads them faster so
+        gather_blocks_on_huge_pages(layers)  # as the engine places them (a one-token call's read depends on it)
         on = {"base": [OnBuild(layer, base) for layer in layers], "checkout": [OnBuild(layer, head) for layer in layers]}
         x = torch.randn(args.tokens, in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
         rounds = {"base": [], "checkout": []}

@@ -101,11 +101,9 @@ inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<co
 
 // Software prefetch of the weights kPrefetchAhead bytes on, for calls of at most
 // kPrefetchTokens tokens. On some hosts a one-token call reads its weights faster than the
-// hardware prefetcher runs ahead of it: the kernel then waited on memory and computed in turn
-// (Q4_K's groups, one core: 16.8 GB/s without, 21.2 with, the core's stream read 21.8). On
-// others the hardware keeps up and the software prefetches only slow one token down (a
-// Q4_K down projection on two threads: 0.84 of the time without them). So one token's are
-// switched at run time (g_one_token_prefetch, chosen while decoding by
+// hardware prefetcher runs ahead of it: the kernel then waited on memory and computed in turn.
+// On others the hardware keeps up and the software prefetches only slow one token down. So
+// one token's are switched at run time (g_one_token_prefetch, chosen while decoding by
 // engine/cpu/prefetch_tuner.py); docs/cpu-kernels.md has the figures. Several tokens are
 // compute-bound, and the prefetches' own instructions only cost there. Rows and groups lie
 // one after another, so a block's prefetch past its row's end is the next row's; a prefetch
