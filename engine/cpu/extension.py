@@ -40,6 +40,7 @@ SOURCES = [
                  "decode_stack.cpp", "bindings.cpp")
 ]
 HEADERS = [CSRC / name for name in ("vec_capability.h", "vec_reduce.h", "attention_tiles.h", "decode_attention_passes.h",
+                                    "decode_attention_bf16.h",
                                     "decode_attention_x8.h",
                                     "prefill_bf16_tiles.h", "share_out.h", "work_pool.h", "lora_rows.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -108,6 +108,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
         ([7, 33, 64], 8, 2, 1, 32),  # no grouping
         ([1, 2, 3], 1, 1, 4, 16),  # one token per block
         ([1000], 16, 4, 2, 128),  # one long context
+        ([3, 41, 257], 16, 2, 7, 64),  # Qwen2.5-0.5B's group: the bf16 V pass takes 4 heads, then 3
+        ([9, 130], 8, 2, 5, 96),  # a head of 64 + 32 dimensions in the bf16 V pass
     ],
 )
 def test_decode_matches_reference(seq_lens, block_size, num_kv_heads, group, head_dim, dtype):
@@ -260,6 +262,40 @@ def test_prefill_ignores_stale_slots_past_the_context(dtype):
     out = attend(cpu_backend(k_cache), query, k_cache, v_cache, metadata, 0.125)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_ignores_stale_slots_past_the_context(dtype):
+    # 19 tokens, an odd count: the bf16 V pass pairs the last token with zeros, never with the
+    # stale slot after it (a NaN there, times a zero probability, would still be NaN).
+    query, k_cache, v_cache, metadata = make_batch([19], [1], 16, 2, 4, 64, dtype, seed=6)
+    expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
+    last_block = metadata.block_tables[0, 1]
+    k_cache[last_block, :, 3:] = float("nan")
+    v_cache[last_block, :, 3:] = float("nan")
+    out = attend(cpu_backend(k_cache), query, k_cache, v_cache, metadata, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_bf16_decode_weights_sum_to_one():
+    # Every V row the same: the output is that row, if the weights that reach V sum to one. The
+    # bf16 pass rounds its probabilities to bf16 and sums the rounded values. Here every key but
+    # one scores exp(-a / 8) below the top, a value bf16 rounds by about 0.2%, so dividing by
+    # the unrounded sum would scale the row by that much and round it elsewhere.
+    query, k_cache, v_cache, metadata = make_batch([300, 999], [1, 1], 16, 2, 4, 64, torch.bfloat16, seed=7)
+    candidates = torch.arange(4, 8, 1 / 32)  # bf16's values in [4, 8)
+    p = torch.exp(-candidates / 8)
+    a = candidates[((p.to(torch.bfloat16).float() - p).abs() / p).argmax()]
+    query.zero_()
+    query[:, :, 0] = a
+    k_cache.zero_()
+    for i in range(2):
+        k_cache[metadata.block_tables[i, 0], :, 0, 0] = 1  # the first key of each sequence scores a / 8
+    row = torch.randn(64).to(torch.bfloat16)
+    v_cache[:] = row
+    out = attend(cpu_backend(k_cache), query, k_cache, v_cache, metadata, 0.125)
+    assert torch.equal(out, row.expand_as(out))
 
 
 # Sliding windows: (window, block size) pairs where a window starts mid-block, spans exactly

@@ -1,8 +1,8 @@
-// The two passes of paged_decode_attention.cpp's tasks, on ATen's vectors (and AVX512's bf16
-// dot product where the build has it): the block walk with its prefetch, the scores, their
-// exponentials, and the weighted V rows. Included there only, inside its anonymous namespace
-// (like decode_attention_x8.h, the AVX2 passes that follow it); that file's header says why
-// the kernel is built this way.
+// The two passes of paged_decode_attention.cpp's tasks, on ATen's vectors: the block walk with
+// its prefetch, the scores, their exponentials, and the weighted V rows. Included there only,
+// inside its anonymous namespace (like decode_attention_bf16.h and decode_attention_x8.h, the
+// AVX512_BF16 and AVX2 passes that follow it); that file's header says why the kernel is built
+// this way.
 #pragma once
 
 // Query heads per KV head that the vector path keeps in registers; larger groups take the plain loops.
@@ -106,72 +106,6 @@ void score_rows(const float* q_buf, const scalar_t* k_cache, const int32_t* bloc
   });
 }
 
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-// The 16 horizontal sums of v[0..15] in one vector (lane t = the sum of v[t]'s lanes): pairs
-// interleaved and added within 128-bit lanes, then quads, then the 128-bit lanes across.
-// 45 instructions for 16 sums, against about 8 for each sum done alone.
-inline __m512 sum_each_of_16(const __m512* v) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // quads[m] lane 4k + j: v[4m + j]'s sum over 128-bit lane k. Sum over k into lane 4m + j.
-  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// bf16 scores with the CPU's bf16 dot-product instruction: 32 products of a K row with
-// the (unscaled, still bf16) query per instruction, summed in fp32, with no conversion
-// of K to fp32 first. Sixteen rows' dot vectors are reduced together (sum_each_of_16);
-// a block's last few rows one by one. The scale is applied to each fp32 sum.
-template <int kGroup>
-void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16* k_cache, const int32_t* block_table,
-                     int64_t seq_len, const TaskShape& s, float* scores) {
-  const int64_t num_chunks = s.head_dim / 32;
-  const int64_t n = num_keys(seq_len, s);
-  for_each_block(k_cache, block_table, seq_len, s, [&](const at::BFloat16* block, int64_t start, int64_t num_tokens) {
-    int64_t t = 0;
-    for (; t + 16 <= num_tokens; t += 16) {
-      for (int g = 0; g < kGroup; ++g) {
-        const at::BFloat16* q = query + g * s.head_dim;
-        __m512 dots[16];
-        for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < num_chunks; ++c) {
-          const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c * 32);
-          for (int i = 0; i < 16; ++i) {
-            dots[i] = _mm512_dpbf16_ps(dots[i], qc, (__m512bh)_mm512_loadu_si512(block + (t + i) * s.head_dim + c * 32));
-          }
-        }
-        _mm512_storeu_ps(scores + g * n + start + t, _mm512_mul_ps(sum_each_of_16(dots), _mm512_set1_ps(scale)));
-      }
-    }
-    for (; t < num_tokens; ++t) {
-      const at::BFloat16* k = block + t * s.head_dim;
-      __m512 dots[kGroup];
-      for (int g = 0; g < kGroup; ++g) dots[g] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < num_chunks; ++c) {
-        const __m512bh kc = (__m512bh)_mm512_loadu_si512(k + c * 32);
-        for (int g = 0; g < kGroup; ++g) {
-          const __m512bh qc = (__m512bh)_mm512_loadu_si512(query + g * s.head_dim + c * 32);
-          dots[g] = _mm512_dpbf16_ps(dots[g], qc, kc);
-        }
-      }
-      for (int g = 0; g < kGroup; ++g) scores[g * n + start + t] = _mm512_reduce_add_ps(dots[g]) * scale;
-    }
-  });
-}
-constexpr bool kHasBf16Dot = true;
-#else
-constexpr bool kHasBf16Dot = false;
-#endif
 
 // acc[g] = sum over the window's keys i of weights[g * num_keys + i] * v[first_pos + i]
 // (exp_rows' exponentials: the softmax before its division).

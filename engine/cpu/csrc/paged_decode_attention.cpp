@@ -14,7 +14,9 @@
 //
 // Decode attention is bound by the KV read (every context token's K and V, each
 // step), so the kernel's job is to keep up with memory: each row is converted
-// to fp32 in vector registers once and used by the whole GQA group, and blocks
+// to fp32 in vector registers once and used by the whole GQA group (a bf16 cache on
+// a CPU with AVX512_BF16 skips the conversion: both passes take the bf16 dot
+// product, decode_attention_bf16.h), and blocks
 // are prefetched two ahead of use (blocks lie anywhere in the pool, so the
 // hardware prefetcher cannot guess them). Tasks are split with ATen's
 // parallel_for in equal contiguous ranges: a raw `omp parallel` region here, with
@@ -47,6 +49,8 @@ using tokenloom_cpu::Vec;
 
 #include "decode_attention_passes.h"  // the block walk, the scores, exp and the weighted V rows
 
+#include "decode_attention_bf16.h"  // kHasBf16Dot, and the bf16 passes where the CPU has the bf16 dot product
+
 #include "decode_attention_x8.h"  // kHasX8, and the AVX2 passes where the build has AVX2
 
 // The AVX2 passes take fp32 caches only: a bf16 block's K rows converted into scratch first
@@ -78,6 +82,7 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
                  float* scores,  // [group, num_keys] scratch
                  float* acc,     // [group, head_dim] scratch
                  float* inv_sums,  // [group] scratch: 1 / each score row's sum of exps
+                 uint16_t* probs,  // [group, num_keys] scratch: the bf16 passes' probabilities
                  scalar_t* out) {  // [group, head_dim]
   const int64_t num_values = shape.group * shape.head_dim;
   for (int64_t i = 0; i < num_values; ++i) q_buf[i] = static_cast<float>(query[i]) * scale;
@@ -93,13 +98,17 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
     if (vectorized) {
       // The group size is a template argument so the group's sums live in registers.
       with_group(shape.group, [&](auto group) {
-        if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kHasBf16Dot) {
-          if (shape.head_dim % 32 == 0) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if (shape.head_dim % 32 == 0) {  // both passes on the bf16 dot product
             score_rows_bf16<group()>(query, scale, k_cache, block_table, seq_len, k_shape, scores);
-          } else {
-            score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
+            exp_rows_bf16(scores, shape.group, num_keys(seq_len, shape), probs, inv_sums);
+            weigh_rows_bf16(probs, v_cache, block_table, seq_len, shape, acc);
+            return;
           }
-        } else if constexpr (kUsesX8<scalar_t>) {
+        }
+#endif
+        if constexpr (kUsesX8<scalar_t>) {
           score_rows_x8<group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
         } else {
           score_rows<scalar_t, group()>(q_buf, k_cache, block_table, seq_len, k_shape, scores);
@@ -191,6 +200,7 @@ torch::Tensor paged_decode_attention(
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     tokenloom_cpu::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys), inv_sums(group);
+      std::vector<uint16_t> probs(kHasBf16Dot ? group * max_keys : 0);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task_seq(task), kv_head = task_head(task);
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
@@ -203,7 +213,7 @@ torch::Tensor paged_decode_attention(
         }
         decode_task<scalar_t>(q + offset, k, v, tables + seq * max_num_blocks, lens[seq], shape,
                               static_cast<float>(scale), q_buf.data(), scores.data(), acc.data(), inv_sums.data(),
-                              o + offset);
+                              probs.data(), o + offset);
       }
     });
   });
