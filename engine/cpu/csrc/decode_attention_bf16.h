@@ -38,6 +38,16 @@ inline __m512 sum_each_of_16(const __m512* v) {
                        _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Part `part` of `num_parts` of a block's lines, prefetched into L2: the bf16 passes spread a
+// block's prefetches over their work on the block before it, a few lines at a time, rather
+// than all 32 lines of a 2 KB block at once (which left the loop waiting for memory).
+inline void prefetch_part(const char* block, int64_t block_bytes, int64_t part, int64_t num_parts) {
+  if (block == nullptr) return;
+  const int64_t num_lines = block_bytes / 64;
+  const int64_t begin = part * num_lines / num_parts, end = (part + 1) * num_lines / num_parts;
+  for (int64_t line = begin; line < end; ++line) __builtin_prefetch(block + line * 64, 0, 2);
+}
+
 // bf16 scores with the CPU's bf16 dot-product instruction: 32 products of a K row with
 // the (unscaled, still bf16) query per instruction, summed in fp32, with no conversion
 // of K to fp32 first. Sixteen rows' dot vectors are reduced together (sum_each_of_16);
@@ -47,10 +57,14 @@ void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16*
                      int64_t seq_len, const TaskShape& s, float* scores) {
   const int64_t num_chunks = s.head_dim / 32;
   const int64_t n = num_keys(seq_len, s);
-  for_each_block(k_cache, block_table, seq_len, s, [&](const at::BFloat16* block, int64_t start, int64_t num_tokens) {
-    int64_t t = 0;
+  const int64_t block_bytes = s.block_size * s.head_dim * 2;
+  const int64_t num_parts = kGroup * ((s.block_size + 15) / 16);  // the full 16-row steps' group heads
+  auto score = [&](const at::BFloat16* block, int64_t start, int64_t num_tokens, const char* ahead) {
+    int64_t t = 0, part = 0;
+    if (num_tokens < 16) prefetch_part(ahead, block_bytes, 0, 1);  // no 16-row step to spread them over
     for (; t + 16 <= num_tokens; t += 16) {
       for (int g = 0; g < kGroup; ++g) {
+        prefetch_part(ahead, block_bytes, part++, num_parts);
         const at::BFloat16* q = query + g * s.head_dim;
         __m512 dots[16];
         for (int i = 0; i < 16; ++i) dots[i] = _mm512_setzero_ps();
@@ -76,7 +90,11 @@ void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16*
       }
       for (int g = 0; g < kGroup; ++g) scores[g * n + start + t] = _mm512_reduce_add_ps(dots[g]) * scale;
     }
-  });
+    if (num_tokens >= 16) {
+      while (part < num_parts) prefetch_part(ahead, block_bytes, part++, num_parts);  // a short block: the rest
+    }
+  };
+  for_each_block<at::BFloat16, true>(k_cache, block_table, seq_len, s, score);
 }
 
 // exp_rows with bf16 outputs: probs[g * width + i] = exp(scores[g * width + i] - the row's max),
@@ -137,18 +155,23 @@ void weigh_pairs(const uint16_t* probs, int64_t n, const at::BFloat16* v_cache, 
       for (int c = 0; c < 2 * kChunks; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], w, (__m512bh)pairs[c]);
     }
   };
-  for_each_block(v_cache, block_table, seq_len, s, [&](const at::BFloat16* block, int64_t start, int64_t num_tokens) {
+  const int64_t block_bytes = s.block_size * s.head_dim * 2;
+  const int64_t num_parts = (s.block_size + 1) / 2;  // a full block's token pairs
+  auto weigh = [&](const at::BFloat16* block, int64_t start, int64_t num_tokens, const char* ahead) {
     uint32_t weights[kRows];
     int64_t t = 0;
     for (; t + 2 <= num_tokens; t += 2) {
+      prefetch_part(ahead, block_bytes, t / 2, num_parts);
       for (int r = 0; r < kRows; ++r) std::memcpy(&weights[r], probs + r * n + start + t, 4);  // tokens t, t + 1
       add_pair(block + t * s.head_dim, block + (t + 1) * s.head_dim, weights);
     }
+    for (int64_t part = t / 2; part < num_parts; ++part) prefetch_part(ahead, block_bytes, part, num_parts);
     if (t < num_tokens) {
       for (int r = 0; r < kRows; ++r) weights[r] = probs[r * n + start + t];  // with a 0 probability beside it
       add_pair(block + t * s.head_dim, nullptr, weights);
     }
-  });
+  };
+  for_each_block<at::BFloat16, true>(v_cache, block_table, seq_len, s, weigh);
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < kChunks; ++c) {
       float* out = acc + r * s.head_dim + d0 + 32 * c;

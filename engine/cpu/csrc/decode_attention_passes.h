@@ -60,8 +60,10 @@ BlockRun block_run(const scalar_t* cache, const int32_t* block_table, int64_t se
 // Calls fn(rows, start, num_tokens) for each block of one sequence's cached rows of this
 // task's KV head in its window, in position order: `rows` is the first row to read, `start`
 // its index among the task's keys (its position - s.first_pos). Prefetches run
-// kPrefetchBlocks ahead, into s.after's blocks at the end.
-template <typename scalar_t, typename Fn>
+// kPrefetchBlocks ahead, into s.after's blocks at the end: a block's lines at once, before
+// fn; with kSpread, fn(rows, start, num_tokens, ahead) takes the block ahead's first byte
+// (nullptr past the end) and prefetches its lines itself, a few at a time as it works.
+template <typename scalar_t, bool kSpread = false, typename Fn>
 inline void for_each_block(const scalar_t* cache, const int32_t* block_table, int64_t seq_len, const TaskShape& s,
                            Fn fn) {
   const int64_t block_bytes = s.block_size * s.head_dim * sizeof(scalar_t);
@@ -71,15 +73,22 @@ inline void for_each_block(const scalar_t* cache, const int32_t* block_table, in
   const int64_t distance = std::max(kPrefetchBlocks, (kPrefetchBytes + block_bytes - 1) / block_bytes);
   for (int64_t i = 0; i < run.num_blocks; ++i) {
     const int64_t ahead = i + distance;
+    const char* next = nullptr;
     if (ahead < run.num_blocks) {
-      prefetch_rows<2>(run.base + run.table[ahead] * stride_bytes, block_bytes);
+      next = run.base + run.table[ahead] * stride_bytes;
     } else if (ahead - run.num_blocks < s.after.num_blocks) {
-      prefetch_rows<2>(s.after.base + s.after.table[ahead - run.num_blocks] * stride_bytes, block_bytes);
+      next = s.after.base + s.after.table[ahead - run.num_blocks] * stride_bytes;
     }
+    if (!kSpread && next != nullptr) prefetch_rows<2>(next, block_bytes);
     const int64_t block_start = (first_block + i) * s.block_size;
     const int64_t skip = std::max<int64_t>(0, s.first_pos - block_start);  // rows before the window
-    fn(cache + run.table[i] * s.block_stride + s.head_offset + skip * s.head_dim, block_start + skip - s.first_pos,
-       std::min(s.block_size, seq_len - block_start) - skip);
+    const scalar_t* rows = cache + run.table[i] * s.block_stride + s.head_offset + skip * s.head_dim;
+    const int64_t num_tokens = std::min(s.block_size, seq_len - block_start) - skip;
+    if constexpr (kSpread) {
+      fn(rows, block_start + skip - s.first_pos, num_tokens, next);
+    } else {
+      fn(rows, block_start + skip - s.first_pos, num_tokens);
+    }
   }
 }
 
