@@ -4,8 +4,9 @@ A one-token step streams every weight once. On some hosts the kernels' software 
 lets it keep up with memory; on others the hardware prefetcher already does, and the software
 prefetches only compete with the kernel's own loads. Both were measured on the same CPU model on
 different days (docs/cpu-kernels.md): the choice is the host's, not the CPU's, so no build
-constant can make it. The GGUF block kernels (gguf_dot.h) and the bf16 slabs
-(small_batch_linear.cpp) each have a switch; a model's tuner sets those its linears run on, alike.
+constant can make it. The GGUF block kernels (gguf_dot.h), the bf16 slabs (small_batch_linear.cpp)
+and the int8 and int4 panels (quantized/vnni_io.h) each have a switch; a model's tuner sets those
+its linears run on, alike.
 
 So one one-token decode step in `explore_every` runs with the other choice, and its time is set
 against the step before it, on the current choice. When the median of the last `window` such
@@ -81,8 +82,9 @@ class PrefetchTuner:
 
 def prefetch_tuner_for(model) -> PrefetchTuner | None:
     """A tuner of the switches of the kernels the model's linears run on (the GGUF blocks', the
-    bf16 slabs'), all set alike; None where it has neither."""
+    bf16 slabs', the int8 and int4 panels'), all set alike; None where it has none of them."""
     from engine.cpu.gguf_linear import GgufLinear
+    from engine.cpu.int8_linear import QuantizedLinear
     from engine.cpu.packing import PackedLinear
 
     setters = []
@@ -90,6 +92,10 @@ def prefetch_tuner_for(model) -> PrefetchTuner | None:
         from engine.cpu.gguf_extension import load_gguf_kernels
 
         setters.append(load_gguf_kernels().set_one_token_prefetch)
+    if any(isinstance(module, QuantizedLinear) for module in model.modules()):
+        from engine.cpu.quantized_extension import load_quantized_kernels
+
+        setters.append(load_quantized_kernels().set_one_token_prefetch)
     slabs = [m.slab_plan for m in model.modules() if isinstance(m, PackedLinear) and m.slabs is not None]
     if slabs:
         setters.append(slabs[0].kernels.set_one_token_prefetch)

@@ -280,9 +280,9 @@ def test_decode_ignores_stale_slots_past_the_context(dtype):
 
 def test_bf16_decode_weights_sum_to_one():
     # Every V row the same: the output is that row, if the weights that reach V sum to one. The
-    # bf16 pass rounds its probabilities to bf16 and sums the rounded values. Here every key but
-    # one scores exp(-a / 8) below the top, a value bf16 rounds by about 0.2%, so dividing by
-    # the unrounded sum would scale the row by that much and round it elsewhere.
+    # bf16 V pass takes each probability as two bf16 parts (its rounding and the rest), divided by
+    # the fp32 sum. Here every key but one scores exp(-a / 8) below the top, a value bf16 rounds by
+    # about 0.2%, so the rounded part alone would scale the row by that much and round it elsewhere.
     query, k_cache, v_cache, metadata = make_batch([300, 999], [1, 1], 16, 2, 4, 64, torch.bfloat16, seed=7)
     candidates = torch.arange(4, 8, 1 / 32)  # bf16's values in [4, 8)
     p = torch.exp(-candidates / 8)

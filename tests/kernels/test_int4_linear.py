@@ -135,3 +135,27 @@ def test_q4_1_blocks_pack_as_given():
     x = torch.randn(3, 64, generator=generator)
     expected = reference(x, linear)
     torch.testing.assert_close(linear(x).double(), expected, rtol=2e-4, atol=2e-4 * expected.abs().max().item())
+
+
+@needs_kernel
+def test_one_tokens_prefetch_switch_leaves_the_bits():
+    """set_one_token_prefetch (engine/cpu/prefetch_tuner.py steers it) moves no data the kernel
+    computes with: one token's outputs are the same bits either way, and so are several tokens'
+    (they keep their prefetch)."""
+    generator = torch.Generator().manual_seed(6)
+    linear = Int4Linear(torch.randn(1024, 512, generator=generator), None, PLAN)
+    kernels = PLAN.kernels
+    assert kernels.one_token_prefetch()
+    try:
+        for num_tokens in (1, 3):
+            x = torch.randn(num_tokens, 512, generator=generator).bfloat16()
+            outputs = []
+            for on in (True, False):
+                kernels.set_one_token_prefetch(on)
+                assert kernels.one_token_prefetch() == on
+                outputs.append(linear(x))
+            assert torch.equal(*outputs)
+    finally:
+        kernels.set_one_token_prefetch(True)
+    expected = reference(x, linear)
+    torch.testing.assert_close(outputs[0].double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

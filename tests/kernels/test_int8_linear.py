@@ -209,3 +209,27 @@ def test_groups_other_than_64_and_32_are_refused():
         pack_panels(torch.zeros(32, 96, dtype=torch.int8), torch.ones(32, 6), 96)  # 16 inputs a group
     with pytest.raises(RuntimeError, match="groups are 64"):
         PLAN.kernels.quantize_activations(torch.randn(2, 96), 6, 16)
+
+
+@needs_kernel
+def test_one_tokens_prefetch_switch_leaves_the_bits():
+    """set_one_token_prefetch (engine/cpu/prefetch_tuner.py steers it; int4_linear.cpp shares it)
+    moves no data the kernel computes with: one token's outputs are the same bits either way,
+    and so are several tokens' (they keep their prefetch)."""
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(1024, 512, generator=generator)
+    linear = Int8Linear(weight, None, PLAN)
+    kernels = PLAN.kernels
+    assert kernels.one_token_prefetch()
+    try:
+        for num_tokens in (1, 3):
+            x = torch.randn(num_tokens, 512, generator=generator).bfloat16()
+            outputs = []
+            for on in (True, False):
+                kernels.set_one_token_prefetch(on)
+                assert kernels.one_token_prefetch() == on
+                outputs.append(linear(x))
+            assert torch.equal(*outputs)
+    finally:
+        kernels.set_one_token_prefetch(True)
+    torch.testing.assert_close(outputs[0].float(), dequantized_reference(x, weight), atol=1e-3, rtol=2**-8)

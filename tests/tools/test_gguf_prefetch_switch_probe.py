@@ -8,7 +8,8 @@ import torch
 
 from engine.cpu.gguf_extension import load_gguf_kernels
 from engine.cpu.gguf_linear import GgufLinear
-from scripts.bench.probes.gguf_prefetch_switch import SHAPES, SLAB_SHAPES, parse_args, summary, time_pairs
+from scripts.bench.probes.gguf_prefetch_switch import (PANEL_SHAPES, SHAPES, SLAB_SHAPES, parse_args, summary,
+                                                       time_pairs)
 from tests.kernels.test_gguf_linear import make_blocks
 
 
@@ -42,3 +43,6 @@ def test_defaults_are_the_1b_decodes_shapes_or_smollm2s_for_the_slabs():
     assert args.kernels == "gguf" and args.shapes.split(",") == list(SHAPES) and args.threads == 2
     args = parse_args(["--kernels", "slabs"])
     assert args.shapes.split(",") == list(SLAB_SHAPES) and SLAB_SHAPES["gate_up"] == (3072, 576)
+    for kind in ("int8", "int4"):  # the --quantization panels, on the 1B's shapes
+        args = parse_args(["--kernels", kind])
+        assert args.shapes.split(",") == list(PANEL_SHAPES) and PANEL_SHAPES["down"] == (2048, 8192)

@@ -80,8 +80,12 @@ def test_a_models_tuner_sets_the_switches_of_the_kernels_its_linears_run_on(kern
 
     from engine.cpu.extension import load_cpu_kernels
     from engine.cpu.gguf_linear import GgufLinear
+    from engine.cpu.host import detect_cpu_features
+    from engine.cpu.int4_linear import Int4Linear
+    from engine.cpu.int8_linear import Int8Linear, QuantizedLinear
     from engine.cpu.packing import PackedLinear, SlabPlan
     from engine.cpu.prefetch_tuner import prefetch_tuner_for
+    from engine.cpu.quantized_plan import plan_quantization
     from tests.kernels.test_gguf_linear import make_blocks
 
     assert prefetch_tuner_for(nn.Sequential(nn.Linear(64, 64))) is None
@@ -91,13 +95,24 @@ def test_a_models_tuner_sets_the_switches_of_the_kernels_its_linears_run_on(kern
     if cpu.has_small_batch_linear():  # AVX512_BF16: the slabs' kernel, and its switch
         slab = PackedLinear(torch.randn(32, 64).bfloat16(), None, 1, SlabPlan(cpu, None))
         models += [nn.Sequential(slab), nn.Sequential(gguf, slab)]
+    quantized = None
+    if detect_cpu_features().has_avx512_vnni:  # the int8 and int4 panels' kernels, and their one switch
+        int8_plan, int4_plan = plan_quantization("cpu", True, "int8"), plan_quantization("cpu", True, "int4")
+        quantized = int8_plan.kernels
+        models += [nn.Sequential(Int8Linear(torch.randn(32, 64), None, int8_plan)),
+                   nn.Sequential(gguf, Int4Linear(torch.randn(32, 64), None, int4_plan))]
     for model in models:
-        has_gguf, has_slabs = (any(isinstance(m, kind) for m in model) for kind in (GgufLinear, PackedLinear))
+        has_gguf, has_slabs, has_panels = (any(isinstance(m, kind) for m in model)
+                                           for kind in (GgufLinear, PackedLinear, QuantizedLinear))
         tuner = prefetch_tuner_for(model)
         try:
             tuner.set_prefetch(False)
             assert kernels.one_token_prefetch() != has_gguf
             assert cpu.one_token_prefetch() != has_slabs
+            if quantized is not None:
+                assert quantized.one_token_prefetch() != has_panels
         finally:
             kernels.set_one_token_prefetch(True)
             cpu.set_one_token_prefetch(True)
+            if quantized is not None:
+                quantized.set_one_token_prefetch(True)

@@ -3,13 +3,14 @@
 // probabilities rounded to bf16, and the weighted V rows two tokens per vdpbf16ps. Included
 // there only, inside its anonymous namespace, after decode_attention_passes.h (the block walk).
 //
-// The V pass is the prefill tiles' (prefill_bf16_tiles.h): two tokens' values interleaved
-// into 32-bit pairs, weighted by their two probabilities in one instruction, where the fp32
-// pass converted each value to fp32 and took one FMA per token. The pairs are made in
-// registers (no packed copy of the block), so the sums' lanes come out in the interleave's
-// order and are put back in dimension order once, at the task's end. The probabilities' bf16
-// rounding is the prefill path's; the softmax's sum is taken over the rounded values, so the
-// weights that reach V still sum to one.
+// The V pass pairs tokens as the prefill tiles do (prefill_bf16_tiles.h): two tokens' values
+// interleaved into 32-bit pairs, weighted by their two probabilities in one instruction, where
+// the fp32 pass converted each value to fp32 and took one FMA per token. The pairs are made in
+// registers (no packed copy of the block), so the sums' lanes come out in the interleave's order
+// and are put back in dimension order once, at the task's end. Each probability goes in as two
+// bf16 parts, its rounding and the rest (p = hi + lo to about 16 bits), two vdpbf16ps a pair:
+// probabilities rounded to bf16 alone moved --quantization int8's greedy answers (bf16 KV) off
+// fp32's past tests/models/test_int8_fidelity.py's bound.
 #pragma once
 
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
@@ -97,27 +98,30 @@ void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16*
   for_each_block<at::BFloat16, true>(k_cache, block_table, seq_len, s, score);
 }
 
-// exp_rows with bf16 outputs: probs[g * width + i] = exp(scores[g * width + i] - the row's max),
-// rounded to bf16 (to nearest even, as vcvtneps2bf16 does), and inv_sums[g] 1 / the sum of
-// the rounded values.
-void exp_rows_bf16(const float* scores, int64_t group, int64_t width, uint16_t* probs, float* inv_sums) {
+// exp_rows with bf16 outputs: the exponentials e = exp(scores[g * width + i] - the row's max) as
+// two bf16 parts, hi[g * width + i] = e rounded to bf16 (to nearest even, as vcvtneps2bf16
+// does) and lo[...] = the rest rounded, e - hi; inv_sums[g] = 1 / the row's sum of e, in fp32.
+void exp_rows_bf16(const float* scores, int64_t group, int64_t width, uint16_t* hi, uint16_t* lo, float* inv_sums) {
   for (int64_t g = 0; g < group; ++g) {
     const float* s = scores + g * width;
-    uint16_t* p = probs + g * width;
     const float max_score = tokenloom_cpu::row_max(s, width);
     __m512 sums = _mm512_setzero_ps();
     int64_t t = 0;
     for (; t + 16 <= width; t += 16) {
-      const Vec e = (Vec::loadu(s + t) - Vec(max_score)).exp_u20();
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), rounded);
-      sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+      const __m512 e = (Vec::loadu(s + t) - Vec(max_score)).exp_u20();
+      const __m256i e_hi = (__m256i)_mm512_cvtneps_pbh(e);
+      const __m512 rest = _mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e_hi), 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + g * width + t), e_hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + g * width + t), (__m256i)_mm512_cvtneps_pbh(rest));
+      sums = _mm512_add_ps(sums, e);
     }
     float sum = _mm512_reduce_add_ps(sums);
     for (; t < width; ++t) {
-      const c10::BFloat16 rounded(std::exp(s[t] - max_score));  // round to nearest even
-      p[t] = rounded.x;
-      sum += static_cast<float>(rounded);
+      const float e = std::exp(s[t] - max_score);
+      const c10::BFloat16 e_hi(e);  // round to nearest even
+      hi[g * width + t] = e_hi.x;
+      lo[g * width + t] = c10::BFloat16(e - static_cast<float>(e_hi)).x;
+      sum += e;
     }
     inv_sums[g] = 1.f / sum;
   }
@@ -132,16 +136,17 @@ inline __m512i pair_order_second() {
 }
 
 // acc[r * head_dim + d0 + j] for rows r < kRows and j < 32 * kChunks: the sum over the
-// window's keys i of probs[r * n + i] * v[first_pos + i][d0 + j] (n: the task's keys), two
-// tokens per vdpbf16ps, with the sums in registers across the whole walk.
+// window's keys i of (hi + lo)[r * n + i] * v[first_pos + i][d0 + j] (n: the task's keys), two
+// tokens per vdpbf16ps and part, with the sums in registers across the whole walk.
 template <int kRows, int kChunks>
-void weigh_pairs(const uint16_t* probs, int64_t n, const at::BFloat16* v_cache, const int32_t* block_table,
-                 int64_t seq_len, const TaskShape& s, int64_t d0, float* acc) {
+void weigh_pairs(const uint16_t* hi, const uint16_t* lo, int64_t n, const at::BFloat16* v_cache,
+                 const int32_t* block_table, int64_t seq_len, const TaskShape& s, int64_t d0, float* acc) {
   __m512 sums[kRows][2 * kChunks];  // [row][2 * chunk + lo/hi]
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < 2 * kChunks; ++c) sums[r][c] = _mm512_setzero_ps();
   }
-  auto add_pair = [&](const at::BFloat16* even, const at::BFloat16* odd, const uint32_t* weights) {
+  auto add_pair = [&](const at::BFloat16* even, const at::BFloat16* odd, const uint32_t* hi_pairs,
+                      const uint32_t* lo_pairs) {
     __m512i pairs[2 * kChunks];
     for (int c = 0; c < kChunks; ++c) {
       const __m512i a = _mm512_loadu_si512(even + d0 + 32 * c);
@@ -151,24 +156,32 @@ void weigh_pairs(const uint16_t* probs, int64_t n, const at::BFloat16* v_cache, 
       pairs[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
     }
     for (int r = 0; r < kRows; ++r) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[r]);
-      for (int c = 0; c < 2 * kChunks; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], w, (__m512bh)pairs[c]);
+      const __m512bh w_hi = (__m512bh)_mm512_set1_epi32(hi_pairs[r]), w_lo = (__m512bh)_mm512_set1_epi32(lo_pairs[r]);
+      for (int c = 0; c < 2 * kChunks; ++c) {
+        sums[r][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(sums[r][c], w_lo, (__m512bh)pairs[c]), w_hi, (__m512bh)pairs[c]);
+      }
     }
   };
   const int64_t block_bytes = s.block_size * s.head_dim * 2;
   const int64_t num_parts = (s.block_size + 1) / 2;  // a full block's token pairs
   auto weigh = [&](const at::BFloat16* block, int64_t start, int64_t num_tokens, const char* ahead) {
-    uint32_t weights[kRows];
+    uint32_t hi_pairs[kRows], lo_pairs[kRows];
     int64_t t = 0;
     for (; t + 2 <= num_tokens; t += 2) {
       prefetch_part(ahead, block_bytes, t / 2, num_parts);
-      for (int r = 0; r < kRows; ++r) std::memcpy(&weights[r], probs + r * n + start + t, 4);  // tokens t, t + 1
-      add_pair(block + t * s.head_dim, block + (t + 1) * s.head_dim, weights);
+      for (int r = 0; r < kRows; ++r) {  // tokens t, t + 1
+        std::memcpy(&hi_pairs[r], hi + r * n + start + t, 4);
+        std::memcpy(&lo_pairs[r], lo + r * n + start + t, 4);
+      }
+      add_pair(block + t * s.head_dim, block + (t + 1) * s.head_dim, hi_pairs, lo_pairs);
     }
     for (int64_t part = t / 2; part < num_parts; ++part) prefetch_part(ahead, block_bytes, part, num_parts);
     if (t < num_tokens) {
-      for (int r = 0; r < kRows; ++r) weights[r] = probs[r * n + start + t];  // with a 0 probability beside it
-      add_pair(block + t * s.head_dim, nullptr, weights);
+      for (int r = 0; r < kRows; ++r) {  // with a 0 probability beside it
+        hi_pairs[r] = hi[r * n + start + t];
+        lo_pairs[r] = lo[r * n + start + t];
+      }
+      add_pair(block + t * s.head_dim, nullptr, hi_pairs, lo_pairs);
     }
   };
   for_each_block<at::BFloat16, true>(v_cache, block_table, seq_len, s, weigh);
@@ -181,23 +194,24 @@ void weigh_pairs(const uint16_t* probs, int64_t n, const at::BFloat16* v_cache, 
   }
 }
 
-using WeighPairsFn = void (*)(const uint16_t*, int64_t, const at::BFloat16*, const int32_t*, int64_t, const TaskShape&,
-                              int64_t, float*);
+using WeighPairsFn = void (*)(const uint16_t*, const uint16_t*, int64_t, const at::BFloat16*, const int32_t*, int64_t,
+                              const TaskShape&, int64_t, float*);
 // [rows - 1][chunks - 1]: up to 4 rows by 64 dimensions (16 sums, 4 pairs and a weight in registers).
 constexpr WeighPairsFn kWeighPairs[4][2] = {{weigh_pairs<1, 1>, weigh_pairs<1, 2>}, {weigh_pairs<2, 1>, weigh_pairs<2, 2>},
                                             {weigh_pairs<3, 1>, weigh_pairs<3, 2>}, {weigh_pairs<4, 1>, weigh_pairs<4, 2>}};
 
-// acc[g] = sum over the window's keys i of probs[g * num_keys + i] * v[first_pos + i], for
+// acc[g] = sum over the window's keys i of (hi + lo)[g * num_keys + i] * v[first_pos + i], for
 // head_dim % 32 == 0: the group by up to 4 heads, the head by up to 64 dimensions, each part a
 // walk over the task's V blocks (a part after the first reads them from the core's cache).
-void weigh_rows_bf16(const uint16_t* probs, const at::BFloat16* v_cache, const int32_t* block_table, int64_t seq_len,
-                     const TaskShape& s, float* acc) {
+void weigh_rows_bf16(const uint16_t* hi, const uint16_t* lo, const at::BFloat16* v_cache, const int32_t* block_table,
+                     int64_t seq_len, const TaskShape& s, float* acc) {
   const int64_t n = num_keys(seq_len, s);
   for (int64_t g0 = 0; g0 < s.group; g0 += 4) {
     const int64_t rows = std::min<int64_t>(4, s.group - g0);
     for (int64_t d0 = 0; d0 < s.head_dim; d0 += 64) {
       const int64_t chunks = std::min<int64_t>(2, (s.head_dim - d0) / 32);
-      kWeighPairs[rows - 1][chunks - 1](probs + g0 * n, n, v_cache, block_table, seq_len, s, d0, acc + g0 * s.head_dim);
+      kWeighPairs[rows - 1][chunks - 1](hi + g0 * n, lo + g0 * n, n, v_cache, block_table, seq_len, s, d0,
+                                        acc + g0 * s.head_dim);
     }
   }
 }

@@ -82,7 +82,7 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
                  float* scores,  // [group, num_keys] scratch
                  float* acc,     // [group, head_dim] scratch
                  float* inv_sums,  // [group] scratch: 1 / each score row's sum of exps
-                 uint16_t* probs,  // [group, num_keys] scratch: the bf16 passes' probabilities
+                 uint16_t* probs,  // [2, group, num_keys] scratch: the bf16 passes' probabilities, in two parts
                  scalar_t* out) {  // [group, head_dim]
   const int64_t num_values = shape.group * shape.head_dim;
   for (int64_t i = 0; i < num_values; ++i) q_buf[i] = static_cast<float>(query[i]) * scale;
@@ -102,8 +102,9 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
         if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
           if (shape.head_dim % 32 == 0) {  // both passes on the bf16 dot product
             score_rows_bf16<group()>(query, scale, k_cache, block_table, seq_len, k_shape, scores);
-            exp_rows_bf16(scores, shape.group, num_keys(seq_len, shape), probs, inv_sums);
-            weigh_rows_bf16(probs, v_cache, block_table, seq_len, shape, acc);
+            const int64_t n = num_keys(seq_len, shape);
+            exp_rows_bf16(scores, shape.group, n, probs, probs + shape.group * n, inv_sums);
+            weigh_rows_bf16(probs, probs + shape.group * n, v_cache, block_table, seq_len, shape, acc);
             return;
           }
         }
@@ -200,7 +201,7 @@ torch::Tensor paged_decode_attention(
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     tokenloom_cpu::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> q_buf(group * head_dim), acc(group * head_dim), scores(group * max_keys), inv_sums(group);
-      std::vector<uint16_t> probs(kHasBf16Dot ? group * max_keys : 0);
+      std::vector<uint16_t> probs(kHasBf16Dot ? 2 * group * max_keys : 0);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t seq = task_seq(task), kv_head = task_head(task);
         const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;

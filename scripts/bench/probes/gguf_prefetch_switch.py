@@ -14,7 +14,9 @@ was among the fastest 30% (the host's fast moments). Below 1: the prefetch costs
 
 Shapes are the Llama-3.2-1B's decode matmuls in a Q4_K_M file (gate_up and most downs Q4_K, the
 other downs Q6_K), on bf16 activations as the engine gives them; with `--kernels slabs`, the bf16
-slabs' (small_batch_linear.cpp, which has the same switch) on SmolLM2-135M's shapes.
+slabs' (small_batch_linear.cpp, which has the same switch) on SmolLM2-135M's shapes; with
+`--kernels int8` or `int4`, the `--quantization` panels' (quantized/vnni_io.h's switch, one for
+both) on the 1B's shapes, from random weights.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from torch import nn
 from engine.cpu.extension import load_cpu_kernels
 from engine.cpu.gguf_extension import load_gguf_kernels
 from engine.cpu.gguf_linear import gather_blocks_on_huge_pages
+from engine.cpu.int4_linear import Int4Linear
+from engine.cpu.int8_linear import Int8Linear, gather_panels_on_huge_pages
 from engine.cpu.packing import PackedLinear, SlabPlan, gather_slabs_on_huge_pages
+from engine.cpu.quantized_plan import plan_quantization
 from scripts.bench.gguf_kernels import MIN_BYTES
 from scripts.bench.probes.gguf_builds_ab import SHAPES, random_layers
 from scripts.lib.bench_report import machine_info, run_and_report
@@ -87,12 +92,34 @@ def slab_layers(out_features: int, in_features: int) -> list:
     return list(layers)
 
 
+PANEL_SHAPES = {  # Llama-3.2-1B's: name: (out_features, in_features)
+    "qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+}
+
+
+def panel_layers(kind: str, out_features: int, in_features: int) -> tuple[list, int]:
+    """int8 or int4 panels of random weights, enough of them to pass MIN_BYTES, on huge pages;
+    and one layer's bytes (panels and scales)."""
+    plan = plan_quantization("cpu", True, kind)
+    linear = Int8Linear if kind == "int8" else Int4Linear
+    first = linear(torch.randn(out_features, in_features), None, plan)
+    weight_bytes = first.panels.nbytes + first.scales.nbytes
+    layers = nn.ModuleList([first] + [linear(torch.randn(out_features, in_features), None, plan)
+                                      for _ in range(max(1, -(-MIN_BYTES // weight_bytes) - 1))])
+    gather_panels_on_huge_pages(layers)
+    return list(layers), weight_bytes
+
+
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     shapes = {}
     for name in args.shapes.split(","):
-        if args.kernels == "slabs":
+        if args.kernels in ("int8", "int4"):
+            (out_features, in_features), type_name = PANEL_SHAPES[name], args.kernels
+            layers, weight_bytes = panel_layers(args.kernels, out_features, in_features)
+            set_prefetch = plan_quantization("cpu", True, args.kernels).kernels.set_one_token_prefetch
+        elif args.kernels == "slabs":
             (out_features, in_features), type_name = SLAB_SHAPES[name], "bf16"
             layers, set_prefetch = slab_layers(out_features, in_features), load_cpu_kernels().set_one_token_prefetch
             weight_bytes = 2 * out_features * in_features
@@ -115,15 +142,17 @@ def run(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", choices=("gguf", "slabs"), default="gguf")
+    parser.add_argument("--kernels", choices=("gguf", "slabs", "int8", "int4"), default="gguf")
     parser.add_argument("--shapes", default=None,
-                        help=f"comma-separated, of {', '.join(SHAPES)} (gguf) or {', '.join(SLAB_SHAPES)} (slabs)")
+                        help=f"comma-separated, of {', '.join(SHAPES)} (gguf), {', '.join(SLAB_SHAPES)} (slabs) "
+                             f"or {', '.join(PANEL_SHAPES)} (int8, int4)")
     parser.add_argument("--seconds", type=float, default=20.0, help="of pairs, per shape")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write the report here")
     args = parser.parse_args(argv)
     if args.shapes is None:
-        args.shapes = ",".join(SLAB_SHAPES if args.kernels == "slabs" else SHAPES)
+        args.shapes = ",".join({"slabs": SLAB_SHAPES, "int8": PANEL_SHAPES, "int4": PANEL_SHAPES}.get(args.kernels,
+                                                                                                    SHAPES))
     return args
 
 

@@ -94,6 +94,7 @@ template <int kRows, typename out_t>
 void panel_rows(Activations x, int64_t num_blocks, const uint32_t* panel, const at::Half* dm, const float* bias,
                 int64_t num_valid, out_t* out, int64_t out_stride) {
   const int64_t num_quads = num_blocks * kQuadsPerBlock;
+  const bool prefetch = tokenloom_vnni::prefetches(kRows);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   __m512 acc[kRows][2];
 #pragma GCC unroll 4
@@ -101,8 +102,10 @@ void panel_rows(Activations x, int64_t num_blocks, const uint32_t* panel, const 
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint32_t* w = panel + b * kWordsPerBlock * kPanel;
     const char* ahead = reinterpret_cast<const char*>(w + kPrefetchBlocks * kWordsPerBlock * kPanel);
+    if (prefetch) {
 #pragma GCC unroll 8
-    for (int line = 0; line < 8; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+      for (int line = 0; line < 8; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+    }
     const int64_t q0 = b * kQuadsPerBlock;
     // Low and high quads sum apart: a lone token's adds then form four chains, not two.
     __m512i lo_sums[kRows][2], hi_sums[kRows][2];

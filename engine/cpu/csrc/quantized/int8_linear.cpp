@@ -106,6 +106,7 @@ void panel_rows(Activations x, int64_t num_groups, const uint32_t* panel, const 
                 int64_t num_valid, out_t* out, int64_t out_stride) {
   constexpr int64_t kQuadsPerGroup = group / 4;
   const int64_t num_quads = num_groups * kQuadsPerGroup;
+  const bool prefetch = tokenloom_vnni::prefetches(kRows);
   __m512 acc[kRows][2];
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -120,10 +121,12 @@ void panel_rows(Activations x, int64_t num_groups, const uint32_t* panel, const 
       __m512i odd0 = _mm512_setzero_si512(), odd1 = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int64_t q = 0; q < kQuadsPerGroup; q += 2) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads) * kPanel), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads) * kPanel + 16), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads + 1) * kPanel), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads + 1) * kPanel + 16), _MM_HINT_T1);
+        if (prefetch) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads) * kPanel), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads) * kPanel + 16), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads + 1) * kPanel), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(w + (q + kPrefetchQuads + 1) * kPanel + 16), _MM_HINT_T1);
+        }
         const __m512i x0 = _mm512_set1_epi32(x.quads[q0 + q]), x1 = _mm512_set1_epi32(x.quads[q0 + q + 1]);
         sums[0][0] = _mm512_dpbusd_epi32(sums[0][0], _mm512_loadu_si512(w + q * kPanel), x0);
         sums[0][1] = _mm512_dpbusd_epi32(sums[0][1], _mm512_loadu_si512(w + q * kPanel + 16), x0);
@@ -346,6 +349,10 @@ void use_work_pool(int64_t address) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_work_pool", &use_work_pool, "share out on the decode steps' work pool at this address (work_pool.h)");
+  m.def("set_one_token_prefetch", [](bool on) { tokenloom_vnni::g_one_token_prefetch.store(on, std::memory_order_relaxed); },
+        "whether one-token calls of the int8 and int4 panels prefetch their weights in software (the host's choice)");
+  m.def("one_token_prefetch", [] { return tokenloom_vnni::g_one_token_prefetch.load(std::memory_order_relaxed); },
+        "the switch set_one_token_prefetch sets");
   m.def("has_int8_linear", &has_int8_linear, "whether this build has the int8 kernels (AVX512_VNNI)");
   m.def("group_size", &group_size, "inputs per scale, weights' and activations' alike (load-time quantization's)");
   m.def("quantize_activations", &quantize_activations, "symmetric int8 per (token, group of 64 or 32), with corrections (CPU)",

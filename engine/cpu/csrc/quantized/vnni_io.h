@@ -6,6 +6,7 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -16,6 +17,15 @@
 #endif
 
 namespace tokenloom_vnni {
+
+// Whether one-token calls take the panels' software prefetches (set_one_token_prefetch; the
+// host's choice, as the GGUF kernels' and the bf16 slabs' is: engine/cpu/prefetch_tuner.py).
+// Calls of more rows keep them.
+inline std::atomic<bool> g_one_token_prefetch{true};
+
+inline bool prefetches(int num_rows) {
+  return num_rows > 1 || g_one_token_prefetch.load(std::memory_order_relaxed);
+}
 
 inline bool has_vnni() {
 #ifdef TOKENLOOM_HAS_VNNI
