@@ -251,24 +251,12 @@ def test_torch_backend_fresh_prompts_attend_to_the_steps_own_keys_as_to_the_cach
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_ignores_stale_slots_past_the_context(dtype):
+@pytest.mark.parametrize("query_len, group, seed", [(19, 2, 5), (1, 4, 6)])  # a prefill, a decode
+def test_kernels_ignore_stale_slots_past_the_context(query_len, group, seed, dtype):
     # 19 tokens: the second block holds 3, then stale slots. A NaN there (any earlier
-    # request's leftovers) must not reach the output, not even as 0 * NaN.
-    query, k_cache, v_cache, metadata = make_batch([19], [19], 16, 2, 2, 64, dtype, seed=5)
-    expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
-    last_block = metadata.block_tables[0, 1]
-    k_cache[last_block, :, 3:] = float("nan")
-    v_cache[last_block, :, 3:] = float("nan")
-    out = attend(cpu_backend(k_cache), query, k_cache, v_cache, metadata, 0.125)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_ignores_stale_slots_past_the_context(dtype):
-    # 19 tokens, an odd count: the bf16 V pass pairs the last token with zeros, never with the
-    # stale slot after it (a NaN there, times a zero probability, would still be NaN).
-    query, k_cache, v_cache, metadata = make_batch([19], [1], 16, 2, 4, 64, dtype, seed=6)
+    # request's leftovers) must not reach the output, not even as 0 * NaN; the bf16 decode's V
+    # pass pairs the odd last token with zeros, never with the slot after it.
+    query, k_cache, v_cache, metadata = make_batch([19], [query_len], 16, 2, group, 64, dtype, seed=seed)
     expected = dense_reference(query, k_cache, v_cache, metadata, 0.125)
     last_block = metadata.block_tables[0, 1]
     k_cache[last_block, :, 3:] = float("nan")

@@ -11,6 +11,7 @@ import torch
 from engine.cpu.host import detect_cpu_features
 from engine.cpu.int4_linear import BLOCK, Int4Linear, dequantize_rows, pack_panels, quantize_weight
 from engine.cpu.quantized_plan import plan_quantization
+from tests.helpers.prefetch_switch import outputs_both_ways
 
 # With VNNI the kernel must build (a build failure fails here rather than skipping).
 PLAN = plan_quantization("cpu", True, "int4") if detect_cpu_features().has_avx512_vnni else None
@@ -144,18 +145,9 @@ def test_one_tokens_prefetch_switch_leaves_the_bits():
     (they keep their prefetch)."""
     generator = torch.Generator().manual_seed(6)
     linear = Int4Linear(torch.randn(1024, 512, generator=generator), None, PLAN)
-    kernels = PLAN.kernels
-    assert kernels.one_token_prefetch()
-    try:
-        for num_tokens in (1, 3):
-            x = torch.randn(num_tokens, 512, generator=generator).bfloat16()
-            outputs = []
-            for on in (True, False):
-                kernels.set_one_token_prefetch(on)
-                assert kernels.one_token_prefetch() == on
-                outputs.append(linear(x))
-            assert torch.equal(*outputs)
-    finally:
-        kernels.set_one_token_prefetch(True)
+    for num_tokens in (1, 3):
+        x = torch.randn(num_tokens, 512, generator=generator).bfloat16()
+        on, off = outputs_both_ways(PLAN.kernels, linear, x)
+        assert torch.equal(on, off)
     expected = reference(x, linear)
-    torch.testing.assert_close(outputs[0].double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    torch.testing.assert_close(on.double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

@@ -13,6 +13,7 @@ from ipc.engine_config import EngineConfig
 
 from engine.cpu.host import detect_cpu_features
 from engine.cpu.quantized_plan import check_quantization_supported, plan_quantization
+from tests.helpers.prefetch_switch import outputs_both_ways
 
 # Without VNNI the refusal and packing tests below still run; with it the kernel must build
 # (a build failure fails here rather than skipping the kernel's tests).
@@ -219,17 +220,8 @@ def test_one_tokens_prefetch_switch_leaves_the_bits():
     generator = torch.Generator().manual_seed(6)
     weight = torch.randn(1024, 512, generator=generator)
     linear = Int8Linear(weight, None, PLAN)
-    kernels = PLAN.kernels
-    assert kernels.one_token_prefetch()
-    try:
-        for num_tokens in (1, 3):
-            x = torch.randn(num_tokens, 512, generator=generator).bfloat16()
-            outputs = []
-            for on in (True, False):
-                kernels.set_one_token_prefetch(on)
-                assert kernels.one_token_prefetch() == on
-                outputs.append(linear(x))
-            assert torch.equal(*outputs)
-    finally:
-        kernels.set_one_token_prefetch(True)
-    torch.testing.assert_close(outputs[0].float(), dequantized_reference(x, weight), atol=1e-3, rtol=2**-8)
+    for num_tokens in (1, 3):
+        x = torch.randn(num_tokens, 512, generator=generator).bfloat16()
+        on, off = outputs_both_ways(PLAN.kernels, linear, x)
+        assert torch.equal(on, off)
+    torch.testing.assert_close(on.float(), dequantized_reference(x, weight), atol=1e-3, rtol=2**-8)
