@@ -1,6 +1,6 @@
 // The passes of paged_decode_attention.cpp's tasks on a bf16 cache, for CPUs with AVX512_BF16:
 // scores by the bf16 dot product (vdpbf16ps: 32 products a K row chunk, summed in fp32),
-// probabilities rounded to bf16, and the weighted V rows two tokens per vdpbf16ps. Included
+// probabilities in two bf16 parts, and the weighted V rows two tokens per vdpbf16ps. Included
 // there only, inside its anonymous namespace, after decode_attention_passes.h (the block walk).
 //
 // The V pass pairs tokens as the prefill tiles do (prefill_bf16_tiles.h): two tokens' values
@@ -141,7 +141,7 @@ inline __m512i pair_order_second() {
 template <int kRows, int kChunks>
 void weigh_pairs(const uint16_t* hi, const uint16_t* lo, int64_t n, const at::BFloat16* v_cache,
                  const int32_t* block_table, int64_t seq_len, const TaskShape& s, int64_t d0, float* acc) {
-  __m512 sums[kRows][2 * kChunks];  // [row][2 * chunk + lo/hi]
+  __m512 sums[kRows][2 * kChunks];  // [row][2 * chunk + (its unpacklo, its unpackhi)]
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < 2 * kChunks; ++c) sums[r][c] = _mm512_setzero_ps();
   }
