@@ -10,6 +10,7 @@ import torch
 
 from engine.cpu.gguf_extension import load_gguf_kernels
 from engine.cpu.gguf_linear import KERNEL_TYPE_NAMES, GgufLinear
+from tests.helpers.prefetch_switch import outputs_both_ways
 from tests.kernels.test_gguf_linear import make_blocks
 
 
@@ -27,10 +28,6 @@ def test_one_token_outputs_are_the_same_bits_with_and_without_the_prefetch(kerne
     linear = GgufLinear([(type_name, make_blocks(type_name, 43, in_features, seed=7))], in_features)  # 5 groups + 3 rows
     for num_tokens in (1, 2, 3):
         x = torch.randn(num_tokens, in_features, generator=torch.Generator().manual_seed(num_tokens)).bfloat16()
-        outputs = []
-        for on in (True, False):
-            kernels.set_one_token_prefetch(on)
-            assert kernels.one_token_prefetch() == on
-            outputs.append(linear(x))
+        outputs = outputs_both_ways(kernels, linear, x)
         assert torch.equal(*outputs), (type_name, num_tokens)
         assert outputs[0].abs().sum() > 0

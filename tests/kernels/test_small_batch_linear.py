@@ -8,6 +8,7 @@ from engine.cpu.host import CpuFeatures
 from engine.cpu.packing import (
     SMALL_BATCH_MAX_TOKENS, PackedLinear, gather_slabs_on_huge_pages, pack_slabs, plan_slabs,
 )
+from tests.helpers.prefetch_switch import outputs_both_ways
 
 try:
     from engine.cpu.extension import load_cpu_kernels
@@ -182,14 +183,6 @@ def test_one_tokens_prefetch_switch_leaves_the_bits():
     gen = torch.Generator().manual_seed(5)
     weight, x = torch.randn(4096, 512, generator=gen).bfloat16(), torch.randn(1, 512, generator=gen).bfloat16()
     slabs, no_bias = pack_slabs(weight), torch.empty(0, dtype=torch.bfloat16)
-    assert KERNELS.one_token_prefetch()
-    try:
-        outputs = []
-        for on in (True, False):
-            KERNELS.set_one_token_prefetch(on)
-            assert KERNELS.one_token_prefetch() == on
-            outputs.append(KERNELS.small_batch_linear(x, slabs, no_bias, True))
-    finally:
-        KERNELS.set_one_token_prefetch(True)
+    outputs = outputs_both_ways(KERNELS, lambda rows: KERNELS.small_batch_linear(rows, slabs, no_bias, True), x)
     assert torch.equal(*outputs)
     torch.testing.assert_close(outputs[0], reference(x, weight, None), atol=1e-4, rtol=1e-5)

@@ -98,32 +98,21 @@ void score_rows_bf16(const at::BFloat16* query, float scale, const at::BFloat16*
   for_each_block<at::BFloat16, true>(k_cache, block_table, seq_len, s, score);
 }
 
-// exp_rows with bf16 outputs: the exponentials e = exp(scores[g * width + i] - the row's max) as
-// two bf16 parts, hi[g * width + i] = e rounded to bf16 (to nearest even, as vcvtneps2bf16
-// does) and lo[...] = the rest rounded, e - hi; inv_sums[g] = 1 / the row's sum of e, in fp32.
-void exp_rows_bf16(const float* scores, int64_t group, int64_t width, uint16_t* hi, uint16_t* lo, float* inv_sums) {
-  for (int64_t g = 0; g < group; ++g) {
-    const float* s = scores + g * width;
-    const float max_score = tokenloom_cpu::row_max(s, width);
-    __m512 sums = _mm512_setzero_ps();
-    int64_t t = 0;
-    for (; t + 16 <= width; t += 16) {
-      const __m512 e = (Vec::loadu(s + t) - Vec(max_score)).exp_u20();
-      const __m256i e_hi = (__m256i)_mm512_cvtneps_pbh(e);
-      const __m512 rest = _mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e_hi), 16)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + g * width + t), e_hi);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + g * width + t), (__m256i)_mm512_cvtneps_pbh(rest));
-      sums = _mm512_add_ps(sums, e);
-    }
-    float sum = _mm512_reduce_add_ps(sums);
-    for (; t < width; ++t) {
-      const float e = std::exp(s[t] - max_score);
-      const c10::BFloat16 e_hi(e);  // round to nearest even
-      hi[g * width + t] = e_hi.x;
-      lo[g * width + t] = c10::BFloat16(e - static_cast<float>(e_hi)).x;
-      sum += e;
-    }
-    inv_sums[g] = 1.f / sum;
+// The exponentials exp_rows leaves in e[0 .. num_values) as two bf16 parts: hi = e rounded to
+// bf16 (to nearest even, as vcvtneps2bf16 does) and lo = the rest, e - hi, rounded.
+void split_bf16(const float* e, int64_t num_values, uint16_t* hi, uint16_t* lo) {
+  int64_t i = 0;
+  for (; i + 16 <= num_values; i += 16) {
+    const __m512 x = _mm512_loadu_ps(e + i);
+    const __m256i x_hi = (__m256i)_mm512_cvtneps_pbh(x);
+    const __m512 rest = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x_hi), 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), x_hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), (__m256i)_mm512_cvtneps_pbh(rest));
+  }
+  for (; i < num_values; ++i) {
+    const c10::BFloat16 x_hi(e[i]);  // round to nearest even
+    hi[i] = x_hi.x;
+    lo[i] = c10::BFloat16(e[i] - static_cast<float>(x_hi)).x;
   }
 }
 

@@ -103,7 +103,8 @@ void decode_task(const scalar_t* query,  // [group, head_dim] of this (sequence,
           if (shape.head_dim % 32 == 0) {  // both passes on the bf16 dot product
             score_rows_bf16<group()>(query, scale, k_cache, block_table, seq_len, k_shape, scores);
             const int64_t n = num_keys(seq_len, shape);
-            exp_rows_bf16(scores, shape.group, n, probs, probs + shape.group * n, inv_sums);
+            exp_rows(scores, shape.group, n, inv_sums);
+            split_bf16(scores, shape.group * n, probs, probs + shape.group * n);
             weigh_rows_bf16(probs, probs + shape.group * n, v_cache, block_table, seq_len, shape, acc);
             return;
           }
