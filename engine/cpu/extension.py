@@ -1,7 +1,7 @@
 """Builds and loads the C++ CPU kernels (sources in engine/cpu/csrc/*.cpp) once per machine.
 
 torch.utils.cpp_extension compiles them with the host compiler the first time
-(about 20 s) into <cache>/torch_extensions/<cpu key>-<source key>, and later
+(a minute or two) into <cache>/torch_extensions/<cpu key>-<source key>, and later
 processes only load the shared library. The code is compiled for the host's own
 instruction set (-march=native), so the folder is keyed by the CPU's model and
 flags: a cache shared with another kind of machine never hands it an incompatible
@@ -17,6 +17,11 @@ says so at its top with a pragma (fused_ops.cpp and apply_penalties.cpp turn FMA
 contraction off to give the torch code's exact bits). No file is built with
 -ffast-math: the kernels vectorize exp with ATen's own and reduce with explicit
 vectors or `omp simd` reductions, so nothing waits on the compiler to reassociate.
+
+No source includes <torch/extension.h>: it pulls in the whole C++ frontend (autograd, nn,
+optim), three times the parse of what the kernels use, in every translation unit. Kernels
+include <torch/types.h> (the tensor type and its factories), and the files that bind to
+Python add <torch/csrc/utils/pybind.h> (pybind11 with the tensor casters).
 """
 
 from __future__ import annotations

@@ -81,6 +81,14 @@ def test_sources_are_compiled_from_one_copy_whichever_checkout_asks(tmp_path):
     assert copies[0].read_bytes().endswith(b"// changed\n")
 
 
+def test_no_kernel_source_includes_the_whole_cpp_frontend():
+    """<torch/extension.h> tripled each translation unit's compile (engine/cpu/extension.py)."""
+    sources = sorted((REPO_ROOT / "engine" / "cpu" / "csrc").rglob("*.[ch]*"))
+    assert len(sources) > 20
+    offenders = [str(s.relative_to(REPO_ROOT)) for s in sources if "<torch/extension.h>" in s.read_text()]
+    assert not offenders, offenders
+
+
 def test_a_cache_reached_through_a_link_builds_in_the_same_place(tmp_path, monkeypatch):
     """The tests' throwaway caches link the real cache's torch_extensions: through the link, ninja
     must see the same paths, or it rebuilds every kernel (and again on the next plain start)."""

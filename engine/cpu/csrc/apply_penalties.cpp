@@ -6,7 +6,7 @@
 // give the same bits: no FMA contraction here.
 #pragma GCC optimize("fp-contract=off")
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>

@@ -5,7 +5,7 @@
 // Why a kernel: xgrammar's CPU apply visits every token one by one; a word that is all
 // ones (32 allowed tokens) is skipped here and one that is all zeros is a plain fill,
 // so a row costs about one pass of stores over its banned tokens.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>

@@ -21,7 +21,7 @@
 #include "vec_capability.h"
 #include "vec_reduce.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

@@ -1,7 +1,8 @@
 // The Python module `tokenloom_cpu_kernels`: one binding per kernel, declared here
 // so each kernel file holds only its kernel (engine/cpu/extension.py builds
 // every file in engine/cpu/csrc/ into this one module).
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 // paged_decode_attention.cpp
 torch::Tensor paged_decode_attention(

@@ -18,7 +18,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include "share_out.h"  // tokenloom_cpu::parallel_for: a decode step's work pool
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -16,7 +16,7 @@
 #include "share_out.h"
 
 #include <ATen/ATen.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstdint>

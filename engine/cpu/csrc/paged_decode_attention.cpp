@@ -31,7 +31,7 @@
 #include "vec_reduce.h"
 #include "share_out.h"  // tokenloom_cpu::parallel_for: a decode step's work pool
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

@@ -20,7 +20,7 @@
 // is rounded to bf16 once, or left in fp32 (logits).
 #include "share_out.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -9,7 +9,7 @@
 #include "gguf_dot_x8.h"  // kGroupTokens, the tiles interleave_token lays out
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cstdint>

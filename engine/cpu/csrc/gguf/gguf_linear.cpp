@@ -22,7 +22,8 @@
 #include "gguf_types.h"
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <atomic>

@@ -4,7 +4,7 @@
 // In numpy the packs were most of a 1B file's load (docs/cpu-kernels.md has the rates).
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 

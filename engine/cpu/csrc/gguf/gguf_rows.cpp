@@ -6,7 +6,7 @@
 
 #include "gguf_types.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 

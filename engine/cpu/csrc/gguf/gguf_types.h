@@ -8,7 +8,7 @@
 #include "gguf_dot_q6_k_x8.h"
 #include "gguf_dot_q4_1_x8.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 namespace tokenloom_gguf {
 

@@ -3,7 +3,7 @@
 // takes a dozen torch ops for the one row a decode step looks up. Same values, bit for bit:
 // int8 q * scale is one rounding; int4 d * q is exact in fp32 (an 11-bit by 4-bit product), so
 // d * q + m rounds once, fused or not.
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 

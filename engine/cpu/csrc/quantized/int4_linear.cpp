@@ -23,7 +23,7 @@
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 #include "vnni_io.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

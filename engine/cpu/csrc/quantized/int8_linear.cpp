@@ -30,7 +30,8 @@
 #include "share_out.h"  // from engine/cpu/csrc/, copied beside this file for the build
 #include "vnni_io.h"
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -4,7 +4,7 @@
 // scratch their quantized activations go to.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <atomic>
 #include <cstdint>
