@@ -6,8 +6,10 @@
 It starts `frontend.cli serve --model M` on a free loopback port, the frontend and its engine
 core each run under scripts/tools/trace_files.py (the core through --engine-command), and:
 
-    1. one warm-up request: a streamed chat completion (max_tokens --max-tokens), so that what a
-       server does once, on its first request, is not counted;
+    1. warm-up: a streamed chat completion (max_tokens --max-tokens), so that what a server does
+       once, on its first request, is not counted; then one asking for JSON, which waits for the
+       grammar compiler the core builds on a thread at start (engine.structured_output.compiler),
+       so that build cannot run into the measured request however long it takes;
     2. SIGUSR1 to both processes: each forgets the files it ran so far (start-up, the warm-up);
     3. the measured request: another streamed chat completion, another question, read to [DONE];
     4. SIGUSR2 to both: each writes the files whose functions ran since step 2.
@@ -109,10 +111,10 @@ def served_model(url: str) -> str:
         return json.load(response)["data"][0]["id"]
 
 
-def streamed_chat(url: str, model: str, question: str, max_tokens: int) -> str:
-    """One streamed chat completion, read to [DONE]; returns its text."""
+def streamed_chat(url: str, model: str, question: str, max_tokens: int, extra: dict | None = None) -> str:
+    """One streamed chat completion (with `extra` fields), read to [DONE]; returns its text."""
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True}
+            "temperature": 0.0, "stream": True, **(extra or {})}
     request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     parts, is_done = [], False
@@ -147,6 +149,7 @@ def measure(args: argparse.Namespace) -> dict:
         pids["engine_core"] = cores[0]
         model = served_model(url)
         streamed_chat(url, model, WARMUP_QUESTION, args.max_tokens)
+        streamed_chat(url, model, WARMUP_QUESTION, args.max_tokens, {"response_format": {"type": "json_object"}})
         signal_and_wait(list(pids.values()), signal.SIGUSR1, "cleared", trace_path)
         text = streamed_chat(url, model, MEASURED_QUESTION, args.max_tokens)
         time.sleep(args.settle_s)  # the core's last step may still be finishing after the frontend's [DONE]
